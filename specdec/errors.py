@@ -1,0 +1,61 @@
+"""The error vocabulary of specdec.
+
+Every failure the engines and the algorithm can report is one of these classes. Servicers map
+them to gRPC status codes in exactly one place (``STATUS_OF`` names the code for each class), so
+the algorithm never imports gRPC and a client always gets a status that names the problem.
+"""
+from __future__ import annotations
+
+
+class SpecdecError(Exception):
+    """Base class. ``code`` is the gRPC status name a servicer should answer with."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgumentError(SpecdecError, ValueError):
+    """A request field is out of range or malformed; ``field`` names it."""
+
+    code = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class MalformedProposalError(InvalidArgumentError):
+    """A draft block (tokens + shipped q) that fails validation (design.md §3)."""
+
+
+class NonFiniteLogitsError(SpecdecError, ArithmeticError):
+    """A model produced NaN or +inf logits; no distribution can be formed from them."""
+
+    code = "INTERNAL"
+
+
+class ResourceExhaustedError(SpecdecError):
+    """Capacity: too many sessions, or a KV-cache byte cap would be exceeded."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class SessionNotFoundError(SpecdecError, KeyError):
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "session not found"
+
+
+class StaleStepError(SpecdecError):
+    """A commit/propose/verify whose step number or base length does not follow the session's
+    state: stale, duplicated with different content, or out of order. Refused, never applied."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class SessionExistsError(SpecdecError):
+    code = "ALREADY_EXISTS"
+
+
+class ModelLoadError(SpecdecError):
+    code = "NOT_FOUND"

@@ -1,0 +1,147 @@
+"""The exact verifier, split the way the system is (design.md §2).
+
+Target side (:func:`target_verify`): from the dense target rows p_1..p_{k+1} and the shipped
+sparse q_1..q_k, return p_i(y_i), a recovered draw r_i ~ normalize(max(0, p_i - q_i)) at every
+position, and the bonus draw b ~ p_{k+1}. Dense p never leaves the target.
+
+Coordinator side (:func:`decide`): with its own uniforms u_i, accept y_i while
+u_i * q_i(y_i) < p_i(y_i). First rejection at j: emit y_1..y_{j-1}, r_j. All accepted: emit
+y_1..y_k, b.
+
+Why pre-drawing r_i everywhere is exact: r_j is drawn with its own key (seed, position,
+RECOVERED), independent of the acceptance uniforms, so conditioned on "first rejection at j" it
+still has the residual law, and the Leviathan/Chen argument applies position by position.
+
+Greedy (temperature 0) is not a separate algorithm: p and q are one-hot, so acceptance is
+"y_i == argmax p_i" and the residual is the one-hot of argmax p_i.
+
+Shapes: k proposals; ``p_rows`` is [k + 1, V]; absolute position of proposal i (0-based) is
+``first_position + i`` and of the bonus ``first_position + k``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .rng import Purpose, uniform
+from .sparse import SparseDist, sample_dense, validate_sparse
+
+
+@dataclass(frozen=True)
+class TargetVerdict:
+    """What the target returns for one block: O(k) numbers, never a dense row."""
+
+    p_proposed: list[float]  # p_i(y_i), i = 1..k
+    recovered: list[int]  # r_i, i = 1..k
+    bonus: int  # b ~ p_{k+1}
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    num_accepted: int  # proposals accepted before the first rejection (== k if none)
+    tokens: list[int]  # accepted proposals + exactly one recovered-or-bonus token
+    rejected_at: int | None = None  # 0-based index of the first rejection, None if all accepted
+
+
+def residual(p: torch.Tensor, q_dense: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q) in float64 (not normalised)."""
+    return torch.clamp(p.to(torch.float64) - q_dense.to(torch.float64), min=0.0)
+
+
+def recovered_draw(p: torch.Tensor, q: SparseDist, u: float) -> int:
+    """r ~ normalize(max(0, p - q)) with uniform u.
+
+    If the residual has no mass (p <= q everywhere, i.e. p == q up to rounding) a rejection is
+    only reachable through float rounding; we then draw from p itself, the law the step must have.
+    """
+    res = residual(p, q.to_dense(p.shape[-1]))
+    if not res.sum() > 0:
+        res = p.to(torch.float64)
+    return sample_dense(res, u)
+
+
+def target_verify(
+    p_rows: torch.Tensor,
+    proposals: Sequence[int],
+    q_block: Sequence[SparseDist],
+    seed: int,
+    first_position: int,
+) -> TargetVerdict:
+    """Target side of one step. ``q_block`` must already be validated (see ``validate_block``)."""
+    k = len(proposals)
+    if p_rows.shape[0] != k + 1 or len(q_block) != k:
+        raise ValueError(f"need k + 1 = {k + 1} target rows and k q's, got {p_rows.shape[0]} and {len(q_block)}")
+    p_proposed = [float(p_rows[i, y]) for i, y in enumerate(proposals)]
+    recovered = [
+        recovered_draw(p_rows[i], q_block[i], uniform(seed, first_position + i, Purpose.RECOVERED))
+        for i in range(k)
+    ]
+    bonus = sample_dense(p_rows[k], uniform(seed, first_position + k, Purpose.BONUS))
+    return TargetVerdict(p_proposed, recovered, bonus)
+
+
+def validate_block(proposals: Sequence[int], q_block: Sequence[SparseDist], vocab_size: int) -> None:
+    """Every shipped q must be well formed and contain its proposal (design.md §3)."""
+    from .errors import MalformedProposalError
+
+    if len(proposals) != len(q_block):
+        raise MalformedProposalError("q", f"{len(proposals)} proposals but {len(q_block)} distributions")
+    for i, (y, q) in enumerate(zip(proposals, q_block)):
+        if not 0 <= y < vocab_size:
+            raise MalformedProposalError("proposals", f"token {y} at index {i} is outside the vocabulary")
+        try:
+            validate_sparse(q, proposal=y, vocab_size=vocab_size)
+        except MalformedProposalError as exc:
+            raise MalformedProposalError(f"q[{i}]", str(exc).split(": ", 1)[-1]) from None
+
+
+def decide(
+    proposals: Sequence[int],
+    q_proposed: Sequence[float],
+    verdict: TargetVerdict,
+    seed: int,
+    first_position: int,
+) -> StepDecision:
+    """Coordinator side of one step: the accepted count and the emitted tokens.
+
+    ``q_proposed[i]`` is q_i(y_i) read from the shipped q (> 0 for a valid block).
+    """
+    for i, y in enumerate(proposals):
+        u = uniform(seed, first_position + i, Purpose.ACCEPT)
+        if not u * q_proposed[i] < verdict.p_proposed[i]:
+            return StepDecision(i, list(proposals[:i]) + [verdict.recovered[i]], rejected_at=i)
+    return StepDecision(len(proposals), list(proposals) + [verdict.bonus])
+
+
+@dataclass
+class StepStats:
+    """Running speculation statistics of one request (names as in the public API)."""
+
+    target_passes: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    draft_fallbacks: int = 0
+
+    def record(self, decision: StepDecision, num_proposed: int) -> None:
+        self.target_passes += 1
+        self.proposed_tokens += num_proposed
+        self.accepted_tokens += decision.num_accepted
+        if len(self.accepted_per_position) < num_proposed:
+            self.accepted_per_position.extend([0] * (num_proposed - len(self.accepted_per_position)))
+        for i in range(decision.num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target pass, counting the recovered/bonus token (vLLM's count)."""
+        return (self.accepted_tokens + self.target_passes) / self.target_passes if self.target_passes else 0.0

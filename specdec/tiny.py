@@ -63,3 +63,18 @@ def word_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def perturbed(model, scale: float = 0.5, seed: int = 0):
+    """A copy of ``model`` with seeded Gaussian noise (``scale`` x each tensor's std) added to
+    every weight: a draft that agrees with the target often but not always, so both the accept
+    and the reject paths are exercised."""
+    import copy
+
+    clone = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in clone.parameters():
+            std = float(param.std()) if param.numel() > 1 else 0.0
+            param.add_(torch.randn(param.shape, generator=generator) * std * scale)
+    return clone

@@ -50,6 +50,32 @@ def residual(p: torch.Tensor, q_dense: torch.Tensor) -> torch.Tensor:
     return torch.clamp(p.to(torch.float64) - q_dense.to(torch.float64), min=0.0)
 
 
+@dataclass(frozen=True)
+class EmissionLaw:
+    """One position's exact bookkeeping (primer §5), for a dense target p and draft q."""
+
+    accepted_mass: list[float]  # q(x) * min(1, p(x)/q(x)) = min(p(x), q(x))
+    residual_mass: list[float]  # max(0, p(x) - q(x))
+    reject_probability: float  # sum of the residual mass
+    corrected: list[float] | None  # the residual normalised; None when rejection is impossible
+
+    @property
+    def emitted(self) -> list[float]:
+        """Accepted mass plus residual mass: equals p, which is the whole point."""
+        return [a + r for a, r in zip(self.accepted_mass, self.residual_mass)]
+
+
+def emission_law(p: Sequence[float], q: Sequence[float]) -> EmissionLaw:
+    """Where the emitted token's probability comes from. Never divides by q (q may be 0)."""
+    if len(p) != len(q):
+        raise ValueError("p and q must have the same length")
+    accepted = [min(pi, qi) for pi, qi in zip(p, q)]
+    res = [max(0.0, pi - qi) for pi, qi in zip(p, q)]
+    total = sum(res)
+    corrected = [r / total for r in res] if total > 0 else None
+    return EmissionLaw(accepted, res, total, corrected)
+
+
 def recovered_draw(p: torch.Tensor, q: SparseDist, u: float) -> int:
     """r ~ normalize(max(0, p - q)) with uniform u.
 

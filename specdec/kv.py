@@ -143,6 +143,7 @@ class SessionStore:
                 "prompt", f"{len(prompt)} tokens leave no room in the model context of {self.context_length}"
             )
         params.validate_for_vocab(self.vocab_size)
+        self._check_capacity()
         self._check_bytes(None, len(prompt))
         from transformers import DynamicCache
 
@@ -157,10 +158,7 @@ class SessionStore:
         with self._table_lock:
             if session_id in self._sessions:
                 raise SessionExistsError(f"{self.name}: session {session_id!r} already exists")
-            if len(self._sessions) >= self.limits.max_sessions:
-                raise ResourceExhaustedError(
-                    f"{self.name}: {len(self._sessions)} live sessions, the cap is {self.limits.max_sessions}"
-                )
+            self._check_capacity()
             self._sessions[session_id] = session
         return session
 
@@ -182,6 +180,12 @@ class SessionStore:
         return [sid for sid in stale if self.release(sid)]
 
     # -- caps ---------------------------------------------------------------------------------
+    def _check_capacity(self) -> None:
+        if len(self._sessions) >= self.limits.max_sessions:
+            raise ResourceExhaustedError(
+                f"{self.name}: {len(self._sessions)} live sessions, the cap is {self.limits.max_sessions}"
+            )
+
     def _check_bytes(self, session: Session | None, tokens_after: int) -> None:
         projected = tokens_after * self.bytes_per_token
         limits = self.limits

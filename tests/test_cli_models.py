@@ -1,0 +1,63 @@
+"""Loading models from disk (HF directories, errors) and the in-process `specdec run` demo."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.errors import ModelLoadError
+from specdec.models import load_model, load_tokenizer, resolve
+from specdec.tiny import tiny_llama, word_tokenizer
+
+SPECDEC = str(Path(sys.executable).with_name("specdec"))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    for name, seed, hidden in (("target", 1, 32), ("draft", 2, 16)):
+        tiny_llama(24, seed=seed, hidden_size=hidden).save_pretrained(root / name)
+        word_tokenizer(24).save_pretrained(root / name)
+    return root
+
+
+def test_resolve_errors_are_clear(tmp_path):
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        resolve(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve(str(tmp_path))
+    (tmp_path / "weights.bin").write_text("x")
+    with pytest.raises(ModelLoadError, match="neither"):
+        resolve(str(tmp_path / "weights.bin"))
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        load_model("no-such-org/no-such-model", "cpu", quiet=True)
+
+
+def test_default_target_resolves_to_the_shipped_gguf():
+    source = resolve("smollm2")
+    assert source.gguf_file and source.gguf_file.endswith(".gguf")
+    assert Path(source.location, source.gguf_file).is_file()
+
+
+def test_load_from_hf_directory(model_dirs):
+    model = load_model(str(model_dirs / "target"), "cpu", quiet=True)
+    assert model.config.vocab_size == 24 and not model.training
+    assert load_tokenizer(str(model_dirs / "target")).decode([1, 2]) == "w1 w2"
+
+
+def test_specdec_run_streams_an_answer_with_stats(model_dirs):
+    proc = subprocess.run(
+        [SPECDEC, "run", "w1 w2 w3 w1 w2", "--target-model", str(model_dirs / "target"),
+         "--draft-model", str(model_dirs / "draft"), "-k", "3", "--max-new-tokens", "12", "--seed", "5"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "acceptance rate" in proc.stdout and "target passes" in proc.stdout
+    assert "seed=5" in proc.stdout and "12 tokens" in proc.stdout
+
+
+def test_specdec_run_reports_a_missing_model_without_a_traceback(tmp_path):
+    proc = subprocess.run([SPECDEC, "run", "hi", "--target-model", str(tmp_path / "nope.gguf")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "GGUF file not found" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,125 @@
+"""The transform pipeline: each transform's semantics, validation, degenerate inputs."""
+import math
+
+import pytest
+import torch
+
+from specdec.errors import InvalidArgumentError, NonFiniteLogitsError
+from specdec.sampling import SamplingParams, block_token_counts, probs_from_logits, token_counts
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
+
+
+def probs(params, logits=LOGITS, counts=None):
+    return probs_from_logits(logits, SamplingParams(**params), counts)
+
+
+def test_plain_softmax_in_float32_sums_to_one():
+    p = probs({})
+    assert p.dtype == torch.float32
+    assert torch.allclose(p, torch.softmax(LOGITS, -1))
+
+
+def test_temperature_scales_logits():
+    assert torch.allclose(probs({"temperature": 0.5}), torch.softmax(LOGITS / 0.5, -1))
+
+
+def test_top_k_keeps_the_k_largest_and_ties_at_the_boundary():
+    p = probs({"top_k": 2})
+    assert (p > 0).nonzero().flatten().tolist() == [0, 5]
+    tied = torch.tensor([1.0, 2.0, 2.0, 2.0, 0.0])
+    assert (probs({"top_k": 2}, tied) > 0).nonzero().flatten().tolist() == [1, 2, 3]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    full = torch.softmax(LOGITS, -1)  # order by prob: 5, 0, 1, 2, 3, 4
+    p = probs({"top_p": 0.8})
+    kept = (p > 0).nonzero().flatten().tolist()
+    sorted_mass = full.sort(descending=True).values.cumsum(0)
+    need = int((sorted_mass < 0.8).sum()) + 1
+    assert len(kept) == need and set(kept) == set(full.argsort(descending=True)[:need].tolist())
+    assert torch.allclose(p[kept], full[kept] / full[kept].sum())
+
+
+def test_min_p_keeps_tokens_above_fraction_of_max():
+    full = torch.softmax(LOGITS, -1)
+    p = probs({"min_p": 0.2})
+    assert torch.equal(p > 0, full >= 0.2 * full.max())
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    counts = token_counts([0, 4], 6)
+    p = probs({"repetition_penalty": 2.0}, counts=counts)
+    expected = LOGITS.clone()
+    expected[0] = 2.0 / 2.0
+    expected[4] = -1.0 * 2.0
+    assert torch.allclose(p, torch.softmax(expected, -1))
+
+
+def test_presence_and_frequency_penalties():
+    counts = token_counts([1, 1, 2], 6)
+    p = probs({"presence_penalty": 0.5, "frequency_penalty": 0.25}, counts=counts)
+    expected = LOGITS - 0.5 * (counts > 0).float() - 0.25 * counts
+    assert torch.allclose(p, torch.softmax(expected, -1))
+
+
+def test_logit_bias():
+    p = probs({"logit_bias": {3: 10.0}})
+    expected = LOGITS.clone()
+    expected[3] += 10.0
+    assert torch.allclose(p, torch.softmax(expected, -1))
+
+
+def test_block_counts_are_position_wise():
+    base = token_counts([1], 4)
+    counts = block_token_counts(base, [2, 2, 3])
+    assert counts.tolist() == [
+        [0, 1, 0, 0],
+        [0, 1, 1, 0],
+        [0, 1, 2, 0],
+        [0, 1, 2, 1],
+    ]
+
+
+def test_greedy_is_one_hot_with_ties_to_lowest_id():
+    p = probs({"temperature": 0.0}, torch.tensor([1.0, 3.0, 3.0, 2.0]))
+    assert p.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_tiny_temperature_is_stable_and_nearly_one_hot():
+    p = probs({"temperature": 1e-4})
+    assert torch.isfinite(p).all()
+    assert p[5] == pytest.approx(1.0, abs=1e-6)
+    assert p.sum() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_neg_inf_logits_are_impossible_tokens_not_errors():
+    logits = torch.tensor([0.0, -math.inf, 1.0])
+    assert probs({}, logits)[1] == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_logits_raise_a_clear_error(bad):
+    with pytest.raises(NonFiniteLogitsError, match="NaN or \\+inf"):
+        probs({}, torch.tensor([0.0, bad, 1.0]))
+    with pytest.raises(NonFiniteLogitsError, match="empty"):
+        probs({}, torch.full((3,), -math.inf))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1), ("temperature", float("nan")), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
+        ("min_p", 1.0), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
+        ("seed", -1), ("seed", 2**64), ("max_new_tokens", 0), ("stop", ("",)), ("logit_bias", {-1: 1.0}),
+    ],
+)
+def test_invalid_params_name_the_field(field, value):
+    with pytest.raises(InvalidArgumentError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.field.startswith(field)
+
+
+def test_logit_bias_outside_vocab_is_refused():
+    with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+        SamplingParams(logit_bias={10: 1.0}).validate_for_vocab(10)

@@ -182,7 +182,7 @@ def hf_greedy(model, prompt, n, **kw):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
 @pytest.mark.parametrize("draft_kind", ["close", "random", "ngram"])
 def test_greedy_equals_transformers_generate(target_model, draft_model, other_draft_model, target, k, draft_kind):
     draft = {"close": lambda: DraftEngine(draft_model), "random": lambda: DraftEngine(other_draft_model),

@@ -9,10 +9,11 @@ step is a plain target step.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from specdec.errors import InvalidArgumentError, SessionExistsError, SessionNotFoundError
+from specdec.errors import InvalidArgumentError, ResourceExhaustedError, SessionExistsError, SessionNotFoundError
 from specdec.kv import Commit
 from specdec.errors import StaleStepError
 from specdec.proposal import DraftProposal
@@ -37,6 +38,7 @@ def ngram_lookup(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) 
 @dataclass
 class _NgramSession:
     tokens: list[int]
+    last_used: float = field(default_factory=time.monotonic)
     committed_step: int = 0
     last_commit: Commit | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -57,7 +59,9 @@ class NgramDraft:
 
     def _get(self, session_id: str) -> _NgramSession:
         try:
-            return self._sessions[session_id]
+            session = self._sessions[session_id]
+            session.last_used = time.monotonic()
+            return session
         except KeyError:
             raise SessionNotFoundError(f"ngram draft: unknown session {session_id!r}") from None
 
@@ -67,6 +71,8 @@ class NgramDraft:
         with self._lock:
             if session_id in self._sessions:
                 raise SessionExistsError(f"ngram draft: session {session_id!r} already exists")
+            if len(self._sessions) >= self.max_sessions:
+                raise ResourceExhaustedError(f"ngram draft: {len(self._sessions)} live sessions, the cap is {self.max_sessions}")
             self._sessions[session_id] = _NgramSession([int(t) for t in prompt])
 
     def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
@@ -100,6 +106,11 @@ class NgramDraft:
     def release(self, session_id: str) -> bool:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
+
+    def expire_idle(self, ttl_seconds: float) -> list[str]:
+        now = time.monotonic()
+        stale = [sid for sid, s in list(self._sessions.items()) if now - s.last_used > ttl_seconds]
+        return [sid for sid in stale if self.release(sid)]
 
     def stats(self) -> dict:
         return {"live_sessions": len(self._sessions), "kv_bytes": 0}

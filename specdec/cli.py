@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import time
@@ -52,7 +53,7 @@ def cmd_run(args) -> int:
     from draft_service.ngram import NgramDraft
     from target_service.engine import TargetEngine
 
-    from .generate import SpeculativeRun
+    from .generate import LocalDraft, LocalTarget, SpeculativeRun, TextStream
     from .models import eos_token_ids, load_model, load_tokenizer, parse_dtype
 
     device = args.device or ("cuda" if _cuda() else "cpu")
@@ -66,20 +67,22 @@ def cmd_run(args) -> int:
         draft = DraftEngine(load_model(args.draft_model, device, dtype))
     params = sampling_from_args(args)
     prompt_ids = encode_prompt(tokenizer, args.prompt)
-    run = SpeculativeRun(target, draft, prompt_ids, params, args.num_speculative_tokens,
+    run = SpeculativeRun(LocalTarget(target), LocalDraft(draft), prompt_ids, params, args.num_speculative_tokens,
                          eos_token_ids(target_model, tokenizer), tokenizer)
     print(f"\n> {args.prompt}\n", flush=True)
-    shown = ""
+    stream = TextStream()
     started = time.perf_counter()
     first_token_at = None
-    for _ in run.steps():
-        if first_token_at is None:
-            first_token_at = time.perf_counter() - started
-        text = run.stopper.text()
-        if text.startswith(shown):
-            sys.stdout.write(text[len(shown):])
+
+    async def consume():
+        nonlocal first_token_at
+        async for _ in run.steps():
+            if first_token_at is None:
+                first_token_at = time.perf_counter() - started
+            sys.stdout.write(stream.delta(run.stopper.text(), final=run.stopper.finished))
             sys.stdout.flush()
-            shown = text
+
+    asyncio.run(consume())
     result = run.result()
     elapsed = time.perf_counter() - started
     s = result.stats

@@ -1,28 +1,35 @@
-"""The speculative loop, in process, over a draft engine and a target engine.
+"""The speculative loop: one implementation, used in process and by the coordinator service.
 
 One step (design.md §2): propose (draft) -> verify (target, one pass) -> decide (here, with our
 own uniforms) -> stop conditions -> commit to both (riding on the next propose/verify, applied
-before anything is computed). The coordinator service runs the same step over gRPC; the pure parts
-(``decide``, ``StopChecker``, ``StepStats``) are shared, not copied.
+before anything is computed). The loop talks to its peers through two small async interfaces,
+:class:`DraftPeer` and :class:`TargetPeer`: in process they wrap the engines
+(:class:`LocalDraft`, :class:`LocalTarget`); in the coordinator they are gRPC clients.
+
+The draft is an optimization: any failure of it (error, timeout, malformed block) drops it for
+the rest of the request and the loop continues with target-only steps; the output law is the
+target's either way. Target failures propagate: without the target there is no answer.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import AsyncIterator, Protocol, Sequence
 
-from .errors import MalformedProposalError, SpecdecError
+from .errors import InvalidArgumentError, MalformedProposalError
 from .kv import Commit
 from .proposal import DraftProposal
 from .rng import new_seed
 from .sampling import SamplingParams
-from .verify import StepStats, decide
+from .verify import StepStats, TargetVerdict, decide
 
 log = logging.getLogger("specdec.generate")
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
+EMPTY = DraftProposal([], [])
 
 
 class StopChecker:
@@ -79,12 +86,72 @@ class StopChecker:
         return text[: self._stop_at] if self._stop_at is not None else text
 
 
-class Drafter(Protocol):
-    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None: ...
-    def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal: ...
-    def release(self, session_id: str) -> bool: ...
+class TextStream:
+    """Turns the growing decoded text into deltas whose concatenation is the final text. Holds
+    back a trailing U+FFFD (half of a multi-byte character) until the next token completes it."""
+
+    def __init__(self) -> None:
+        self.sent = ""
+
+    def delta(self, text: str, final: bool) -> str:
+        if not final:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.sent):
+            return ""  # decoding of earlier tokens changed; send the rest when it settles
+        out, self.sent = text[len(self.sent):], text
+        return out
 
 
+# -- peers -----------------------------------------------------------------------------------
+class DraftPeer(Protocol):
+    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None: ...
+    async def propose(self, session_id: str, step: int, k: int, commit: Commit | None) -> DraftProposal: ...
+    async def release(self, session_id: str) -> None: ...
+
+
+class TargetPeer(Protocol):
+    context_length: int
+
+    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None: ...
+    async def verify(self, session_id: str, step: int, proposal: DraftProposal,
+                     commit: Commit | None) -> TargetVerdict: ...
+    async def release(self, session_id: str) -> None: ...
+
+
+class LocalDraft:
+    """A draft engine in this process (engine calls run inline; ``await`` lets sessions interleave)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def start(self, session_id, prompt, params):
+        self.engine.prefill(session_id, prompt, params)
+
+    async def propose(self, session_id, step, k, commit):
+        await asyncio.sleep(0)
+        return self.engine.propose(session_id, step, k, commit)
+
+    async def release(self, session_id):
+        self.engine.release(session_id)
+
+
+class LocalTarget:
+    def __init__(self, engine):
+        self.engine = engine
+        self.context_length = engine.context_length
+
+    async def start(self, session_id, prompt, params):
+        self.engine.prefill(session_id, prompt, params)
+
+    async def verify(self, session_id, step, proposal, commit):
+        await asyncio.sleep(0)
+        return self.engine.verify(session_id, step, proposal.tokens, proposal.q, commit)
+
+    async def release(self, session_id):
+        self.engine.release(session_id)
+
+
+# -- the loop --------------------------------------------------------------------------------
 @dataclass
 class GenerationResult:
     token_ids: list[int]
@@ -95,15 +162,13 @@ class GenerationResult:
 
 
 class SpeculativeRun:
-    """One request through the loop. Iterate :meth:`steps` for the tokens committed by each step
-    (what a server streams), then read :meth:`result`."""
+    """One request through the loop. ``async for tokens in run.steps()`` yields the tokens
+    committed by each step (what a server streams); then read :meth:`result`."""
 
-    def __init__(self, target, draft: Drafter | None, prompt: Sequence[int], params: SamplingParams,
+    def __init__(self, target: TargetPeer, draft: DraftPeer | None, prompt: Sequence[int], params: SamplingParams,
                  num_speculative_tokens: int, eos_token_ids: Sequence[int] = (), tokenizer=None,
                  session_id: str | None = None):
         if num_speculative_tokens < 0:
-            from .errors import InvalidArgumentError
-
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
         self.seed = params.seed if params.seed is not None else new_seed()
         self.params = params.with_seed(self.seed)
@@ -114,71 +179,81 @@ class SpeculativeRun:
         self.session_id = session_id or uuid.uuid4().hex
         self.stopper = StopChecker(self.params, eos_token_ids, tokenizer)
         self.stats = StepStats()
+        self.step = 0
+        self.sequence = list(self.prompt)  # prompt + committed tokens
+        self.last_decision = None
 
-    def _drop_draft(self, why: str) -> None:
-        # The draft is an optimization: trouble with it never fails or changes the request.
-        log.warning("session %s: draft disabled (%s); continuing with target-only steps", self.session_id, why)
+    async def _drop_draft(self, why: str) -> None:
+        log.warning("session %s: draft dropped (%s); continuing with target-only steps", self.session_id, why)
         self.stats.draft_fallbacks += 1
         draft, self.draft = self.draft, None
         try:
-            draft.release(self.session_id)
-        except Exception:  # noqa: BLE001 - best effort cleanup of a peer we no longer trust
+            await draft.release(self.session_id)
+        except Exception:  # noqa: BLE001 - best-effort cleanup of a peer we no longer trust
             pass
 
-    def steps(self) -> Iterator[list[int]]:
+    async def steps(self) -> AsyncIterator[list[int]]:
         started = time.perf_counter()
         sid = self.session_id
-        self.target.prefill(sid, self.prompt, self.params)
-        sequence = list(self.prompt)
-        target_len = draft_len = len(sequence)  # what each peer has been told is committed
+        await self.target.start(sid, self.prompt, self.params)
+        target_len = draft_len = len(self.sequence)  # what each peer has been told is committed
         try:
             if self.draft is not None:
                 try:
-                    self.draft.prefill(sid, self.prompt, self.params)
-                except SpecdecError as exc:
-                    self._drop_draft(str(exc))
-            step = 0
-            context = self.target.context_length
+                    await self.draft.start(sid, self.prompt, self.params)
+                except Exception as exc:  # noqa: BLE001 - the draft may fail, the request may not
+                    await self._drop_draft(f"start: {exc}")
             while not self.stopper.finished:
-                room = context - len(sequence) - 1  # a step emits up to k + 1 tokens
+                room = self.target.context_length - len(self.sequence) - 1  # a step emits up to k + 1
                 if room < 0:
                     self.stopper.finish(FINISH_LENGTH)
                     break
-                step += 1
-                proposal = DraftProposal([], [])
-                k = min(self.k, room)
+                self.step += 1
+                step, proposal, k = self.step, EMPTY, min(self.k, room)
                 if self.draft is not None and k > 0:
                     t0 = time.perf_counter()
                     try:
-                        commit = Commit(step - 1, draft_len, tuple(sequence[draft_len:])) if draft_len < len(sequence) else None
-                        proposal = self.draft.propose(sid, step, k, commit=commit)
-                        draft_len = len(sequence)
-                    except SpecdecError as exc:
-                        self._drop_draft(str(exc))
+                        proposal = await self.draft.propose(sid, step, k, self._commit(draft_len))
+                        draft_len = len(self.sequence)
+                        if len(proposal) > k:
+                            raise MalformedProposalError("proposals", f"{len(proposal)} tokens for k={k}")
+                    except Exception as exc:  # noqa: BLE001 - see module docstring
+                        proposal = EMPTY
+                        await self._drop_draft(f"propose: {exc}")
                     self.stats.draft_seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                commit = Commit(step - 1, target_len, tuple(sequence[target_len:])) if target_len < len(sequence) else None
+                commit = self._commit(target_len)
                 try:
-                    verdict = self.target.verify(sid, step, proposal.tokens, proposal.q, commit=commit)
+                    verdict = await self.target.verify(sid, step, proposal, commit)
                 except MalformedProposalError as exc:
                     if not proposal.tokens:
                         raise
                     # The target refused the draft's block: drop the draft, verify nothing.
-                    self._drop_draft(str(exc))
-                    proposal = DraftProposal([], [])
-                    verdict = self.target.verify(sid, step, [], [], commit=commit)
-                target_len = len(sequence)
+                    await self._drop_draft(f"target refused its block: {exc}")
+                    proposal = EMPTY
+                    verdict = await self.target.verify(sid, step, proposal, commit)
+                target_len = len(self.sequence)
                 self.stats.verify_seconds += time.perf_counter() - t0
-                decision = decide(proposal.tokens, proposal.q_of_proposals(), verdict, self.seed, len(sequence))
+                decision = decide(proposal.tokens, proposal.q_of_proposals(), verdict, self.seed, len(self.sequence))
+                self.last_decision = decision
                 self.stats.record(decision, len(proposal))
                 emitted = self.stopper.feed(decision.tokens)
-                sequence.extend(emitted)
+                self.sequence.extend(emitted)
                 yield emitted
         finally:
-            self.target.release(sid)
-            if self.draft is not None:
-                self.draft.release(sid)
             self.stats.total_seconds = time.perf_counter() - started
+            await self._release_all()
+
+    def _commit(self, peer_len: int) -> Commit | None:
+        """Everything committed since the peer last heard, as the previous step's commit."""
+        if peer_len >= len(self.sequence):
+            return None
+        return Commit(self.step - 1, peer_len, tuple(self.sequence[peer_len:]))
+
+    async def _release_all(self) -> None:
+        peers = [p for p in (self.target, self.draft) if p is not None]
+        # Shielded: a cancelled request must still free its caches on every service.
+        await asyncio.shield(asyncio.gather(*(p.release(self.session_id) for p in peers), return_exceptions=True))
 
     def result(self) -> GenerationResult:
         return GenerationResult(
@@ -190,11 +265,21 @@ class SpeculativeRun:
         )
 
 
-def speculative_generate(target, draft: Drafter | None, prompt: Sequence[int], params: SamplingParams,
-                         num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] = (), tokenizer=None,
+async def generate_async(target: TargetPeer, draft: DraftPeer | None, prompt: Sequence[int],
+                         params: SamplingParams, num_speculative_tokens: int = 4,
+                         eos_token_ids: Sequence[int] = (), tokenizer=None,
                          session_id: str | None = None) -> GenerationResult:
-    """Generate with speculative decoding in process; the output law is the target's alone."""
     run = SpeculativeRun(target, draft, prompt, params, num_speculative_tokens, eos_token_ids, tokenizer, session_id)
-    for _ in run.steps():
+    async for _ in run.steps():
         pass
     return run.result()
+
+
+def speculative_generate(target, draft, prompt: Sequence[int], params: SamplingParams,
+                         num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] = (), tokenizer=None,
+                         session_id: str | None = None) -> GenerationResult:
+    """In process, over engines: generate with speculative decoding; the law is the target's."""
+    target_peer = LocalTarget(target)
+    draft_peer = LocalDraft(draft) if draft is not None else None
+    return asyncio.run(generate_async(target_peer, draft_peer, prompt, params, num_speculative_tokens,
+                                      eos_token_ids, tokenizer, session_id))

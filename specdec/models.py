@@ -145,3 +145,26 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
 
 def context_length(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of what makes two tokenizers produce the same token events: the vocabulary
+    (token -> id) and the special tokens. Speculation between a draft and a target is only
+    meaningful when these agree."""
+    import hashlib
+    import json
+
+    if tokenizer is None:
+        return ""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def try_load_tokenizer(spec: str):
+    """The tokenizer for ``spec``, or None when the model ships none (e.g. a bare tiny model)."""
+    try:
+        return load_tokenizer(spec)
+    except Exception:  # noqa: BLE001 - absence is an answer here
+        return None

@@ -69,5 +69,8 @@ class TargetEngine:
     def release(self, session_id: str) -> bool:
         return self.store.release(session_id)
 
+    def expire_idle(self, ttl_seconds: float) -> list[str]:
+        return self.store.expire_idle(ttl_seconds)
+
     def stats(self) -> dict:
         return self.store.stats()

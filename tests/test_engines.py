@@ -1,5 +1,5 @@
 """Draft/target engines and the in-process loop on tiny random Llamas."""
-import itertools
+import asyncio
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from specdec.errors import (
     SessionNotFoundError,
     StaleStepError,
 )
-from specdec.generate import SpeculativeRun, speculative_generate
+from specdec.generate import LocalDraft, LocalTarget, SpeculativeRun, generate_async, speculative_generate
 from specdec.kv import CacheLimits, Commit
 from specdec.proposal import DraftProposal
 from specdec.sampling import SamplingParams, probs_from_logits
@@ -101,12 +101,17 @@ def test_stale_kv_would_be_detected(target_model):
 
 def test_all_accepted_block_emits_k_plus_one(target_model, target):
     draft = DraftEngine(target_model)  # q == p: everything accepted
-    run = SpeculativeRun(target, draft, PROMPT, SamplingParams(seed=3, max_new_tokens=50, ignore_eos=True), 4)
-    steps = run.steps()
-    first = next(steps)
-    assert len(first) == 5
+    run = SpeculativeRun(LocalTarget(target), LocalDraft(draft), PROMPT,
+                         SamplingParams(seed=3, max_new_tokens=50, ignore_eos=True), 4)
+
+    async def first_step():
+        steps = run.steps()
+        first = await steps.__anext__()
+        await steps.aclose()  # abandoning the run releases the sessions
+        return first
+
+    assert len(asyncio.run(first_step())) == 5
     assert run.stats.accepted_tokens == 4 and run.stats.target_passes == 1
-    steps.close()  # abandoning the run releases the sessions
     assert len(target.store) == 0 and len(draft.store) == 0
 
 
@@ -165,14 +170,12 @@ def test_output_does_not_depend_on_interleaving(target, draft_model):
     jobs = [(SamplingParams(temperature=t, max_new_tokens=12, ignore_eos=True, seed=s), k)
             for (t, s, k) in [(1.0, 5, 3), (0.7, 6, 1), (1.0, 7, 5), (0.0, 8, 2)]]
     alone = [speculative_generate(target, draft, PROMPT, p, k).token_ids for p, k in jobs]
-    runs = [SpeculativeRun(target, draft, PROMPT, p, k, session_id=f"s{i}") for i, (p, k) in enumerate(jobs)]
-    steppers = [r.steps() for r in runs]
-    live = list(steppers)
-    while live:  # round robin, one step of each session at a time
-        for stepper in list(live):
-            if next(stepper, None) is None:
-                live.remove(stepper)
-    assert [r.result().token_ids for r in runs] == alone
+
+    async def together():  # every await in the loop lets another session take a step
+        return await asyncio.gather(*(generate_async(LocalTarget(target), LocalDraft(draft), PROMPT, p, k,
+                                                     session_id=f"s{i}") for i, (p, k) in enumerate(jobs)))
+
+    assert [r.token_ids for r in asyncio.run(together())] == alone
     assert len(target.store) == 0 and len(draft.store) == 0
 
 

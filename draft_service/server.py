@@ -1,0 +1,109 @@
+"""The draft gRPC service: a thin adapter over DraftEngine / NgramDraft (design.md §1: parse,
+call the engine, map errors; no sampling math here)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from specdec import tracing, wire
+from specdec.kv import CacheLimits
+from specdec.server import grpc_method
+from specdec.service import ServiceSpec, main_async
+from specdec.v1 import draft_pb2, draft_pb2_grpc, engine_pb2
+
+SERVICE = "specdec.v1.Draft"
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    def __init__(self, engine, model_spec: str, tokenizer_fingerprint: str = ""):
+        self.engine = engine
+        self.model_spec = model_spec
+        self.fingerprint = tokenizer_fingerprint
+
+    @grpc_method
+    async def StartSession(self, request, context):
+        params = wire.sampling_from_proto(request.sampling)
+        with tracing.tracer().start_as_current_span("draft.start_session") as span:
+            span.set_attribute("specdec.session_id", request.session_id)
+            span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
+            await asyncio.to_thread(self.engine.prefill, request.session_id, list(request.prompt_token_ids), params)
+        return engine_pb2.StartSessionResponse()
+
+    @grpc_method
+    async def Propose(self, request, context):
+        commit = wire.optional_commit(request)
+        with tracing.tracer().start_as_current_span("draft.propose") as span:
+            span.set_attribute("specdec.session_id", request.session_id)
+            span.set_attribute("specdec.step", request.step)
+            span.set_attribute("specdec.k", request.k)
+            proposal = await asyncio.to_thread(self.engine.propose, request.session_id, request.step, request.k, commit)
+            span.set_attribute("specdec.proposed", len(proposal))
+        return wire.proposal_to_proto(proposal)
+
+    @grpc_method
+    async def Commit(self, request, context):
+        with tracing.tracer().start_as_current_span("draft.commit") as span:
+            span.set_attribute("specdec.session_id", request.session_id)
+            span.set_attribute("specdec.step", request.commit.step)
+            await asyncio.to_thread(self.engine.commit, request.session_id, wire.commit_from_proto(request.commit))
+        return engine_pb2.CommitResponse()
+
+    @grpc_method
+    async def Release(self, request, context):
+        released = await asyncio.to_thread(self.engine.release, request.session_id)
+        return engine_pb2.ReleaseResponse(released=released)
+
+    @grpc_method
+    async def Info(self, request, context):
+        stats = self.engine.stats()
+        return engine_pb2.EngineInfo(
+            kind="draft", model_id=self.model_spec, vocab_size=self.engine.vocab_size,
+            context_length=getattr(getattr(self.engine, "store", None), "context_length", 0),
+            tokenizer_fingerprint=self.fingerprint, live_sessions=stats["live_sessions"],
+            kv_bytes=stats["kv_bytes"], kv_bytes_per_token=stats.get("kv_bytes_per_token", 0),
+            draft_kind=self.engine.kind,
+        )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="draft model spec (HF dir, .gguf, cached id) or 'ngram'")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    p.add_argument("--vocab-size", type=int, default=0, help="ngram only: the target's vocabulary size (0 = unchecked)")
+    p.add_argument("--top-m", type=int, default=64, help="ship at most M tokens of q per position (0 = all)")
+    p.add_argument("--eps", type=float, default=1e-4, help="ship the smallest set covering 1-eps of q (0 = off)")
+    p.add_argument("--max-sessions", type=int, default=256)
+    p.add_argument("--max-kv-bytes", type=int, default=0, help="cap on all sessions' KV bytes (0 = none)")
+    p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
+    p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+
+
+def build_engine(args):
+    from draft_service.engine import DraftEngine
+    from draft_service.ngram import NgramDraft
+
+    if args.model == "ngram":
+        return NgramDraft(args.vocab_size or (1 << 31) - 1, max_sessions=args.max_sessions)
+    import torch
+
+    from specdec.models import default_device, load_model, parse_dtype
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or default_device()
+    model = load_model(args.model, device, parse_dtype(args.dtype, device))
+    limits = CacheLimits(args.max_sessions, args.max_session_kv_bytes, args.max_kv_bytes)
+    return DraftEngine(model, limits, top_m=args.top_m, eps=args.eps)
+
+
+def main(args) -> int:
+    def spec() -> ServiceSpec:
+        engine = build_engine(args)
+        servicer = DraftServicer(engine, args.model)
+        return ServiceSpec("draft", SERVICE, draft_pb2_grpc.add_DraftServicer_to_server, servicer, engine,
+                           args.host, args.port, args.session_ttl)
+
+    return main_async(spec, "draft")

@@ -1,0 +1,67 @@
+"""Running one engine behind a grpc.aio server: the part the draft and target services share."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from . import server as srv
+from . import tracing
+
+log = logging.getLogger("specdec.service")
+
+
+@dataclass
+class ServiceSpec:
+    name: str  # "draft" / "target" (default OTEL_SERVICE_NAME: specdec-<name>)
+    full_service_name: str  # e.g. specdec.v1.Draft
+    add_to_server: Callable[[object, grpc.aio.Server], None]
+    servicer: object
+    engine: object
+    host: str
+    port: int
+    session_ttl: float
+    grace_seconds: float = 10.0
+
+
+async def _expiry_loop(engine, ttl: float) -> None:
+    # Sessions whose coordinator vanished without a Release are freed after ``ttl`` idle seconds.
+    while True:
+        await asyncio.sleep(min(30.0, max(1.0, ttl / 4)))
+        expired = await asyncio.to_thread(engine.expire_idle, ttl)
+        if expired:
+            log.warning("expired %d idle session(s)", len(expired))
+
+
+async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> None:
+    server = srv.create_server()
+    spec.add_to_server(spec.servicer, server)
+    health = srv.add_health_and_reflection(server, [spec.full_service_name])
+    address = f"{spec.host}:{spec.port}"
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise SystemExit(f"specdec {spec.name}: cannot listen on {address}")
+    await server.start()
+    await srv.set_serving(health, [spec.full_service_name], True)
+    print(f"[specdec] {spec.name} service SERVING on {spec.host}:{bound}", file=sys.stderr, flush=True)
+    if on_ready:
+        on_ready()
+    expiry = asyncio.create_task(_expiry_loop(spec.engine, spec.session_ttl))
+
+    async def release_all() -> None:
+        expiry.cancel()
+        await asyncio.to_thread(spec.engine.expire_idle, -1.0)  # free every remaining session
+
+    await srv.serve_until_signal(server, health, [spec.full_service_name], spec.grace_seconds, release_all)
+
+
+def main_async(spec_factory: Callable[[], ServiceSpec], service_name: str) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"[specdec {service_name}] %(levelname)s %(message)s")
+    tracing.init_tracing(f"specdec-{service_name}")
+    spec = spec_factory()
+    asyncio.run(run(spec))
+    return 0

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC modules (python -m specdec.protogen). Do not edit."""

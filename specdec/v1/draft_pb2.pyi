@@ -1,0 +1,34 @@
+from specdec.v1 import engine_pb2 as _engine_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session_id", "step", "k", "commit")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    k: int
+    commit: _engine_pb2.Commit
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., k: _Optional[int] = ..., commit: _Optional[_Union[_engine_pb2.Commit, _Mapping]] = ...) -> None: ...
+
+class ProposedToken(_message.Message):
+    __slots__ = ("token_id", "q")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    q: _engine_pb2.SparseDistribution
+    def __init__(self, token_id: _Optional[int] = ..., q: _Optional[_Union[_engine_pb2.SparseDistribution, _Mapping]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[ProposedToken]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[ProposedToken, _Mapping]]] = ...) -> None: ...

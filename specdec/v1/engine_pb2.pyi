@@ -1,0 +1,94 @@
+from specdec.v1 import coordinator_pb2 as _coordinator_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("step", "base_len", "tokens")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    base_len: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., base_len: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StartSessionRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "traceparent")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _coordinator_pb2.SamplingParams
+    traceparent: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_coordinator_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class StartSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("session_id", "commit")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    commit: Commit
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    model_id: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokenizer_fingerprint: str
+    live_sessions: int
+    kv_bytes: int
+    kv_bytes_per_token: int
+    draft_kind: str
+    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,31 @@
+from specdec.v1 import engine_pb2 as _engine_pb2
+from specdec.v1 import draft_pb2 as _draft_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyChunk(_message.Message):
+    __slots__ = ("session_id", "step", "commit", "proposals")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    commit: _engine_pb2.Commit
+    proposals: _containers.RepeatedCompositeFieldContainer[_draft_pb2.ProposedToken]
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., commit: _Optional[_Union[_engine_pb2.Commit, _Mapping]] = ..., proposals: _Optional[_Iterable[_Union[_draft_pb2.ProposedToken, _Mapping]]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("p_proposed", "recovered", "bonus")
+    P_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    p_proposed: _containers.RepeatedScalarFieldContainer[float]
+    recovered: _containers.RepeatedScalarFieldContainer[int]
+    bonus: int
+    def __init__(self, p_proposed: _Optional[_Iterable[float]] = ..., recovered: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ...) -> None: ...

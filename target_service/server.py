@@ -1,0 +1,113 @@
+"""The target gRPC service: a thin adapter over TargetEngine. Verify is client-streaming: the
+coordinator streams the proposal block (tokens with their sparse q) and half-closes; the target
+runs one pass and answers with the target side of the verifier."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from specdec import tracing, wire
+from specdec.errors import InvalidArgumentError
+from specdec.kv import CacheLimits
+from specdec.server import grpc_method
+from specdec.service import ServiceSpec, main_async
+from specdec.v1 import engine_pb2, target_pb2_grpc
+
+SERVICE = "specdec.v1.Target"
+
+
+class TargetServicer(target_pb2_grpc.TargetServicer):
+    def __init__(self, engine, model_spec: str, eos_token_ids=(), tokenizer_fingerprint: str = ""):
+        self.engine = engine
+        self.model_spec = model_spec
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.fingerprint = tokenizer_fingerprint
+
+    @grpc_method
+    async def StartSession(self, request, context):
+        params = wire.sampling_from_proto(request.sampling)
+        with tracing.tracer().start_as_current_span("target.start_session") as span:
+            span.set_attribute("specdec.session_id", request.session_id)
+            span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
+            await asyncio.to_thread(self.engine.prefill, request.session_id, list(request.prompt_token_ids), params)
+        return engine_pb2.StartSessionResponse()
+
+    @grpc_method
+    async def Verify(self, request_iterator, context):
+        header = None
+        proposals = []
+        async for chunk in request_iterator:
+            if header is None:
+                header = chunk
+            elif chunk.session_id and chunk.session_id != header.session_id:
+                raise InvalidArgumentError("session_id", "every chunk of one Verify stream must name the same session")
+            proposals.extend(chunk.proposals)
+        if header is None or not header.session_id:
+            raise InvalidArgumentError("session_id", "the Verify stream must start with a chunk naming the session")
+        block = wire.proposal_from_proto(proposals)
+        commit = wire.optional_commit(header)
+        with tracing.tracer().start_as_current_span("target.verify") as span:
+            span.set_attribute("specdec.session_id", header.session_id)
+            span.set_attribute("specdec.step", header.step)
+            span.set_attribute("specdec.k", len(block))
+            verdict = await asyncio.to_thread(
+                self.engine.verify, header.session_id, header.step, block.tokens, block.q, commit
+            )
+        return wire.verdict_to_proto(verdict)
+
+    @grpc_method
+    async def Commit(self, request, context):
+        with tracing.tracer().start_as_current_span("target.commit") as span:
+            span.set_attribute("specdec.session_id", request.session_id)
+            span.set_attribute("specdec.step", request.commit.step)
+            await asyncio.to_thread(self.engine.commit, request.session_id, wire.commit_from_proto(request.commit))
+        return engine_pb2.CommitResponse()
+
+    @grpc_method
+    async def Release(self, request, context):
+        released = await asyncio.to_thread(self.engine.release, request.session_id)
+        return engine_pb2.ReleaseResponse(released=released)
+
+    @grpc_method
+    async def Info(self, request, context):
+        stats = self.engine.stats()
+        return engine_pb2.EngineInfo(
+            kind="target", model_id=self.model_spec, vocab_size=self.engine.vocab_size,
+            context_length=self.engine.context_length, eos_token_ids=self.eos_token_ids,
+            tokenizer_fingerprint=self.fingerprint, live_sessions=stats["live_sessions"],
+            kv_bytes=stats["kv_bytes"], kv_bytes_per_token=stats["kv_bytes_per_token"],
+        )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--port", type=int, default=50062)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    p.add_argument("--max-sessions", type=int, default=256)
+    p.add_argument("--max-kv-bytes", type=int, default=0, help="cap on all sessions' KV bytes (0 = none)")
+    p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
+    p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+
+
+def main(args) -> int:
+    def spec() -> ServiceSpec:
+        import torch
+
+        from specdec.models import (default_device, eos_token_ids, load_model, parse_dtype, tokenizer_fingerprint,
+                                    try_load_tokenizer)
+        from target_service.engine import TargetEngine
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        device = args.device or default_device()
+        model = load_model(args.model, device, parse_dtype(args.dtype, device))
+        tokenizer = try_load_tokenizer(args.model)
+        engine = TargetEngine(model, CacheLimits(args.max_sessions, args.max_session_kv_bytes, args.max_kv_bytes))
+        servicer = TargetServicer(engine, args.model, eos_token_ids(model, tokenizer), tokenizer_fingerprint(tokenizer))
+        return ServiceSpec("target", SERVICE, target_pb2_grpc.add_TargetServicer_to_server, servicer, engine,
+                           args.host, args.port, args.session_ttl)
+
+    return main_async(spec, "target")

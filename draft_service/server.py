@@ -32,20 +32,26 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     @grpc_method
     async def Propose(self, request, context):
         commit = wire.optional_commit(request)
+        if commit is not None:  # the previous step's commit rode along: apply it first
+            await self._commit(request.session_id, commit)
         with tracing.tracer().start_as_current_span("draft.propose") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.step", request.step)
             span.set_attribute("specdec.k", request.k)
-            proposal = await asyncio.to_thread(self.engine.propose, request.session_id, request.step, request.k, commit)
+            proposal = await asyncio.to_thread(self.engine.propose, request.session_id, request.step, request.k)
             span.set_attribute("specdec.proposed", len(proposal))
         return wire.proposal_to_proto(proposal)
 
+    async def _commit(self, session_id: str, commit) -> None:
+        with tracing.tracer().start_as_current_span("draft.commit") as span:
+            span.set_attribute("specdec.session_id", session_id)
+            span.set_attribute("specdec.step", commit.step)
+            span.set_attribute("specdec.committed_tokens", len(commit.tokens))
+            await asyncio.to_thread(self.engine.commit, session_id, commit)
+
     @grpc_method
     async def Commit(self, request, context):
-        with tracing.tracer().start_as_current_span("draft.commit") as span:
-            span.set_attribute("specdec.session_id", request.session_id)
-            span.set_attribute("specdec.step", request.commit.step)
-            await asyncio.to_thread(self.engine.commit, request.session_id, wire.commit_from_proto(request.commit))
+        await self._commit(request.session_id, wire.commit_from_proto(request.commit))
         return engine_pb2.CommitResponse()
 
     @grpc_method

@@ -117,6 +117,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
     add_sampling_flags(p)
     p.set_defaults(func=cmd_run)
+
+    from coordinator import server as coordinator_server
+    from draft_service import server as draft_server
+    from target_service import server as target_server
+
+    p = sub.add_parser("draft", help="run the draft gRPC service")
+    draft_server.add_arguments(p)
+    p.set_defaults(func=draft_server.main)
+
+    p = sub.add_parser("target", help="run the target gRPC service")
+    target_server.add_arguments(p)
+    p.set_defaults(func=target_server.main)
+
+    p = sub.add_parser("coordinator", help="run the coordinator (public gRPC API) on Ray")
+    coordinator_server.add_arguments(p)
+    p.set_defaults(func=coordinator_server.main)
     return parser
 
 

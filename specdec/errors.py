@@ -59,3 +59,12 @@ class SessionExistsError(SpecdecError):
 
 class ModelLoadError(SpecdecError):
     code = "NOT_FOUND"
+
+
+class PeerError(SpecdecError):
+    """A draft/target service answered with an error status, or could not be reached; ``code`` is
+    the status name to pass on (e.g. UNAVAILABLE for a lost peer)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

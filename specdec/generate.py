@@ -24,6 +24,7 @@ from .kv import Commit
 from .proposal import DraftProposal
 from .rng import new_seed
 from .sampling import SamplingParams
+from .tracing import tracer
 from .verify import StepStats, TargetVerdict, decide
 
 log = logging.getLogger("specdec.generate")
@@ -181,7 +182,7 @@ class SpeculativeRun:
         self.stats = StepStats()
         self.step = 0
         self.sequence = list(self.prompt)  # prompt + committed tokens
-        self.last_decision = None
+        self.target_len = self.draft_len = len(self.sequence)  # what each peer was told is committed
 
     async def _drop_draft(self, why: str) -> None:
         log.warning("session %s: draft dropped (%s); continuing with target-only steps", self.session_id, why)
@@ -195,9 +196,8 @@ class SpeculativeRun:
     async def steps(self) -> AsyncIterator[list[int]]:
         started = time.perf_counter()
         sid = self.session_id
-        await self.target.start(sid, self.prompt, self.params)
-        target_len = draft_len = len(self.sequence)  # what each peer has been told is committed
         try:
+            await self.target.start(sid, self.prompt, self.params)
             if self.draft is not None:
                 try:
                     await self.draft.start(sid, self.prompt, self.params)
@@ -209,40 +209,52 @@ class SpeculativeRun:
                     self.stopper.finish(FINISH_LENGTH)
                     break
                 self.step += 1
-                step, proposal, k = self.step, EMPTY, min(self.k, room)
-                if self.draft is not None and k > 0:
-                    t0 = time.perf_counter()
-                    try:
-                        proposal = await self.draft.propose(sid, step, k, self._commit(draft_len))
-                        draft_len = len(self.sequence)
-                        if len(proposal) > k:
-                            raise MalformedProposalError("proposals", f"{len(proposal)} tokens for k={k}")
-                    except Exception as exc:  # noqa: BLE001 - see module docstring
-                        proposal = EMPTY
-                        await self._drop_draft(f"propose: {exc}")
-                    self.stats.draft_seconds += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                commit = self._commit(target_len)
-                try:
-                    verdict = await self.target.verify(sid, step, proposal, commit)
-                except MalformedProposalError as exc:
-                    if not proposal.tokens:
-                        raise
-                    # The target refused the draft's block: drop the draft, verify nothing.
-                    await self._drop_draft(f"target refused its block: {exc}")
-                    proposal = EMPTY
-                    verdict = await self.target.verify(sid, step, proposal, commit)
-                target_len = len(self.sequence)
-                self.stats.verify_seconds += time.perf_counter() - t0
-                decision = decide(proposal.tokens, proposal.q_of_proposals(), verdict, self.seed, len(self.sequence))
-                self.last_decision = decision
-                self.stats.record(decision, len(proposal))
-                emitted = self.stopper.feed(decision.tokens)
-                self.sequence.extend(emitted)
+                # The span ends before the yield: a span must not stay current across a suspension.
+                with tracer().start_as_current_span("specdec.step") as span:
+                    span.set_attribute("specdec.session_id", sid)
+                    span.set_attribute("specdec.step", self.step)
+                    proposal, verdict = await self._propose_and_verify(min(self.k, room))
+                    decision = decide(proposal.tokens, proposal.q_of_proposals(), verdict, self.seed,
+                                      len(self.sequence))
+                    self.stats.record(decision, len(proposal))
+                    emitted = self.stopper.feed(decision.tokens)
+                    self.sequence.extend(emitted)
+                    span.set_attribute("specdec.k", len(proposal))
+                    span.set_attribute("specdec.accepted", decision.num_accepted)
+                    span.set_attribute("specdec.first_rejected", -1 if decision.rejected_at is None else decision.rejected_at)
+                    span.set_attribute("specdec.emitted", len(emitted))
                 yield emitted
         finally:
             self.stats.total_seconds = time.perf_counter() - started
             await self._release_all()
+
+    async def _propose_and_verify(self, k: int) -> tuple[DraftProposal, TargetVerdict]:
+        sid, step, proposal = self.session_id, self.step, EMPTY
+        if self.draft is not None and k > 0:
+            t0 = time.perf_counter()
+            try:
+                proposal = await self.draft.propose(sid, step, k, self._commit(self.draft_len))
+                self.draft_len = len(self.sequence)
+                if len(proposal) > k:
+                    raise MalformedProposalError("proposals", f"{len(proposal)} tokens for k={k}")
+            except Exception as exc:  # noqa: BLE001 - see module docstring
+                proposal = EMPTY
+                await self._drop_draft(f"propose: {exc}")
+            self.stats.draft_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        commit = self._commit(self.target_len)
+        try:
+            verdict = await self.target.verify(sid, step, proposal, commit)
+        except MalformedProposalError as exc:
+            if not proposal.tokens:
+                raise
+            # The target refused the draft's block: drop the draft, verify nothing.
+            await self._drop_draft(f"target refused its block: {exc}")
+            proposal = EMPTY
+            verdict = await self.target.verify(sid, step, proposal, commit)
+        self.target_len = len(self.sequence)
+        self.stats.verify_seconds += time.perf_counter() - t0
+        return proposal, verdict
 
     def _commit(self, peer_len: int) -> Commit | None:
         """Everything committed since the peer last heard, as the previous step's commit."""

@@ -73,6 +73,22 @@ def inject_context() -> dict[str, str]:
     return carrier
 
 
+def start_span(name: str, carrier: Mapping[str, str] | None = None, attributes: dict | None = None) -> trace.Span:
+    """A span that is NOT made current (use :func:`span_as_current` around each piece of work):
+    async generators must not keep a context attached across a yield."""
+    parent = propagate.extract(dict(carrier)) if carrier else None
+    return tracer().start_span(name, context=parent, attributes=attributes or {})
+
+
+@contextmanager
+def span_as_current(span: trace.Span) -> Iterator[None]:
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 @contextmanager
 def attached_context(carrier: Mapping[str, str] | None) -> Iterator[None]:
     """Make ``carrier``'s trace context current (the far side of a Ray call)."""

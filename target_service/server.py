@@ -46,21 +46,25 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise InvalidArgumentError("session_id", "the Verify stream must start with a chunk naming the session")
         block = wire.proposal_from_proto(proposals)
         commit = wire.optional_commit(header)
+        if commit is not None:  # the previous step's commit rode along: apply it first
+            await self._commit(header.session_id, commit)
         with tracing.tracer().start_as_current_span("target.verify") as span:
             span.set_attribute("specdec.session_id", header.session_id)
             span.set_attribute("specdec.step", header.step)
             span.set_attribute("specdec.k", len(block))
-            verdict = await asyncio.to_thread(
-                self.engine.verify, header.session_id, header.step, block.tokens, block.q, commit
-            )
+            verdict = await asyncio.to_thread(self.engine.verify, header.session_id, header.step, block.tokens, block.q)
         return wire.verdict_to_proto(verdict)
+
+    async def _commit(self, session_id: str, commit) -> None:
+        with tracing.tracer().start_as_current_span("target.commit") as span:
+            span.set_attribute("specdec.session_id", session_id)
+            span.set_attribute("specdec.step", commit.step)
+            span.set_attribute("specdec.committed_tokens", len(commit.tokens))
+            await asyncio.to_thread(self.engine.commit, session_id, commit)
 
     @grpc_method
     async def Commit(self, request, context):
-        with tracing.tracer().start_as_current_span("target.commit") as span:
-            span.set_attribute("specdec.session_id", request.session_id)
-            span.set_attribute("specdec.step", request.commit.step)
-            await asyncio.to_thread(self.engine.commit, request.session_id, wire.commit_from_proto(request.commit))
+        await self._commit(request.session_id, wire.commit_from_proto(request.commit))
         return engine_pb2.CommitResponse()
 
     @grpc_method

@@ -1,0 +1,120 @@
+"""The public gRPC front: specdec.v1.Coordinator (Generate, GenerateStream), plus the standard
+health and reflection services, on a grpc.aio server. Requests are handed to a backend: Ray
+actors running :class:`CoordinatorCore` (the product), or a core in this process (tests).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from specdec import server as srv
+from specdec import tracing
+from specdec.server import grpc_method
+from specdec.v1 import coordinator_pb2_grpc
+
+from .core import CoordinatorConfig, CoordinatorCore
+
+log = logging.getLogger("specdec.coordinator")
+SERVICE = "specdec.v1.Coordinator"
+
+
+class LocalBackend:
+    """The core in this process (no Ray): for tests of the core and for debugging."""
+
+    def __init__(self, config: CoordinatorConfig):
+        self.core = CoordinatorCore(config)
+
+    async def start(self) -> None:
+        await self.core.setup()
+
+    async def generate(self, request, carrier):
+        async for chunk in self.core.generate(request, carrier):
+            yield chunk
+
+    async def stop(self) -> None:
+        await self.core.close()
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, backend):
+        self.backend = backend
+
+    @grpc_method
+    async def Generate(self, request, context):
+        from specdec.v1 import coordinator_pb2
+
+        response = coordinator_pb2.GenerateResponse()
+        async for chunk in self.backend.generate(request, tracing.inject_context()):
+            response.request_id = chunk.request_id
+            response.token_ids.extend(chunk.token_ids)
+            response.text += chunk.text
+            if chunk.finish_reason:
+                response.finish_reason = chunk.finish_reason
+                response.seed = chunk.seed
+                response.stats.CopyFrom(chunk.stats)
+        return response
+
+    @grpc_method
+    async def GenerateStream(self, request, context):
+        # Written as `async def ... yield` (not context.write): see design.md §7 on the OTel bug.
+        async for chunk in self.backend.generate(request, tracing.inject_context()):
+            yield chunk
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target service address HOST:PORT")
+    p.add_argument("--draft", default=None, help="draft service address HOST:PORT (omit: n-gram drafts only)")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--tokenizer", default=None, help="tokenizer model spec (default: the target's model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="default k")
+    p.add_argument("--max-speculative-tokens", type=int, default=16, help="largest k a request may ask for")
+    p.add_argument("--default-max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    p.add_argument("--max-concurrent-requests", type=int, default=64, help="per coordinator replica")
+    p.add_argument("--draft-timeout", type=float, default=5.0, help="seconds before a draft call is abandoned")
+    p.add_argument("--default-method", default="draft_model", choices=["draft_model", "ngram", "none"])
+    p.add_argument("--replicas", type=int, default=1, help="coordinator Ray actors")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS or a local one)")
+    p.add_argument("--no-ray", action="store_true", help="run the core in the front process (debugging only)")
+
+
+def config_from_args(args) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        target_address=args.target, draft_address=args.draft, tokenizer=args.tokenizer,
+        default_k=args.num_speculative_tokens, max_k=args.max_speculative_tokens,
+        default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
+        max_concurrent_requests=args.max_concurrent_requests, draft_timeout_s=args.draft_timeout,
+        default_method=args.default_method,
+    )
+
+
+async def serve(args) -> None:
+    config = config_from_args(args)
+    if args.no_ray:
+        backend = LocalBackend(config)
+    else:
+        from .ray_backend import RayBackend
+
+        backend = RayBackend(config, replicas=args.replicas, address=args.ray_address)
+    print("[specdec] coordinator: connecting to the target and draft...", file=sys.stderr, flush=True)
+    await backend.start()
+    server = srv.create_server()
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(backend), server)
+    health = srv.add_health_and_reflection(server, [SERVICE])
+    bound = server.add_insecure_port(f"{args.host}:{args.port}")
+    if bound == 0:
+        raise SystemExit(f"specdec coordinator: cannot listen on {args.host}:{args.port}")
+    await server.start()
+    await srv.set_serving(health, [SERVICE], True)
+    print(f"[specdec] coordinator service SERVING on {args.host}:{bound}", file=sys.stderr, flush=True)
+    await srv.serve_until_signal(server, health, [SERVICE], 10.0, backend.stop)
+
+
+def main(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="[specdec coordinator] %(levelname)s %(message)s")
+    tracing.init_tracing("specdec-coordinator")
+    asyncio.run(serve(args))
+    return 0

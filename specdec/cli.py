@@ -48,50 +48,76 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
 
 
 def cmd_run(args) -> int:
-    """In-process demo: target + draft engines in this process, answer streamed as committed."""
-    from draft_service.engine import DraftEngine
-    from draft_service.ngram import NgramDraft
-    from target_service.engine import TargetEngine
+    """Bring the local stack up, stream one answer through the public API, print stats, tear down."""
+    from .client import build_request, stream_to, summary
+    from .launcher import local_stack
 
-    from .generate import LocalDraft, LocalTarget, SpeculativeRun, TextStream
-    from .models import eos_token_ids, load_model, load_tokenizer, parse_dtype
-
-    device = args.device or ("cuda" if _cuda() else "cpu")
-    dtype = parse_dtype(args.dtype, device)
-    tokenizer = load_tokenizer(args.target_model)
-    target_model = load_model(args.target_model, device, dtype)
-    target = TargetEngine(target_model)
-    if args.draft_model == "ngram":
-        draft = NgramDraft(target.vocab_size)
-    else:
-        draft = DraftEngine(load_model(args.draft_model, device, dtype))
-    params = sampling_from_args(args)
-    prompt_ids = encode_prompt(tokenizer, args.prompt)
-    run = SpeculativeRun(LocalTarget(target), LocalDraft(draft), prompt_ids, params, args.num_speculative_tokens,
-                         eos_token_ids(target_model, tokenizer), tokenizer)
-    print(f"\n> {args.prompt}\n", flush=True)
-    stream = TextStream()
-    started = time.perf_counter()
-    first_token_at = None
-
-    async def consume():
-        nonlocal first_token_at
-        async for _ in run.steps():
-            if first_token_at is None:
-                first_token_at = time.perf_counter() - started
-            sys.stdout.write(stream.delta(run.stopper.text(), final=run.stopper.finished))
-            sys.stdout.flush()
-
-    asyncio.run(consume())
-    result = run.result()
-    elapsed = time.perf_counter() - started
-    s = result.stats
-    print(f"\n\n[{len(result.token_ids)} tokens, finish={result.finish_reason}, seed={result.seed}] "
-          f"draft={draft.model_id} k={args.num_speculative_tokens}")
-    print(f"acceptance rate {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}, "
-          f"{len(result.token_ids) / elapsed:.1f} tokens/s, {s.target_passes} target passes, "
-          f"time to first token {first_token_at or 0:.2f}s")
+    with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model,
+                     num_speculative_tokens=args.num_speculative_tokens,
+                     extra_target=_device_flags(args), extra_draft=_device_flags(args)) as stack:
+        request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens)
+        print(f"\n> {args.prompt}\n", flush=True)
+        answer = stream_to(stack.coordinator_address, request)
+        print("\n\n" + summary(answer), flush=True)
     return 0
+
+
+def cmd_serve(args) -> int:
+    """The local stack, up until Ctrl-C / SIGTERM."""
+    import signal
+    import threading
+
+    from .launcher import local_stack
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model, port=args.port,
+                     num_speculative_tokens=args.num_speculative_tokens, host=args.host,
+                     extra_target=_device_flags(args, "target"), extra_draft=_device_flags(args, "draft")) as stack:
+        print(f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)",
+              flush=True)
+        try:
+            while not stop.wait(1.0):
+                dead = stack.any_exited()
+                if dead is not None:
+                    print(f"specdec: {dead.name} exited (code {dead.process.returncode}); stopping", file=sys.stderr)
+                    return 1
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .client import build_request, stream_to, summary
+
+    request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
+                            method=args.method, request_id=args.request_id)
+    try:
+        answer = stream_to(args.addr, request, timeout=args.timeout)
+    except Exception as exc:  # grpc.RpcError: print the status, not a traceback
+        code = getattr(exc, "code", lambda: None)()
+        details = getattr(exc, "details", lambda: str(exc))()
+        print(f"specdec: error: {getattr(code, 'name', 'ERROR')}: {details}", file=sys.stderr)
+        return 2
+    print("\n\n" + summary(answer), file=sys.stderr)
+    return 0
+
+
+def _device_flags(args, role: str = "") -> list[str]:
+    device = getattr(args, f"{role}_device", None) if role else None
+    device = device or getattr(args, "device", None)
+    flags = ["--device", device] if device else []
+    if getattr(args, "dtype", None):
+        flags += ["--dtype", args.dtype]
+    return flags
+
+
+def _stack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--draft-model", default="ngram", help="draft model spec, 'ngram' (default) or 'none'")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
 
 
 def _cuda() -> bool:
@@ -108,15 +134,29 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.set_defaults(func=None)
 
-    p = sub.add_parser("run", help="answer one prompt with speculative decoding, streamed, with stats")
+    p = sub.add_parser("run", help="bring the local stack up, stream one answer with its stats, shut down")
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    p.add_argument("--target-model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-model", default="ngram", help="draft model spec, or 'ngram' (default)")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
+    _stack_flags(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="run the whole local stack (target, draft, coordinator on Ray) until stopped")
+    _stack_flags(p)
+    p.add_argument("--port", type=int, default=50051, help="public (coordinator) port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--target-device", default=None, help="device of the target (e.g. cuda:0)")
+    p.add_argument("--draft-device", default=None, help="device of the draft (e.g. cuda:1)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="call a running coordinator and stream the answer")
+    p.add_argument("prompt")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="default: the server's")
+    p.add_argument("--method", default="", choices=["", "draft_model", "ngram", "none"])
+    p.add_argument("--request-id", default="")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_sampling_flags(p)
+    p.set_defaults(func=cmd_generate)
 
     from coordinator import server as coordinator_server
     from draft_service import server as draft_server

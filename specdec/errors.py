@@ -12,6 +12,10 @@ class SpecdecError(Exception):
 
     code = "INTERNAL"
 
+    def __reduce__(self):
+        # Picklable with the constructor's own arguments, so errors survive a Ray hop intact.
+        return (self.__class__, getattr(self, "_init_args", self.args))
+
 
 class InvalidArgumentError(SpecdecError, ValueError):
     """A request field is out of range or malformed; ``field`` names it."""
@@ -21,6 +25,7 @@ class InvalidArgumentError(SpecdecError, ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self._init_args = (field, message)
 
 
 class MalformedProposalError(InvalidArgumentError):
@@ -68,3 +73,4 @@ class PeerError(SpecdecError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+        self._init_args = (code, message)

@@ -150,6 +150,28 @@ def goodness_of_fit(observed: Counter, law: dict, n: int) -> tuple[float, float,
     return float(chi.pvalue), float(g.pvalue), tv, len(exp), ""
 
 
+def judge(case: Case, observed: Counter, law: dict, n: int, proposed: int, accepted: int,
+          seconds: float = 0.0) -> CaseResult:
+    """The verdict on one case from its outcomes (shared by the in-process and the stack runs)."""
+    p_value, g_p, tv, bins, problem = goodness_of_fit(observed, law, n)
+    acceptance = accepted / proposed if proposed else 0.0
+    passed = not problem and p_value >= ALPHA
+    if case.expect_acceptance is not None and abs(acceptance - case.expect_acceptance) > 1e-12:
+        passed, problem = False, f"acceptance {acceptance:.4f}, expected exactly {case.expect_acceptance}"
+    if case.draft != "ngram" and proposed == 0:
+        passed, problem = False, "no proposals were made: the speculative path was not exercised"
+    return CaseResult(case.name, case.covers, n, case.k, case.tokens, p_value, g_p, tv, bins, acceptance,
+                      passed, problem, seconds)
+
+
+def case_params(case: Case) -> SamplingParams:
+    return SamplingParams(max_new_tokens=case.tokens, ignore_eos=True, **case.params)
+
+
+def case_runs(case: Case, runs: int) -> int:
+    return runs if not case_params(case).greedy else min(runs, 100)
+
+
 def run_case(case: Case, runs: int = DEFAULT_RUNS) -> CaseResult:
     from target_service.engine import TargetEngine
     from .generate import speculative_generate
@@ -159,9 +181,9 @@ def run_case(case: Case, runs: int = DEFAULT_RUNS) -> CaseResult:
     target_model = build_target()
     target = TargetEngine(target_model)
     draft = build_draft(case.draft, target_model, case.top_m)
-    base = SamplingParams(max_new_tokens=case.tokens, ignore_eos=True, **case.params)
+    base = case_params(case)
     law = exact_law(target_model, case.prompt, base, case.tokens)
-    n = runs if not base.greedy else min(runs, 100)
+    n = case_runs(case, runs)
     observed: Counter = Counter()
     proposed = accepted = 0
     for i in range(n):
@@ -169,18 +191,10 @@ def run_case(case: Case, runs: int = DEFAULT_RUNS) -> CaseResult:
         observed[tuple(result.token_ids[: case.tokens])] += 1
         proposed += result.stats.proposed_tokens
         accepted += result.stats.accepted_tokens
-    p_value, g_p, tv, bins, problem = goodness_of_fit(observed, law, n)
-    acceptance = accepted / proposed if proposed else 0.0
-    passed = not problem and p_value >= ALPHA
-    if case.expect_acceptance is not None and abs(acceptance - case.expect_acceptance) > 1e-12:
-        passed = False
-        problem = f"acceptance {acceptance:.4f}, expected exactly {case.expect_acceptance}"
-    if case.draft != "ngram" and proposed == 0:
-        passed, problem = False, "no proposals were made: the speculative path was not exercised"
+    verdict = judge(case, observed, law, n, proposed, accepted, time.perf_counter() - started)
     if len(draft.store if hasattr(draft, "store") else []) or len(target.store):
-        passed, problem = False, "sessions left behind in an engine after the runs"
-    return CaseResult(case.name, case.covers, n, case.k, case.tokens, p_value, g_p, tv, bins, acceptance,
-                      passed, problem, time.perf_counter() - started)
+        verdict.passed, verdict.detail = False, "sessions left behind in an engine after the runs"
+    return verdict
 
 
 def _run_case_by_name(args: tuple[str, int]) -> CaseResult:

@@ -1,0 +1,70 @@
+"""A small client for the public API (what ``specdec generate`` and ``specdec run`` use)."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from .v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+def build_request(prompt: str | None = None, prompt_token_ids=None, params=None, k: int | None = None,
+                  method: str = "", request_id: str = "") -> coordinator_pb2.GenerateRequest:
+    from .wire import sampling_to_proto
+
+    request = coordinator_pb2.GenerateRequest(request_id=request_id)
+    if prompt_token_ids:
+        request.prompt_token_ids.extend(prompt_token_ids)
+    elif prompt is not None:
+        request.prompt = prompt
+    if params is not None:
+        request.sampling.CopyFrom(sampling_to_proto(params))
+    if k is not None:
+        request.speculation.num_speculative_tokens = k
+    request.speculation.method = method
+    return request
+
+
+@dataclass
+class StreamedAnswer:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    seed: int = 0
+    stats: coordinator_pb2.SpeculationStats | None = None
+    seconds: float = 0.0
+    first_token_seconds: float | None = None
+
+
+def stream_to(address: str, request, out=sys.stdout, timeout: float | None = None) -> StreamedAnswer:
+    """Call GenerateStream, write text to ``out`` as it is committed, return the whole answer."""
+    answer = StreamedAnswer()
+    started = time.perf_counter()
+    with grpc.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        for chunk in stub.GenerateStream(request, timeout=timeout):
+            if chunk.token_ids and answer.first_token_seconds is None:
+                answer.first_token_seconds = time.perf_counter() - started
+            answer.token_ids.extend(chunk.token_ids)
+            answer.text += chunk.text
+            if out is not None and chunk.text:
+                out.write(chunk.text)
+                out.flush()
+            if chunk.finish_reason:
+                answer.finish_reason, answer.seed = chunk.finish_reason, chunk.seed
+                answer.stats = chunk.stats
+    answer.seconds = time.perf_counter() - started
+    return answer
+
+
+def summary(answer: StreamedAnswer) -> str:
+    s = answer.stats
+    passes = s.target_passes if s else 0
+    accept = s.accepted_tokens / s.proposed_tokens if s and s.proposed_tokens else 0.0
+    mean_len = (s.accepted_tokens + passes) / passes if passes else 0.0
+    rate = len(answer.token_ids) / answer.seconds if answer.seconds else 0.0
+    return (f"[{len(answer.token_ids)} tokens, finish={answer.finish_reason}, seed={answer.seed}]\n"
+            f"acceptance rate {accept:.2f}, mean accepted length {mean_len:.2f}, {rate:.1f} tokens/s, "
+            f"{passes} target passes, time to first token {answer.first_token_seconds or 0:.2f}s")

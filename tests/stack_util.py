@@ -1,0 +1,52 @@
+"""Helpers for integration tests that talk to a real stack over gRPC."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from specdec.v1 import coordinator_pb2 as pb
+from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_pb2_grpc
+
+
+def request(prompt_ids=None, prompt=None, k=None, method="", **sampling) -> pb.GenerateRequest:
+    req = pb.GenerateRequest()
+    if prompt_ids is not None:
+        req.prompt_token_ids.extend(prompt_ids)
+    if prompt is not None:
+        req.prompt = prompt
+    logit_bias = sampling.pop("logit_bias", None) or {}
+    req.sampling.CopyFrom(pb.SamplingParams(**sampling))
+    for token, bias in logit_bias.items():
+        req.sampling.logit_bias[token] = bias
+    if k is not None:
+        req.speculation.num_speculative_tokens = k
+    req.speculation.method = method
+    return req
+
+
+def stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
+    return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(address))
+
+
+def live_sessions(address: str, kind: str) -> int:
+    channel = grpc.insecure_channel(address)
+    s = (target_pb2_grpc.TargetStub if kind == "target" else draft_pb2_grpc.DraftStub)(channel)
+    return s.Info(engine_pb2.InfoRequest(), timeout=10).live_sessions
+
+
+async def _gather(address: str, requests, concurrency: int):
+    sem = asyncio.Semaphore(concurrency)
+    async with grpc.aio.insecure_channel(address) as channel:
+        s = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+        async def one(req):
+            async with sem:
+                return await s.Generate(req, timeout=120)
+
+        return await asyncio.gather(*(one(r) for r in requests))
+
+
+def generate_many(address: str, requests, concurrency: int = 8):
+    """Unary Generate for every request, ``concurrency`` in flight at once; results in order."""
+    return asyncio.run(_gather(address, list(requests), concurrency))

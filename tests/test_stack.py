@@ -1,0 +1,235 @@
+"""The distributed system, for real: target, draft and coordinator (on Ray) as separate processes
+on tiny random models, exercised through the public gRPC API."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import grpc
+import pytest
+import torch
+
+from specdec.launcher import local_stack
+from specdec.selftest import (BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, case_runs, exact_law,
+                              judge)
+from specdec.tiny import perturbed, word_tokenizer
+from specdec.v1 import coordinator_pb2 as pb
+
+from otlp_collector import start_collector
+from stack_util import generate_many, live_sessions, request, stub
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STACK_RUNS = int(os.environ.get("SPECDEC_STACK_RUNS", "400"))
+MAX_TARGET_SESSIONS = 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stack-models")
+    target = build_target()  # the selftest's target: its exact law is enumerable
+    target.save_pretrained(root / "target")
+    word_tokenizer(target.config.vocab_size).save_pretrained(root / "target")
+    perturbed(target, scale=0.04, seed=DRAFT_SEED).save_pretrained(root / "draft")
+    word_tokenizer(target.config.vocab_size).save_pretrained(root / "draft")
+    return root, target
+
+
+@pytest.fixture(scope="module")
+def collector():
+    collector, server, port = start_collector()
+    yield collector, port
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def stack(models, collector, tmp_path_factory):
+    root, _ = models
+    logs = tmp_path_factory.mktemp("stack-logs")
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector[1]}", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=3, log_dir=logs,
+                     extra_target=["--max-sessions", str(MAX_TARGET_SESSIONS), "--threads", "1"],
+                     extra_draft=["--threads", "1"], extra_coordinator=["--max-speculative-tokens", "8"],
+                     env=env) as s:
+        s.logs = logs
+        yield s
+
+
+def addresses(stack):
+    return {c.name: c.address for c in stack.children}
+
+
+STACK_CASES = [c for c in CASES if c.draft in ("model", "ngram") and c.top_m == 0]
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("case", STACK_CASES, ids=[c.name for c in STACK_CASES])
+def test_exactness_through_the_stack(stack, models, case):
+    """The selftest's statistical cases through Generate: chi-square at alpha = 1e-3, fixed seeds."""
+    _, target = models
+    params = case_params(case)
+    law = exact_law(target, case.prompt, params, case.tokens)
+    n = case_runs(case, STACK_RUNS)
+    method = "ngram" if case.draft == "ngram" else "draft_model"
+    sampling = dict(case.params, max_new_tokens=case.tokens, ignore_eos=True)
+    requests = [request(list(case.prompt), k=case.k, method=method, seed=BASE_SEED + i, **sampling) for i in range(n)]
+    replies = generate_many(stack.coordinator_address, requests)
+    observed = Counter(tuple(r.token_ids) for r in replies)
+    proposed = sum(r.stats.proposed_tokens for r in replies)
+    accepted = sum(r.stats.accepted_tokens for r in replies)
+    verdict = judge(case, observed, law, n, proposed, accepted)
+    assert verdict.passed, verdict
+    assert all(r.stats.draft_fallbacks == 0 for r in replies)
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("method, k", [("draft_model", 3), ("draft_model", 8), ("ngram", 4), ("none", 3),
+                                       ("draft_model", 0)])
+def test_greedy_equals_transformers_generate(stack, models, method, k):
+    _, target = models
+    prompt = [3, 9, 3, 9, 14, 2]
+    expected = hf_greedy(target, prompt, 30)
+    reply = stub(stack.coordinator_address).Generate(
+        request(prompt, k=k, method=method, temperature=0.0, max_new_tokens=30, ignore_eos=True))
+    assert list(reply.token_ids) == expected
+    assert reply.finish_reason == "length"
+    if method == "none" or k == 0:
+        assert reply.stats.proposed_tokens == 0 and reply.stats.target_passes == 30
+
+
+def test_stream_equals_unary_and_last_chunk_carries_stats(stack):
+    req = request(prompt="w1 w2 w3 w4", k=3, temperature=0.8, seed=77, max_new_tokens=25, ignore_eos=True)
+    s = stub(stack.coordinator_address)
+    unary = s.Generate(req)
+    chunks = list(s.GenerateStream(req))
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    assert "".join(c.text for c in chunks) == unary.text
+    assert all(not c.finish_reason for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.finish_reason == "length" and last.seed == 77 == unary.seed
+    assert last.stats.target_passes == unary.stats.target_passes > 0
+    assert len(chunks) > 2  # really streamed, not one blob
+
+
+def test_unseeded_request_reports_its_seed(stack):
+    s = stub(stack.coordinator_address)
+    first = s.Generate(request([1, 2, 3], k=3, max_new_tokens=12, ignore_eos=True))
+    again = s.Generate(request([1, 2, 3], k=3, max_new_tokens=12, ignore_eos=True, seed=first.seed))
+    assert list(again.token_ids) == list(first.token_ids)
+
+
+def test_concurrent_requests_equal_sequential(stack):
+    reqs = [request([1 + i, 2, 3], k=1 + i % 4, temperature=1.0, seed=100 + i, max_new_tokens=16, ignore_eos=True)
+            for i in range(8)]
+    s = stub(stack.coordinator_address)
+    one_by_one = [list(s.Generate(r).token_ids) for r in reqs]
+    together = [list(r.token_ids) for r in generate_many(stack.coordinator_address, reqs, concurrency=8)]
+    assert together == one_by_one
+
+
+def test_cancel_mid_stream_frees_both_sessions(stack):
+    addr = addresses(stack)
+    s = stub(stack.coordinator_address)
+    stream = s.GenerateStream(request([1, 2, 3], k=1, temperature=1.0, seed=5, max_new_tokens=120, ignore_eos=True))
+    got = 0
+    for chunk in stream:
+        got += len(chunk.token_ids)
+        if got >= 3:
+            stream.cancel()
+            break
+    # and a deadline that expires mid-request
+    with pytest.raises(grpc.RpcError) as info:
+        s.Generate(request([1, 2, 3], k=1, seed=6, max_new_tokens=120, ignore_eos=True), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if live_sessions(addr["target"], "target") == 0 and live_sessions(addr["draft"], "draft") == 0:
+            break
+        time.sleep(0.2)
+    assert live_sessions(addr["target"], "target") == 0
+    assert live_sessions(addr["draft"], "draft") == 0
+
+
+BAD = [
+    ("negative temperature", dict(prompt_ids=[1, 2], temperature=-0.5), "sampling.temperature"),
+    ("top_p above 1", dict(prompt_ids=[1, 2], top_p=1.5), "sampling.top_p"),
+    ("top_p zero", dict(prompt_ids=[1, 2], top_p=0.0), "sampling.top_p"),
+    ("k beyond the maximum", dict(prompt_ids=[1, 2], k=9), "speculation.num_speculative_tokens"),
+    ("negative k", dict(prompt_ids=[1, 2], k=-1), "speculation.num_speculative_tokens"),
+    ("empty prompt", dict(), "prompt"),
+    ("unknown method", dict(prompt_ids=[1, 2], method="medusa"), "speculation.method"),
+    ("prompt longer than the context", dict(prompt_ids=[1] * 200), "prompt"),
+    ("token ids outside the vocabulary", dict(prompt_ids=[1, 16]), "prompt_token_ids"),
+    ("logit bias outside the vocabulary", dict(prompt_ids=[1, 2], logit_bias={99: 1.0}), "sampling.logit_bias"),
+]
+
+
+@pytest.mark.parametrize("what, kwargs, field", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_invalid_argument_naming_the_field(stack, what, kwargs, field):
+    s = stub(stack.coordinator_address)
+    kwargs = dict(kwargs)
+    req = request(kwargs.pop("prompt_ids", None), **kwargs)
+    for call in (s.Generate, lambda r: list(s.GenerateStream(r))):
+        with pytest.raises(grpc.RpcError) as info:
+            call(req)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(field), info.value.details()
+    good = s.Generate(request([1, 2, 3], k=2, max_new_tokens=5, ignore_eos=True))
+    assert len(good.token_ids) == 5
+
+
+def test_over_capacity_is_resource_exhausted_and_recovers(stack):
+    reqs = [request([1, 2, 3], k=1, seed=i, max_new_tokens=60, ignore_eos=True) for i in range(MAX_TARGET_SESSIONS + 6)]
+
+    async def all_of_them():
+        import asyncio
+
+        async with grpc.aio.insecure_channel(stack.coordinator_address) as channel:
+            from specdec.v1 import coordinator_pb2_grpc
+
+            s = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+            async def one(r):
+                try:
+                    await s.Generate(r, timeout=120)
+                    return "OK"
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code().name
+
+            return await asyncio.gather(*(one(r) for r in reqs))
+
+    import asyncio
+
+    codes = Counter(asyncio.run(all_of_them()))
+    assert codes["RESOURCE_EXHAUSTED"] >= 1 and codes["OK"] >= MAX_TARGET_SESSIONS // 2, codes
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
+    assert len(stub(stack.coordinator_address).Generate(request([1, 2], max_new_tokens=4, ignore_eos=True)).token_ids) == 4
+
+
+def test_trace_spans_all_three_services(stack, collector):
+    col, _ = collector
+    reply = stub(stack.coordinator_address).Generate(
+        request([1, 2, 3], k=3, temperature=1.0, seed=3, max_new_tokens=10, ignore_eos=True))
+    wanted = {"specdec-coordinator", "specdec-draft", "specdec-target"}
+    deadline = time.monotonic() + 20
+    trace_id = None
+    while time.monotonic() < deadline and trace_id is None:
+        for tid, services in col.services_by_trace().items():
+            names = {s[2] for s in col.spans_of(tid)}
+            ids = {s[3].get("specdec.request_id") for s in col.spans_of(tid)}
+            if wanted <= services and reply.request_id in ids:
+                trace_id = tid
+                assert {"specdec.request", "specdec.step", "draft.propose", "target.verify"} <= names
+        time.sleep(0.3)
+    assert trace_id is not None, col.services_by_trace()
+    steps = [s for s in col.spans_of(trace_id) if s[2] == "specdec.step"]
+    assert len(steps) == reply.stats.target_passes
+    assert all({"specdec.step", "specdec.k", "specdec.accepted", "specdec.first_rejected", "specdec.emitted"} <= set(s[3])
+               for s in steps)

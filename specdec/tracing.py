@@ -33,7 +33,7 @@ def init_tracing(default_service_name: str) -> bool:
 
     name = os.environ.get("OTEL_SERVICE_NAME") or default_service_name
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=500))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # OTEL_BSP_* env vars apply
     trace.set_tracer_provider(provider)
     atexit.register(provider.shutdown)  # flush what is buffered on a clean exit
     _enabled = True

@@ -49,7 +49,8 @@ def collector():
 def stack(models, collector, tmp_path_factory):
     root, _ = models
     logs = tmp_path_factory.mktemp("stack-logs")
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector[1]}", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector[1]}", "OTEL_BSP_SCHEDULE_DELAY": "200",
+           "OTEL_BSP_MAX_QUEUE_SIZE": "200000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}
     with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=3, log_dir=logs,
                      extra_target=["--max-sessions", str(MAX_TARGET_SESSIONS), "--threads", "1"],
                      extra_draft=["--threads", "1"], extra_coordinator=["--max-speculative-tokens", "8"],
@@ -60,6 +61,28 @@ def stack(models, collector, tmp_path_factory):
 
 def addresses(stack):
     return {c.name: c.address for c in stack.children}
+
+
+def test_trace_spans_all_three_services(stack, collector):
+    col, _ = collector
+    reply = stub(stack.coordinator_address).Generate(
+        request([1, 2, 3], k=3, temperature=1.0, seed=3, max_new_tokens=10, ignore_eos=True))
+    wanted = {"specdec-coordinator", "specdec-draft", "specdec-target"}
+    deadline = time.monotonic() + 60
+    trace_id = None
+    while time.monotonic() < deadline and trace_id is None:
+        for tid, services in col.services_by_trace().items():
+            names = {s[2] for s in col.spans_of(tid)}
+            ids = {s[3].get("specdec.request_id") for s in col.spans_of(tid)}
+            if wanted <= services and reply.request_id in ids:
+                trace_id = tid
+                assert {"specdec.request", "specdec.step", "draft.propose", "target.verify"} <= names
+        time.sleep(0.3)
+    assert trace_id is not None, [(tid, sorted({(s[0], s[2], str(s[3].get("specdec.request_id"))) for s in col.spans_of(tid)})) for tid in col.services_by_trace()][:3]
+    steps = [s for s in col.spans_of(trace_id) if s[2] == "specdec.step"]
+    assert len(steps) == reply.stats.target_passes
+    assert all({"specdec.step", "specdec.k", "specdec.accepted", "specdec.first_rejected", "specdec.emitted"} <= set(s[3])
+               for s in steps)
 
 
 STACK_CASES = [c for c in CASES if c.draft in ("model", "ngram") and c.top_m == 0]
@@ -211,25 +234,3 @@ def test_over_capacity_is_resource_exhausted_and_recovers(stack):
     assert codes["RESOURCE_EXHAUSTED"] >= 1 and codes["OK"] >= MAX_TARGET_SESSIONS // 2, codes
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
     assert len(stub(stack.coordinator_address).Generate(request([1, 2], max_new_tokens=4, ignore_eos=True)).token_ids) == 4
-
-
-def test_trace_spans_all_three_services(stack, collector):
-    col, _ = collector
-    reply = stub(stack.coordinator_address).Generate(
-        request([1, 2, 3], k=3, temperature=1.0, seed=3, max_new_tokens=10, ignore_eos=True))
-    wanted = {"specdec-coordinator", "specdec-draft", "specdec-target"}
-    deadline = time.monotonic() + 20
-    trace_id = None
-    while time.monotonic() < deadline and trace_id is None:
-        for tid, services in col.services_by_trace().items():
-            names = {s[2] for s in col.spans_of(tid)}
-            ids = {s[3].get("specdec.request_id") for s in col.spans_of(tid)}
-            if wanted <= services and reply.request_id in ids:
-                trace_id = tid
-                assert {"specdec.request", "specdec.step", "draft.propose", "target.verify"} <= names
-        time.sleep(0.3)
-    assert trace_id is not None, col.services_by_trace()
-    steps = [s for s in col.spans_of(trace_id) if s[2] == "specdec.step"]
-    assert len(steps) == reply.stats.target_passes
-    assert all({"specdec.step", "specdec.k", "specdec.accepted", "specdec.first_rejected", "specdec.emitted"} <= set(s[3])
-               for s in steps)

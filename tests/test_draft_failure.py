@@ -1,0 +1,56 @@
+"""The draft is an optimization: killing it mid-request must not fail or change the request."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from specdec.launcher import local_stack
+from specdec.tiny import perturbed, tiny_llama, word_tokenizer
+
+from stack_util import request, stub
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NEW_TOKENS = 600
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kill-models")
+    target = tiny_llama(32, seed=8, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=2048)
+    target.save_pretrained(root / "target")
+    word_tokenizer(32).save_pretrained(root / "target")
+    perturbed(target, scale=0.04, seed=1).save_pretrained(root / "draft")
+    with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=2,
+                     log_dir=tmp_path_factory.mktemp("kill-logs"),
+                     extra_coordinator=["--draft-timeout", "2"]) as s:
+        s.target_model = target
+        yield s
+
+
+def test_draft_killed_mid_request_changes_nothing(stack):
+    prompt = [5, 6, 7, 8]
+    with torch.inference_mode():
+        expected = stack.target_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                               min_new_tokens=NEW_TOKENS, pad_token_id=0)[0, len(prompt):].tolist()
+    draft = next(c for c in stack.children if c.name == "draft")
+    req = request(prompt, k=2, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens, last = [], None
+    for chunk in stub(stack.coordinator_address).GenerateStream(req, timeout=300):
+        if not tokens:
+            os.kill(draft.process.pid, signal.SIGKILL)  # kill -9 after the first committed tokens
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    assert tokens == expected
+    assert last.finish_reason == "length"
+    assert last.stats.draft_fallbacks == 1
+    assert last.stats.accepted_tokens > 0  # speculation was on before the kill
+
+    # with the draft gone for good, new requests still complete (target-only), unchanged
+    again = stub(stack.coordinator_address).Generate(
+        request(prompt, k=2, temperature=0.0, max_new_tokens=40, ignore_eos=True), timeout=120)
+    assert list(again.token_ids) == expected[:40]
+    assert again.stats.draft_fallbacks == 1 and again.stats.proposed_tokens == 0

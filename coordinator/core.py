@@ -14,6 +14,7 @@ from draft_service.ngram import NgramDraft
 from specdec import tracing, wire
 from specdec.errors import InvalidArgumentError, ResourceExhaustedError
 from specdec.generate import LocalDraft, SpeculativeRun, TextStream
+from specdec.models import encode_prompt
 from specdec.sampling import MAX_NEW_TOKENS_LIMIT
 from specdec.v1 import coordinator_pb2
 
@@ -93,11 +94,13 @@ class CoordinatorCore:
         elif request.prompt:
             if self.tokenizer is None:
                 raise InvalidArgumentError("prompt", "this server has no tokenizer: send prompt_token_ids")
-            prompt_ids = [int(t) for t in self.tokenizer(request.prompt)["input_ids"]]
+            prompt_ids = encode_prompt(self.tokenizer, request.prompt, chat=request.apply_chat_template)
             if not prompt_ids:
                 raise InvalidArgumentError("prompt", "tokenizes to zero tokens")
         else:
             raise InvalidArgumentError("prompt", "empty: give prompt or prompt_token_ids")
+        if request.apply_chat_template and not request.prompt:
+            raise InvalidArgumentError("apply_chat_template", "needs a text prompt")
         if len(prompt_ids) >= self.target.context_length:
             raise InvalidArgumentError("prompt", f"{len(prompt_ids)} tokens leave no room in the model context of "
                                                  f"{self.target.context_length}")

@@ -23,6 +23,7 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-new-tokens", type=int, default=96)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--raw", action="store_true", help="send the prompt as is (default: as a chat user message)")
 
 
 def sampling_from_args(args):
@@ -36,17 +37,6 @@ def sampling_from_args(args):
     )
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
-    """Chat models get their chat template (as a user message); others the raw text."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer(prompt)["input_ids"]]
-
-
 def cmd_run(args) -> int:
     """Bring the local stack up, stream one answer through the public API, print stats, tear down."""
     from .client import build_request, stream_to, summary
@@ -55,7 +45,8 @@ def cmd_run(args) -> int:
     with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model,
                      num_speculative_tokens=args.num_speculative_tokens,
                      extra_target=_device_flags(args), extra_draft=_device_flags(args)) as stack:
-        request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens)
+        request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
+                                chat=not args.raw)
         print(f"\n> {args.prompt}\n", flush=True)
         answer = stream_to(stack.coordinator_address, request)
         print("\n\n" + summary(answer), flush=True)
@@ -91,7 +82,7 @@ def cmd_generate(args) -> int:
     from .client import build_request, stream_to, summary
 
     request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
-                            method=args.method, request_id=args.request_id)
+                            method=args.method, request_id=args.request_id, chat=not args.raw)
     try:
         answer = stream_to(args.addr, request, timeout=args.timeout)
     except Exception as exc:  # grpc.RpcError: print the status, not a traceback

@@ -11,7 +11,7 @@ from .v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 def build_request(prompt: str | None = None, prompt_token_ids=None, params=None, k: int | None = None,
-                  method: str = "", request_id: str = "") -> coordinator_pb2.GenerateRequest:
+                  method: str = "", request_id: str = "", chat: bool = False) -> coordinator_pb2.GenerateRequest:
     from .wire import sampling_to_proto
 
     request = coordinator_pb2.GenerateRequest(request_id=request_id)
@@ -19,6 +19,7 @@ def build_request(prompt: str | None = None, prompt_token_ids=None, params=None,
         request.prompt_token_ids.extend(prompt_token_ids)
     elif prompt is not None:
         request.prompt = prompt
+        request.apply_chat_template = chat
     if params is not None:
         request.sampling.CopyFrom(sampling_to_proto(params))
     if k is not None:

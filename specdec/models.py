@@ -168,3 +168,15 @@ def try_load_tokenizer(spec: str):
         return load_tokenizer(spec)
     except Exception:  # noqa: BLE001 - absence is an answer here
         return None
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of ``prompt``; with ``chat`` (and a tokenizer that has a chat template) the
+    prompt is one user message with the generation prompt appended."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(prompt)["input_ids"]]

@@ -5,7 +5,7 @@ import torch
 
 from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramDraft
-from specdec.cli import encode_prompt
+from specdec.models import encode_prompt
 from specdec.generate import speculative_generate
 from specdec.models import eos_token_ids
 from specdec.sampling import SamplingParams
@@ -27,7 +27,7 @@ def references(smollm2):
     model, tokenizer = smollm2
     out = {}
     for prompt in PROMPTS:
-        ids = encode_prompt(tokenizer, prompt)
+        ids = encode_prompt(tokenizer, prompt, chat=True)
         generated = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
                                    pad_token_id=tokenizer.pad_token_id)
         out[prompt] = (ids, generated[0, len(ids):].tolist())

@@ -234,3 +234,38 @@ def test_over_capacity_is_resource_exhausted_and_recovers(stack):
     assert codes["RESOURCE_EXHAUSTED"] >= 1 and codes["OK"] >= MAX_TARGET_SESSIONS // 2, codes
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
     assert len(stub(stack.coordinator_address).Generate(request([1, 2], max_new_tokens=4, ignore_eos=True)).token_ids) == 4
+
+
+def test_public_port_answers_standard_health_and_reflection(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    channel = grpc.insecure_channel(stack.coordinator_address)
+    for service in ("", "specdec.v1.Coordinator"):
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    responses = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert "specdec.v1.Coordinator" in names
+
+
+def test_specdec_generate_cli(stack):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    specdec = str(Path(sys.executable).with_name("specdec"))
+    ok = subprocess.run([specdec, "generate", "--addr", stack.coordinator_address, "w1 w2 w3", "--raw", "-k", "2",
+                         "--max-new-tokens", "6", "--ignore-eos", "--seed", "4"], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert len(ok.stdout.split()) == 6 and "acceptance rate" in ok.stderr and "seed=4" in ok.stderr
+    bad = subprocess.run([specdec, "generate", "--addr", stack.coordinator_address, "w1", "--raw", "-k", "99"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "INVALID_ARGUMENT" in bad.stderr and "speculation.num_speculative_tokens" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    local = subprocess.run([specdec, "generate", "--addr", stack.coordinator_address, "w1", "--top-p", "2"],
+                           capture_output=True, text=True, timeout=120)  # refused before it is sent
+    assert local.returncode == 2 and "top_p" in local.stderr and "Traceback" not in local.stderr

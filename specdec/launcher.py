@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .errors import SpecdecError
+from .models import resolve
 from .server import wait_for_health
+
+
+class StackError(SpecdecError):
+    """A service of the local stack failed to start."""
+
+    code = "UNAVAILABLE"
 
 DEFAULT_TARGET = "smollm2"
 DEFAULT_DRAFT = "ngram"  # the best draft the project ships today for the default target
@@ -54,19 +62,20 @@ class Stack:
         self.children.append(child)
         return child
 
-    def wait_healthy(self, child: Child, timeout: float) -> None:
+    def wait_healthy(self, child: Child, timeout: float, log: Path | None = None) -> None:
         deadline = time.monotonic() + timeout
 
         async def poll():
             while time.monotonic() < deadline:
                 if child.process.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} before it was ready")
+                    raise StackError(f"the {child.name} service exited with code {child.process.returncode} before "
+                                     f"it was ready (see its output above{' or in ' + str(log) if log else ''})")
                 try:
                     await wait_for_health(child.address, timeout=2.0)
                     return
                 except TimeoutError:
                     continue
-            raise TimeoutError(f"{child.name} at {child.address} not SERVING after {timeout:.0f}s")
+            raise StackError(f"the {child.name} service at {child.address} is not SERVING after {timeout:.0f}s")
 
         asyncio.run(poll())
 
@@ -98,6 +107,10 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
                 extra_coordinator: list[str] | None = None, startup_timeout: float = 300.0,
                 env: dict | None = None) -> Iterator[Stack]:
     """Bring the stack up (yields it once the coordinator is SERVING); always tear it down."""
+    # Fail fast, with the model loader's own message, before any process starts.
+    for spec in (target_model, draft_model):
+        if spec and spec not in ("ngram", "none"):
+            resolve(spec)
     stack = Stack()
     try:
         target_addr = f"{host}:{free_port()}"
@@ -113,7 +126,7 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
                                           draft_addr.rsplit(":", 1)[1], *(extra_draft or [])], draft_addr, log_dir,
                                 {"OTEL_SERVICE_NAME": "specdec-draft", **(env or {})})
         for child in [target] + ([draft] if draft else []):
-            stack.wait_healthy(child, startup_timeout)
+            stack.wait_healthy(child, startup_timeout, log_dir / f"{child.name}.log" if log_dir else None)
             _say(f"{child.name} is SERVING")
         coord_port = port or free_port()
         coord_addr = f"{host}:{coord_port}"
@@ -126,7 +139,7 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
             args += ["--default-method", "ngram"]
         coordinator = stack.start("coordinator", args + list(extra_coordinator or []), coord_addr, log_dir,
                                   {"OTEL_SERVICE_NAME": "specdec-coordinator", **(env or {})})
-        stack.wait_healthy(coordinator, startup_timeout)
+        stack.wait_healthy(coordinator, startup_timeout, log_dir / "coordinator.log" if log_dir else None)
         stack.coordinator_address = coord_addr
         _say(f"coordinator is SERVING on {coord_addr}")
         yield stack

@@ -1,24 +1,28 @@
-"""The coordinator's request handling, independent of how it is hosted (Ray actor, or in process
-for tests): validate the public request, run the speculative loop against the draft and target
-services, and produce GenerateChunks of committed tokens only.
+"""The coordinator's request handling, independent of how it is hosted (a Ray actor in the
+product, in process in tests): validate the public request, route it to replicas, run the
+speculative loop, make every committed chunk durable (Redis) before it is sent, and resume or
+take over requests whose client or coordinator was lost.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from draft_service.ngram import NgramDraft
 from specdec import tracing, wire
-from specdec.errors import InvalidArgumentError, ResourceExhaustedError
+from specdec.errors import InvalidArgumentError, PeerError, ResourceExhaustedError, SessionNotFoundError
 from specdec.generate import LocalDraft, SpeculativeRun, TextStream
 from specdec.models import encode_prompt
-from specdec.sampling import MAX_NEW_TOKENS_LIMIT
+from specdec.rng import new_seed
+from specdec.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
 from specdec.v1 import coordinator_pb2
 
-from .peers import GrpcDraft, GrpcTarget
+from .routing import PeerPool, SessionRouting
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -27,8 +31,9 @@ METHODS = ("draft_model", "ngram", "none")
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    target_address: str
+    target_address: str | None = None  # static replicas (optional when a registry is used)
     draft_address: str | None = None
+    redis_url: str | None = None  # registry + session log
     tokenizer: str | None = None  # model spec to load the tokenizer from (default: the target's)
     default_k: int = 4
     max_k: int = 16
@@ -38,50 +43,84 @@ class CoordinatorConfig:
     draft_timeout_s: float = 5.0
     target_timeout_s: float = 60.0
     default_method: str = "draft_model"
+    output_ttl_s: float = 3600.0
+    startup_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
 class ParsedRequest:
     request_id: str
     prompt_ids: list[int]
-    params: object  # SamplingParams
+    params: SamplingParams  # seed resolved
     k: int
     method: str
 
 
+def canonical(request: coordinator_pb2.GenerateRequest, request_id: str, seed: int) -> bytes:
+    """The request as stored in the session log: id and seed filled in, resume index cleared."""
+    copy = coordinator_pb2.GenerateRequest()
+    copy.CopyFrom(request)
+    copy.request_id = request_id
+    copy.resume_from_index = 0
+    copy.sampling.seed = seed
+    return copy.SerializeToString(deterministic=True)
+
+
+def _redis_errors():
+    import redis.exceptions
+
+    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
 class CoordinatorCore:
     def __init__(self, config: CoordinatorConfig):
+        from specdec.registry import Registry
+
         self.config = config
-        self.target = GrpcTarget(config.target_address, timeout=config.target_timeout_s)
-        self.draft = GrpcDraft(config.draft_address, timeout=config.draft_timeout_s) if config.draft_address else None
+        self.registry = Registry(config.redis_url) if config.redis_url else None
+        self.pool = PeerPool(self.registry, [config.target_address], [config.draft_address],
+                             config.draft_timeout_s, config.target_timeout_s)
+        self.log = None
+        if config.redis_url:
+            from .output_log import OutputLog
+
+            self.log = OutputLog(config.redis_url, config.output_ttl_s)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tokenizer = None
         self.vocab_size = 0
+        self.context_length = 0
         self.eos_token_ids: list[int] = []
         self.active = 0
         self.ngram: NgramDraft | None = None
 
     async def setup(self) -> None:
-        """Learn the target's model (vocab, context, EOS) and load the tokenizer."""
+        """Find a target (registry or static), learn its model, load the tokenizer."""
         from specdec.models import try_load_tokenizer
 
-        info = await self.target.info()
-        self.vocab_size = info.vocab_size
+        if self.config.default_method not in METHODS:
+            raise ValueError(f"default method must be one of {METHODS}")
+        await self.pool.discover_static()
+        target = await self.pool.wait_for_target(self.config.startup_timeout_s)
+        info = await self.pool.target_peer(target.address).info()
+        self.vocab_size, self.context_length = info.vocab_size, info.context_length
+        self.pool.context_length = info.context_length
+        for peer in self.pool._targets.values():
+            peer.context_length = info.context_length
         self.eos_token_ids = list(info.eos_token_ids)
         spec = self.config.tokenizer or info.model_id
         self.tokenizer = await asyncio.to_thread(try_load_tokenizer, spec) if spec else None
         if self.tokenizer is None:
             log.warning("no tokenizer for %r: text prompts, text output and stop strings are unavailable", spec)
         self.ngram = NgramDraft(self.vocab_size)
-        if self.config.default_method not in METHODS:
-            raise ValueError(f"default method must be one of {METHODS}")
 
     async def close(self) -> None:
-        await self.target.close()
-        if self.draft is not None:
-            await self.draft.close()
+        await self.pool.close()
+        for client in (self.registry, self.log):
+            if client is not None:
+                await client.close()
 
     # -- validation ---------------------------------------------------------------------------
-    def parse(self, request: coordinator_pb2.GenerateRequest) -> ParsedRequest:
+    def parse(self, request: coordinator_pb2.GenerateRequest, request_id: str) -> ParsedRequest:
         cfg = self.config
         if request.prompt and request.prompt_token_ids:
             raise InvalidArgumentError("prompt", "give either prompt or prompt_token_ids, not both")
@@ -101,9 +140,9 @@ class CoordinatorCore:
             raise InvalidArgumentError("prompt", "empty: give prompt or prompt_token_ids")
         if request.apply_chat_template and not request.prompt:
             raise InvalidArgumentError("apply_chat_template", "needs a text prompt")
-        if len(prompt_ids) >= self.target.context_length:
+        if len(prompt_ids) >= self.context_length:
             raise InvalidArgumentError("prompt", f"{len(prompt_ids)} tokens leave no room in the model context of "
-                                                 f"{self.target.context_length}")
+                                                 f"{self.context_length}")
         if request.sampling.max_new_tokens > cfg.max_new_tokens_limit:
             raise InvalidArgumentError("sampling.max_new_tokens",
                                        f"{request.sampling.max_new_tokens} exceeds this server's limit of "
@@ -119,37 +158,146 @@ class CoordinatorCore:
         method = spec.method or cfg.default_method
         if method not in METHODS:
             raise InvalidArgumentError("speculation.method", f"unknown method {spec.method!r}; use one of {METHODS}")
-        if method == "draft_model" and self.draft is None:
-            if spec.method:
-                raise InvalidArgumentError("speculation.method", "no draft model is configured on this server")
-            method = "ngram"
         k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else cfg.default_k
         if not 0 <= k <= cfg.max_k:
             raise InvalidArgumentError("speculation.num_speculative_tokens",
                                        f"must be in [0, {cfg.max_k}], got {k}")
         if method == "none":
             k = 0
-        return ParsedRequest(request.request_id or uuid.uuid4().hex, prompt_ids, params, k, method)
+        if params.seed is None:
+            params = params.with_seed(new_seed())
+        return ParsedRequest(request_id, prompt_ids, params, k, method)
 
-    # -- generation ---------------------------------------------------------------------------
+    # -- the public entry point ----------------------------------------------------------------
     async def generate(self, request: coordinator_pb2.GenerateRequest,
                        trace_carrier: dict | None = None) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """Chunks of committed tokens; the last one carries finish_reason, seed and stats.
 
         ``trace_carrier``: W3C headers of the caller's span (the public gRPC call, across Ray)."""
-        parsed = self.parse(request)
+        if request.resume_from_index < 0:
+            raise InvalidArgumentError("resume_from_index", "must be >= 0")
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            if self.log is None:
+                if request.resume_from_index:
+                    raise InvalidArgumentError("resume_from_index", "resuming needs the session log (set REDIS_URL)")
+                async for chunk in self._generate(self.parse(request, request_id), [], trace_carrier):
+                    yield chunk
+                return
+            meta = await self.log.meta(request_id) if request.request_id else None
+            if meta is None:
+                if request.resume_from_index:
+                    raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
+                parsed = self.parse(request, request_id)
+                if await self.log.create(request_id, canonical(request, request_id, parsed.params.seed), self.owner):
+                    async for chunk in self._owned(parsed, [], 0, trace_carrier):
+                        yield chunk
+                    return
+                meta = await self.log.meta(request_id)  # created concurrently by another call
+            async for chunk in self._resume(request, request_id, meta, trace_carrier):
+                yield chunk
+        except _redis_errors() as exc:
+            raise PeerError("UNAVAILABLE", f"session log (Redis) unavailable: {exc}") from None
+
+    # -- durable generation, resume, takeover --------------------------------------------------
+    async def _owned(self, parsed: ParsedRequest, committed: list[int], from_index: int,
+                     trace_carrier) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        """Generate while holding the lease: append each chunk to the log, then send it."""
+        keeper = asyncio.create_task(self.log.keep_lease(parsed.request_id, self.owner))
+        tokens = list(committed)
+        try:
+            async for chunk in self._generate(parsed, committed, trace_carrier):
+                start = len(tokens)
+                await self.log.append(parsed.request_id, start, chunk)
+                tokens.extend(chunk.token_ids)
+                out = self._trim(chunk, start, from_index, tokens)
+                if out is not None:
+                    yield out
+        finally:
+            keeper.cancel()
+            try:
+                await asyncio.shield(self.log.release_lease(parsed.request_id, self.owner))
+            except Exception:  # noqa: BLE001 - the lease expires by itself
+                pass
+
+    async def _resume(self, request, request_id: str, meta: dict, trace_carrier):
+        stored = coordinator_pb2.GenerateRequest.FromString(meta["request"])
+        mine = canonical(request, request_id, request.sampling.seed if request.sampling.HasField("seed")
+                         else stored.sampling.seed)
+        if mine != stored.SerializeToString(deterministic=True):
+            raise InvalidArgumentError("request_id", f"{request_id!r} is already used by a different request")
+        from_index = request.resume_from_index
+        tokens: list[int] = []
+        last = b"-"
+        while True:
+            entries = await self.log.entries(request_id, last, None if last == b"-" else 1000)
+            for entry in entries:
+                last = entry.entry_id
+                tokens.extend(entry.chunk.token_ids)
+                out = self._trim(entry.chunk, entry.start, from_index, tokens)
+                if out is not None:
+                    yield out
+                if entry.chunk.finish_reason:
+                    return
+            if entries:
+                continue
+            if from_index > len(tokens) and await self.log.lease_holder(request_id) is None:
+                raise InvalidArgumentError("resume_from_index",
+                                           f"{from_index} is past the {len(tokens)} tokens this request committed")
+            # Nobody is generating it (its coordinator died, or its client cancelled): take over,
+            # continuing from the committed tokens with the same seed, hence the same tokens.
+            if await self.log.lease_holder(request_id) is None and await self.log.acquire_lease(request_id, self.owner):
+                for entry in await self.log.entries(request_id, last):  # appended before the lease lapsed
+                    last = entry.entry_id
+                    tokens.extend(entry.chunk.token_ids)
+                    out = self._trim(entry.chunk, entry.start, from_index, tokens)
+                    if out is not None:
+                        yield out
+                    if entry.chunk.finish_reason:
+                        await self.log.release_lease(request_id, self.owner)
+                        return
+                log.info("request %s: taking over after %d committed tokens", request_id, len(tokens))
+                parsed = self.parse(stored, request_id)
+                async for chunk in self._owned(parsed, tokens, from_index, trace_carrier):
+                    yield chunk
+                return
+
+    def _trim(self, chunk, start: int, from_index: int, tokens: list[int]):
+        """The part of ``chunk`` (tokens [start, start+len)) at or after ``from_index``; None if
+        nothing is left to send. ``tokens``: every token up to the end of this chunk."""
+        end = start + len(chunk.token_ids)
+        if start >= from_index:
+            return chunk
+        if end <= from_index and not chunk.finish_reason:
+            return None
+        out = coordinator_pb2.GenerateChunk()
+        out.CopyFrom(chunk)
+        del out.token_ids[:]
+        out.token_ids.extend(chunk.token_ids[max(0, from_index - start):])
+        if self.tokenizer is not None:  # text of the remainder only
+            head = self.tokenizer.decode(tokens[:min(from_index, end)], skip_special_tokens=True)
+            whole = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+            out.text = whole[len(head):] if whole.startswith(head) else chunk.text
+        return out
+
+    # -- one run of the loop -------------------------------------------------------------------
+    async def _generate(self, parsed: ParsedRequest, committed: list[int],
+                        trace_carrier) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         if self.active >= self.config.max_concurrent_requests:
             raise ResourceExhaustedError(f"{self.active} requests in flight, the limit is "
                                          f"{self.config.max_concurrent_requests}")
         self.active += 1
         span = tracing.start_span("specdec.request", trace_carrier, {
             "specdec.request_id": parsed.request_id, "specdec.method": parsed.method,
-            "specdec.k": parsed.k, "specdec.prompt_tokens": len(parsed.prompt_ids)})
-        run = self._run(parsed)
-        steps = run.steps()
-        text = TextStream()
-        final_tokens: list[int] = []
+            "specdec.k": parsed.k, "specdec.prompt_tokens": len(parsed.prompt_ids),
+            "specdec.resumed_from": len(committed)})
+        steps = None
         try:
+            run = await self._run(parsed, committed)
+            steps = run.steps()
+            text = TextStream()
+            text.sent = run.stopper.text()  # a resumed run continues the text it already sent
+            final_tokens: list[int] = []
             while True:
                 with tracing.span_as_current(span):  # never current across our own yield
                     try:
@@ -174,25 +322,24 @@ class CoordinatorCore:
             span.record_exception(exc)
             raise
         finally:
-            await steps.aclose()  # idempotent; on cancellation this frees the sessions
+            if steps is not None:
+                await steps.aclose()  # idempotent; on cancellation this frees the sessions
             span.end()
             self.active -= 1
 
-    def _run(self, parsed: ParsedRequest) -> SpeculativeRun:
-        draft = None
+    async def _run(self, parsed: ParsedRequest, committed: list[int]) -> SpeculativeRun:
+        routing = SessionRouting(self.pool)
+        target = await routing.first_target()
+        draft, missing = None, False
         if parsed.k > 0:
-            draft = self.draft if parsed.method == "draft_model" else LocalDraft(self.ngram)
-        return SpeculativeRun(self.target, draft, parsed.prompt_ids, parsed.params, parsed.k,
-                              self.eos_token_ids, self.tokenizer, session_id=parsed.request_id)
-
-    async def generate_unary(self, request) -> coordinator_pb2.GenerateResponse:
-        response = coordinator_pb2.GenerateResponse()
-        async for chunk in self.generate(request):
-            response.request_id = chunk.request_id
-            response.token_ids.extend(chunk.token_ids)
-            response.text += chunk.text
-            if chunk.finish_reason:
-                response.finish_reason = chunk.finish_reason
-                response.seed = chunk.seed
-                response.stats.CopyFrom(chunk.stats)
-        return response
+            if parsed.method == "draft_model":
+                draft = await routing.first_draft()
+                missing = draft is None
+            else:
+                draft = LocalDraft(self.ngram)
+        run = SpeculativeRun(target, draft, parsed.prompt_ids, parsed.params, parsed.k, self.eos_token_ids,
+                             self.tokenizer, session_id=parsed.request_id, failover=routing, committed=committed)
+        if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
+            log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)
+            run.stats.draft_fallbacks += 1
+        return run

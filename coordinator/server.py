@@ -64,8 +64,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target service address HOST:PORT")
-    p.add_argument("--draft", default=None, help="draft service address HOST:PORT (omit: n-gram drafts only)")
+    p.add_argument("--redis", default=None, help="Redis URL for the replica registry and the session log "
+                                                 "(default: REDIS_URL)")
+    p.add_argument("--target", default=None, help="a static target address HOST:PORT (besides the registry)")
+    p.add_argument("--draft", default=None, help="a static draft address HOST:PORT (besides the registry)")
+    p.add_argument("--output-ttl", type=float, default=3600.0, help="seconds a request's output stays resumable")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--tokenizer", default=None, help="tokenizer model spec (default: the target's model)")
@@ -82,8 +85,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> CoordinatorConfig:
+    import os
+
+    redis_url = args.redis or os.environ.get("REDIS_URL")
+    if not redis_url and not args.target:
+        raise SystemExit("specdec coordinator: give --target HOST:PORT, or --redis / REDIS_URL for the registry")
     return CoordinatorConfig(
-        target_address=args.target, draft_address=args.draft, tokenizer=args.tokenizer,
+        target_address=args.target, draft_address=args.draft, redis_url=redis_url, tokenizer=args.tokenizer,
+        output_ttl_s=args.output_ttl,
         default_k=args.num_speculative_tokens, max_k=args.max_speculative_tokens,
         default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
         max_concurrent_requests=args.max_concurrent_requests, draft_timeout_s=args.draft_timeout,

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from specdec import tracing, wire
+from specdec.errors import DrainingError
 from specdec.kv import CacheLimits
 from specdec.server import grpc_method
 from specdec.service import ServiceSpec, main_async
@@ -20,8 +21,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.model_spec = model_spec
         self.fingerprint = tokenizer_fingerprint
 
+    draining = False  # set on SIGTERM: live sessions finish, new ones are refused
+
     @grpc_method
     async def StartSession(self, request, context):
+        if self.draining:
+            raise DrainingError(f"{self.model_spec}: this draft replica is draining; start the session elsewhere")
         params = wire.sampling_from_proto(request.sampling)
         with tracing.tracer().start_as_current_span("draft.start_session") as span:
             span.set_attribute("specdec.session_id", request.session_id)
@@ -85,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")
+    p.add_argument("--advertise", default=None, help="address coordinators use to reach this replica "
+                                                      "(default: HOST:PORT, 127.0.0.1 for a wildcard host)")
+    p.add_argument("--replica-id", default=None, help="registry id (default: random)")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, wait this long for live sessions")
 
 
 def build_engine(args):
@@ -106,10 +116,24 @@ def build_engine(args):
 
 
 def main(args) -> int:
+    import os
+
+    from specdec.models import tokenizer_fingerprint, try_load_tokenizer
+    from specdec.registry import Replica, new_replica_id
+
     def spec() -> ServiceSpec:
         engine = build_engine(args)
-        servicer = DraftServicer(engine, args.model)
+        fingerprint = "" if args.model == "ngram" else tokenizer_fingerprint(try_load_tokenizer(args.model))
+        servicer = DraftServicer(engine, args.model, fingerprint)
+        replica_id = args.replica_id or new_replica_id()
+
+        def describe(address: str, draining: bool) -> Replica:
+            return Replica("draft", replica_id, address, args.model, fingerprint, engine.kind,
+                           args.vocab_size if args.model == "ngram" else engine.vocab_size,
+                           engine.stats()["live_sessions"], args.max_sessions, draining)
+
         return ServiceSpec("draft", SERVICE, draft_pb2_grpc.add_DraftServicer_to_server, servicer, engine,
-                           args.host, args.port, args.session_ttl)
+                           args.host, args.port, args.session_ttl, redis_url=args.redis or os.environ.get("REDIS_URL"),
+                           advertise=args.advertise, describe=describe, drain_seconds=args.drain_seconds)
 
     return main_async(spec, "draft")

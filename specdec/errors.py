@@ -74,3 +74,9 @@ class PeerError(SpecdecError):
         super().__init__(message)
         self.code = code
         self._init_args = (code, message)
+
+
+class DrainingError(SpecdecError):
+    """The replica is shutting down: it finishes its live sessions but takes no new ones."""
+
+    code = "UNAVAILABLE"

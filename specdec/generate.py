@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
-from .errors import InvalidArgumentError, MalformedProposalError
+from .errors import InvalidArgumentError, MalformedProposalError, PeerError
 from .kv import Commit
 from .proposal import DraftProposal
 from .rng import new_seed
@@ -119,6 +119,18 @@ class TargetPeer(Protocol):
     async def release(self, session_id: str) -> None: ...
 
 
+class Failover(Protocol):
+    """Supplies replacement replicas when a peer fails (the coordinator's registry does this)."""
+
+    async def replace_draft(self, failed: DraftPeer) -> DraftPeer | None: ...
+    async def replace_target(self, failed: TargetPeer) -> TargetPeer | None: ...
+
+
+# A target failing with one of these is gone (or lost our session): move to another replica.
+TARGET_LOST = frozenset({"UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCELLED"})
+MAX_FAILOVERS = 3
+
+
 class LocalDraft:
     """A draft engine in this process (engine calls run inline; ``await`` lets sessions interleave)."""
 
@@ -152,6 +164,15 @@ class LocalTarget:
         self.engine.release(session_id)
 
 
+async def _release_quietly(peer, session_id: str) -> None:
+    if peer is None:
+        return
+    try:
+        await peer.release(session_id)
+    except Exception:  # noqa: BLE001 - best-effort cleanup of a peer we no longer trust
+        pass
+
+
 # -- the loop --------------------------------------------------------------------------------
 @dataclass
 class GenerationResult:
@@ -168,7 +189,10 @@ class SpeculativeRun:
 
     def __init__(self, target: TargetPeer, draft: DraftPeer | None, prompt: Sequence[int], params: SamplingParams,
                  num_speculative_tokens: int, eos_token_ids: Sequence[int] = (), tokenizer=None,
-                 session_id: str | None = None):
+                 session_id: str | None = None, failover: Failover | None = None,
+                 committed: Sequence[int] = ()):
+        """``committed``: tokens this request already committed in an earlier run (a resumed or
+        taken-over request continues from them, with the same seed, hence the same tokens)."""
         if num_speculative_tokens < 0:
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
         self.seed = params.seed if params.seed is not None else new_seed()
@@ -179,28 +203,60 @@ class SpeculativeRun:
         self.prompt = [int(t) for t in prompt]
         self.session_id = session_id or uuid.uuid4().hex
         self.stopper = StopChecker(self.params, eos_token_ids, tokenizer)
+        self.stopper.generated.extend(int(t) for t in committed)
         self.stats = StepStats()
         self.step = 0
-        self.sequence = list(self.prompt)  # prompt + committed tokens
+        self.failover = failover
+        self.sequence = self.prompt + [int(t) for t in committed]  # prompt + committed tokens
         self.target_len = self.draft_len = len(self.sequence)  # what each peer was told is committed
 
     async def _drop_draft(self, why: str) -> None:
+        """The draft failed: move the session to another draft replica (re-prefilled from the
+        committed tokens) if the failover offers one, else continue with target-only steps."""
+        failed, self.draft = self.draft, None
+        await _release_quietly(failed, self.session_id)
+        while self.failover is not None and self.stats.draft_failovers < MAX_FAILOVERS:
+            replacement = await self.failover.replace_draft(failed)
+            if replacement is None:
+                break
+            self.stats.draft_failovers += 1
+            try:
+                await replacement.start(self.session_id, self.sequence, self.params)
+            except Exception as exc:  # noqa: BLE001
+                why, failed = f"{why}; replacement failed too: {exc}", replacement
+                continue
+            log.warning("session %s: draft failed (%s); moved to another replica", self.session_id, why)
+            self.draft, self.draft_len = replacement, len(self.sequence)
+            return
         log.warning("session %s: draft dropped (%s); continuing with target-only steps", self.session_id, why)
         self.stats.draft_fallbacks += 1
-        draft, self.draft = self.draft, None
-        try:
-            await draft.release(self.session_id)
-        except Exception:  # noqa: BLE001 - best-effort cleanup of a peer we no longer trust
-            pass
+
+    async def _replace_target(self, exc: Exception) -> None:
+        """The target replica is gone: re-prefill the session on another one, or give up."""
+        code = getattr(exc, "code", "")
+        if self.failover is None or code not in TARGET_LOST or self.stats.target_failovers >= MAX_FAILOVERS:
+            raise exc
+        failed, self.target = self.target, None
+        await _release_quietly(failed, self.session_id)
+        replacement = await self.failover.replace_target(failed)
+        if replacement is None:
+            raise exc
+        self.stats.target_failovers += 1
+        log.warning("session %s: target failed (%s); moving to another replica", self.session_id, exc)
+        await replacement.start(self.session_id, self.sequence, self.params)
+        self.target, self.target_len = replacement, len(self.sequence)
 
     async def steps(self) -> AsyncIterator[list[int]]:
         started = time.perf_counter()
         sid = self.session_id
         try:
-            await self.target.start(sid, self.prompt, self.params)
+            try:
+                await self.target.start(sid, self.sequence, self.params)
+            except PeerError as exc:
+                await self._replace_target(exc)
             if self.draft is not None:
                 try:
-                    await self.draft.start(sid, self.prompt, self.params)
+                    await self.draft.start(sid, self.sequence, self.params)
                 except Exception as exc:  # noqa: BLE001 - the draft may fail, the request may not
                     await self._drop_draft(f"start: {exc}")
             while not self.stopper.finished:
@@ -242,16 +298,19 @@ class SpeculativeRun:
                 await self._drop_draft(f"propose: {exc}")
             self.stats.draft_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
-        commit = self._commit(self.target_len)
-        try:
-            verdict = await self.target.verify(sid, step, proposal, commit)
-        except MalformedProposalError as exc:
-            if not proposal.tokens:
-                raise
-            # The target refused the draft's block: drop the draft, verify nothing.
-            await self._drop_draft(f"target refused its block: {exc}")
-            proposal = EMPTY
-            verdict = await self.target.verify(sid, step, proposal, commit)
+        while True:
+            commit = self._commit(self.target_len)
+            try:
+                verdict = await self.target.verify(sid, step, proposal, commit)
+                break
+            except MalformedProposalError as exc:
+                if not proposal.tokens:
+                    raise
+                # The target refused the draft's block: drop this draft, verify nothing.
+                await self._drop_draft(f"target refused its block: {exc}")
+                proposal = EMPTY
+            except PeerError as exc:
+                await self._replace_target(exc)  # raises when there is nowhere to go
         self.target_len = len(self.sequence)
         self.stats.verify_seconds += time.perf_counter() - t0
         return proposal, verdict

@@ -53,6 +53,29 @@ class Child:
 class Stack:
     children: list[Child] = field(default_factory=list)
     coordinator_address: str = ""
+    redis_url: str = ""
+    embedded_redis: object = None
+    host: str = "127.0.0.1"
+    log_dir: Path | None = None
+    env: dict = field(default_factory=dict)
+    draft_model: str | None = None
+    extra_draft: list = field(default_factory=list)
+
+    def start_replica(self, kind: str, model: str, extra: list[str], name: str) -> Child:
+        """Start one draft/target replica registered in the stack's Redis (not waited for)."""
+        address = f"{self.host}:{free_port()}"
+        args = [kind, "--model", model, "--host", self.host, "--port", address.rsplit(":", 1)[1],
+                "--redis", self.redis_url, "--replica-id", name, *extra]
+        return self.start(name, args, address, self.log_dir, {"OTEL_SERVICE_NAME": f"specdec-{kind}", **self.env})
+
+    def add_draft_replica(self, name: str, timeout: float = 120.0) -> Child:
+        """Scale the draft pool out at run time."""
+        child = self.start_replica("draft", self.draft_model, self.extra_draft, name)
+        self.wait_healthy(child, timeout)
+        return child
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
 
     def start(self, name: str, args: list[str], address: str, log_dir: Path | None, env: dict | None = None) -> Child:
         out = open(log_dir / f"{name}.log", "ab") if log_dir else None
@@ -105,37 +128,44 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
                 num_speculative_tokens: int = 4, host: str = "127.0.0.1", log_dir: Path | None = None,
                 extra_target: list[str] | None = None, extra_draft: list[str] | None = None,
                 extra_coordinator: list[str] | None = None, startup_timeout: float = 300.0,
-                env: dict | None = None) -> Iterator[Stack]:
-    """Bring the stack up (yields it once the coordinator is SERVING); always tear it down."""
+                env: dict | None = None, draft_replicas: int = 1, target_replicas: int = 1,
+                redis_url: str | None = None) -> Iterator[Stack]:
+    """Bring the stack up (yields it once the coordinator is SERVING); always tear it down.
+
+    Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here."""
+    from .redis_embedded import EmbeddedRedis
+
     # Fail fast, with the model loader's own message, before any process starts.
     for spec in (target_model, draft_model):
         if spec and spec not in ("ngram", "none"):
             resolve(spec)
     stack = Stack()
+    embedded = None
     try:
-        target_addr = f"{host}:{free_port()}"
-        _say(f"starting target service ({target_model}) on {target_addr}...")
-        target = stack.start("target", ["target", "--model", target_model, "--host", host, "--port",
-                                        target_addr.rsplit(":", 1)[1], *(extra_target or [])], target_addr, log_dir,
-                             {"OTEL_SERVICE_NAME": "specdec-target", **(env or {})})
-        draft = None
+        redis_url = redis_url or os.environ.get("REDIS_URL")
+        if not redis_url:
+            embedded = EmbeddedRedis().start()
+            redis_url = embedded.url
+            _say(f"started an embedded redis-server at {redis_url}")
+        stack.redis_url, stack.embedded_redis = redis_url, embedded
+        stack.host, stack.log_dir, stack.env = host, log_dir, env or {}
+        stack.draft_model, stack.extra_draft = draft_model, list(extra_draft or [])
+        for i in range(target_replicas):
+            _say(f"starting target replica {i} ({target_model})...")
+            stack.start_replica("target", target_model, list(extra_target or []), f"target-{i}")
         if draft_model:
-            draft_addr = f"{host}:{free_port()}"
-            _say(f"starting draft service ({draft_model}) on {draft_addr}...")
-            draft = stack.start("draft", ["draft", "--model", draft_model, "--host", host, "--port",
-                                          draft_addr.rsplit(":", 1)[1], *(extra_draft or [])], draft_addr, log_dir,
-                                {"OTEL_SERVICE_NAME": "specdec-draft", **(env or {})})
-        for child in [target] + ([draft] if draft else []):
+            for i in range(draft_replicas):
+                _say(f"starting draft replica {i} ({draft_model})...")
+                stack.start_replica("draft", draft_model, stack.extra_draft, f"draft-{i}")
+        for child in list(stack.children):
             stack.wait_healthy(child, startup_timeout, log_dir / f"{child.name}.log" if log_dir else None)
-            _say(f"{child.name} is SERVING")
+            _say(f"{child.name} is SERVING on {child.address}")
         coord_port = port or free_port()
         coord_addr = f"{host}:{coord_port}"
         _say(f"starting coordinator on {coord_addr} (Ray)...")
-        args = ["coordinator", "--target", target.address, "--host", host, "--port", str(coord_port),
+        args = ["coordinator", "--redis", redis_url, "--host", host, "--port", str(coord_port),
                 "--num-speculative-tokens", str(num_speculative_tokens)]
-        if draft is not None:
-            args += ["--draft", draft.address]
-        else:
+        if not draft_model:
             args += ["--default-method", "ngram"]
         coordinator = stack.start("coordinator", args + list(extra_coordinator or []), coord_addr, log_dir,
                                   {"OTEL_SERVICE_NAME": "specdec-coordinator", **(env or {})})
@@ -145,3 +175,5 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
         yield stack
     finally:
         stack.stop()
+        if embedded is not None:
+            embedded.stop()

@@ -98,14 +98,17 @@ def insecure_channel(address: str) -> grpc.aio.Channel:
 
 async def serve_until_signal(server: grpc.aio.Server, health_servicer, service_full_names: list[str],
                              grace_seconds: float = 10.0,
-                             on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then: health NOT_SERVING, stop accepting, let in-flight RPCs
-    finish for ``grace_seconds``, run ``on_stop``."""
+                             on_stop: Callable[[], Awaitable[None]] | None = None,
+                             drain: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then: ``drain`` (while still serving), health NOT_SERVING, stop
+    accepting, let in-flight RPCs finish for ``grace_seconds``, run ``on_stop``."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if drain is not None:
+        await drain()
     log.info("shutting down (grace %.0fs)", grace_seconds)
     await set_serving(health_servicer, service_full_names, False)
     await server.stop(grace_seconds)

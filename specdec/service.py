@@ -26,6 +26,10 @@ class ServiceSpec:
     port: int
     session_ttl: float
     grace_seconds: float = 10.0
+    redis_url: str | None = None
+    advertise: str | None = None  # the address others reach us at (default: host:port)
+    describe: Callable[[str, bool], "object"] | None = None  # (address, draining) -> registry.Replica
+    drain_seconds: float = 30.0
 
 
 async def _expiry_loop(engine, ttl: float) -> None:
@@ -51,12 +55,38 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
     if on_ready:
         on_ready()
     expiry = asyncio.create_task(_expiry_loop(spec.engine, spec.session_ttl))
+    heartbeat = None
+    if spec.redis_url and spec.describe is not None:
+        from .registry import Heartbeat, Registry
+
+        advertise = spec.advertise or f"{'127.0.0.1' if spec.host in ('0.0.0.0', '::', '[::]') else spec.host}:{bound}"
+        registry = Registry(spec.redis_url)
+        heartbeat = Heartbeat(registry, lambda: spec.describe(advertise, spec.servicer.draining))
+        heartbeat.start()
+        print(f"[specdec] {spec.name} registered in {spec.redis_url} as {advertise}", file=sys.stderr, flush=True)
+
+    async def drain() -> None:
+        # Refuse new sessions, tell the registry at once, let live sessions finish, deregister.
+        spec.servicer.draining = True
+        if heartbeat is not None:
+            try:
+                await heartbeat.beat()
+            except Exception:  # noqa: BLE001 - the TTL will drop us anyway
+                pass
+        deadline = asyncio.get_running_loop().time() + spec.drain_seconds
+        while spec.engine.stats()["live_sessions"] and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+        left = spec.engine.stats()["live_sessions"]
+        if left:
+            log.warning("drain timeout: handing back %d live session(s)", left)
+        if heartbeat is not None:
+            await heartbeat.stop(deregister=True)
 
     async def release_all() -> None:
         expiry.cancel()
         await asyncio.to_thread(spec.engine.expire_idle, -1.0)  # free every remaining session
 
-    await srv.serve_until_signal(server, health, [spec.full_service_name], spec.grace_seconds, release_all)
+    await srv.serve_until_signal(server, health, [spec.full_service_name], spec.grace_seconds, release_all, drain)
 
 
 def main_async(spec_factory: Callable[[], ServiceSpec], service_name: str) -> int:

@@ -153,6 +153,8 @@ class StepStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     draft_fallbacks: int = 0
+    draft_failovers: int = 0
+    target_failovers: int = 0
 
     def record(self, decision: StepDecision, num_proposed: int) -> None:
         self.target_passes += 1

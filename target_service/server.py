@@ -7,6 +7,7 @@ import argparse
 import asyncio
 
 from specdec import tracing, wire
+from specdec.errors import DrainingError
 from specdec.errors import InvalidArgumentError
 from specdec.kv import CacheLimits
 from specdec.server import grpc_method
@@ -23,8 +24,12 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.eos_token_ids = sorted(eos_token_ids)
         self.fingerprint = tokenizer_fingerprint
 
+    draining = False  # set on SIGTERM: live sessions finish, new ones are refused
+
     @grpc_method
     async def StartSession(self, request, context):
+        if self.draining:
+            raise DrainingError(f"{self.model_spec}: this target replica is draining; start the session elsewhere")
         params = wire.sampling_from_proto(request.sampling)
         with tracing.tracer().start_as_current_span("target.start_session") as span:
             span.set_attribute("specdec.session_id", request.session_id)
@@ -94,9 +99,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")
+    p.add_argument("--advertise", default=None, help="address coordinators use to reach this replica "
+                                                      "(default: HOST:PORT, 127.0.0.1 for a wildcard host)")
+    p.add_argument("--replica-id", default=None, help="registry id (default: random)")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, wait this long for live sessions")
 
 
 def main(args) -> int:
+    import os
+
+    from specdec.registry import Replica, new_replica_id
+
     def spec() -> ServiceSpec:
         import torch
 
@@ -110,8 +124,16 @@ def main(args) -> int:
         model = load_model(args.model, device, parse_dtype(args.dtype, device))
         tokenizer = try_load_tokenizer(args.model)
         engine = TargetEngine(model, CacheLimits(args.max_sessions, args.max_session_kv_bytes, args.max_kv_bytes))
-        servicer = TargetServicer(engine, args.model, eos_token_ids(model, tokenizer), tokenizer_fingerprint(tokenizer))
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        servicer = TargetServicer(engine, args.model, eos_token_ids(model, tokenizer), fingerprint)
+        replica_id = args.replica_id or new_replica_id()
+
+        def describe(address: str, draining: bool) -> Replica:
+            return Replica("target", replica_id, address, args.model, fingerprint, "", engine.vocab_size,
+                           engine.stats()["live_sessions"], args.max_sessions, draining)
+
         return ServiceSpec("target", SERVICE, target_pb2_grpc.add_TargetServicer_to_server, servicer, engine,
-                           args.host, args.port, args.session_ttl)
+                           args.host, args.port, args.session_ttl, redis_url=args.redis or os.environ.get("REDIS_URL"),
+                           advertise=args.advertise, describe=describe, drain_seconds=args.drain_seconds)
 
     return main_async(spec, "target")

@@ -24,6 +24,7 @@ def stack(tmp_path_factory):
     target.save_pretrained(root / "target")
     word_tokenizer(32).save_pretrained(root / "target")
     perturbed(target, scale=0.04, seed=1).save_pretrained(root / "draft")
+    word_tokenizer(32).save_pretrained(root / "draft")  # same tokenizer: a compatible draft
     with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=2,
                      log_dir=tmp_path_factory.mktemp("kill-logs"),
                      extra_coordinator=["--draft-timeout", "2"]) as s:
@@ -36,7 +37,7 @@ def test_draft_killed_mid_request_changes_nothing(stack):
     with torch.inference_mode():
         expected = stack.target_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
                                                min_new_tokens=NEW_TOKENS, pad_token_id=0)[0, len(prompt):].tolist()
-    draft = next(c for c in stack.children if c.name == "draft")
+    draft = stack.child("draft-0")
     req = request(prompt, k=2, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     tokens, last = [], None
     for chunk in stub(stack.coordinator_address).GenerateStream(req, timeout=300):

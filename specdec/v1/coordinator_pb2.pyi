@@ -50,23 +50,25 @@ class SpeculationParams(_message.Message):
     def __init__(self, num_speculative_tokens: _Optional[int] = ..., method: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "speculation", "apply_chat_template")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "speculation", "resume_from_index", "apply_chat_template")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     speculation: SpeculationParams
+    resume_from_index: int
     apply_chat_template: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., resume_from_index: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_passes", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds", "total_seconds", "draft_fallbacks")
+    __slots__ = ("target_passes", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds", "total_seconds", "draft_fallbacks", "draft_failovers", "target_failovers")
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,8 @@ class SpeculationStats(_message.Message):
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     target_passes: int
     proposed_tokens: int
     accepted_tokens: int
@@ -83,7 +87,9 @@ class SpeculationStats(_message.Message):
     verify_seconds: float
     total_seconds: float
     draft_fallbacks: int
-    def __init__(self, target_passes: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., draft_fallbacks: _Optional[int] = ...) -> None: ...
+    draft_failovers: int
+    target_failovers: int
+    def __init__(self, target_passes: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., draft_fallbacks: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., target_failovers: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "seed", "stats")

@@ -228,9 +228,11 @@ class CoordinatorCore:
             raise InvalidArgumentError("request_id", f"{request_id!r} is already used by a different request")
         from_index = request.resume_from_index
         tokens: list[int] = []
-        last = b"-"
+        last, first = b"-", True
         while True:
-            entries = await self.log.entries(request_id, last, None if last == b"-" else 1000)
+            # First read everything there is; then block for new entries (1 s at a time).
+            entries = await self.log.entries(request_id, last, None if first else 1000)
+            first = False
             for entry in entries:
                 last = entry.entry_id
                 tokens.extend(entry.chunk.token_ids)

@@ -53,9 +53,9 @@ class Entry:
 
 class OutputLog:
     def __init__(self, url: str, ttl_s: float = DEFAULT_TTL_S):
-        import redis.asyncio as aioredis
+        from specdec.redis_client import connect
 
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self.redis = connect(url)
         self.ttl_ms = int(ttl_s * 1000)
         self._refresh = self.redis.register_script(_REFRESH)
         self._release = self.redis.register_script(_RELEASE)

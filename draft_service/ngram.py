@@ -56,6 +56,7 @@ class NgramDraft:
         self.model_id = f"ngram(n={min_n}..{max_n})"
         self._sessions: dict[str, _NgramSession] = {}
         self._lock = threading.Lock()
+        self.sessions_started = 0
 
     def _get(self, session_id: str) -> _NgramSession:
         try:
@@ -74,6 +75,7 @@ class NgramDraft:
             if len(self._sessions) >= self.max_sessions:
                 raise ResourceExhaustedError(f"ngram draft: {len(self._sessions)} live sessions, the cap is {self.max_sessions}")
             self._sessions[session_id] = _NgramSession([int(t) for t in prompt])
+            self.sessions_started += 1
 
     def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
         session = self._get(session_id)
@@ -113,4 +115,4 @@ class NgramDraft:
         return [sid for sid in stale if self.release(sid)]
 
     def stats(self) -> dict:
-        return {"live_sessions": len(self._sessions), "kv_bytes": 0}
+        return {"live_sessions": len(self._sessions), "kv_bytes": 0, "sessions_started": self.sessions_started}

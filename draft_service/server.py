@@ -71,7 +71,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             kind="draft", model_id=self.model_spec, vocab_size=self.engine.vocab_size,
             context_length=getattr(getattr(self.engine, "store", None), "context_length", 0),
             tokenizer_fingerprint=self.fingerprint, live_sessions=stats["live_sessions"],
-            kv_bytes=stats["kv_bytes"], kv_bytes_per_token=stats.get("kv_bytes_per_token", 0),
+            kv_bytes=stats["kv_bytes"], sessions_started=stats.get("sessions_started", 0),
+            draining=self.draining, kv_bytes_per_token=stats.get("kv_bytes_per_token", 0),
             draft_kind=self.engine.kind,
         )
 

@@ -286,17 +286,20 @@ class SpeculativeRun:
 
     async def _propose_and_verify(self, k: int) -> tuple[DraftProposal, TargetVerdict]:
         sid, step, proposal = self.session_id, self.step, EMPTY
-        if self.draft is not None and k > 0:
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        # Retried on a replacement replica: the step must propose exactly what the lost replica
+        # would have (same draws), or the tokens would differ from an undisturbed run.
+        while self.draft is not None and k > 0:
             try:
                 proposal = await self.draft.propose(sid, step, k, self._commit(self.draft_len))
                 self.draft_len = len(self.sequence)
                 if len(proposal) > k:
                     raise MalformedProposalError("proposals", f"{len(proposal)} tokens for k={k}")
+                break
             except Exception as exc:  # noqa: BLE001 - see module docstring
                 proposal = EMPTY
                 await self._drop_draft(f"propose: {exc}")
-            self.stats.draft_seconds += time.perf_counter() - t0
+        self.stats.draft_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
         while True:
             commit = self._commit(self.target_len)

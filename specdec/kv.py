@@ -107,6 +107,7 @@ class SessionStore:
         self.bytes_per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
         self._sessions: dict[str, Session] = {}
         self._table_lock = threading.Lock()
+        self.sessions_started = 0
 
     # -- table --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -160,6 +161,7 @@ class SessionStore:
                 raise SessionExistsError(f"{self.name}: session {session_id!r} already exists")
             self._check_capacity()
             self._sessions[session_id] = session
+            self.sessions_started += 1
         return session
 
     def release(self, session_id: str) -> bool:
@@ -284,4 +286,5 @@ class SessionStore:
             "live_sessions": len(self),
             "kv_bytes": self.total_kv_bytes,
             "kv_bytes_per_token": self.bytes_per_token,
+            "sessions_started": self.sessions_started,
         }

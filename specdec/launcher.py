@@ -60,6 +60,8 @@ class Stack:
     env: dict = field(default_factory=dict)
     draft_model: str | None = None
     extra_draft: list = field(default_factory=list)
+    target_model: str | None = None
+    extra_target: list = field(default_factory=list)
 
     def start_replica(self, kind: str, model: str, extra: list[str], name: str) -> Child:
         """Start one draft/target replica registered in the stack's Redis (not waited for)."""
@@ -68,9 +70,10 @@ class Stack:
                 "--redis", self.redis_url, "--replica-id", name, *extra]
         return self.start(name, args, address, self.log_dir, {"OTEL_SERVICE_NAME": f"specdec-{kind}", **self.env})
 
-    def add_draft_replica(self, name: str, timeout: float = 120.0) -> Child:
-        """Scale the draft pool out at run time."""
-        child = self.start_replica("draft", self.draft_model, self.extra_draft, name)
+    def add_replica(self, kind: str, name: str, timeout: float = 120.0) -> Child:
+        """Scale a pool out at run time (a new replica registers itself; no restart needed)."""
+        model, extra = (self.draft_model, self.extra_draft) if kind == "draft" else (self.target_model, self.extra_target)
+        child = self.start_replica(kind, model, extra, name)
         self.wait_healthy(child, timeout)
         return child
 
@@ -150,6 +153,7 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
         stack.redis_url, stack.embedded_redis = redis_url, embedded
         stack.host, stack.log_dir, stack.env = host, log_dir, env or {}
         stack.draft_model, stack.extra_draft = draft_model, list(extra_draft or [])
+        stack.target_model, stack.extra_target = target_model, list(extra_target or [])
         for i in range(target_replicas):
             _say(f"starting target replica {i} ({target_model})...")
             stack.start_replica("target", target_model, list(extra_target or []), f"target-{i}")

@@ -78,6 +78,11 @@ class EmbeddedRedis:
         if not keep_data and self._tmp is not None:
             self._tmp.cleanup()
 
+    def restart(self) -> "EmbeddedRedis":
+        """Stop and start again on the same port with the same data (append-only file)."""
+        self.stop(keep_data=True)
+        return self.start()
+
     def __enter__(self) -> "EmbeddedRedis":
         return self.start()
 

@@ -94,10 +94,10 @@ def choose_draft(drafts: Sequence[Replica], target: Replica, exclude: Sequence[s
 # -- Redis access ----------------------------------------------------------------------------
 class Registry:
     def __init__(self, url: str):
-        import redis.asyncio as aioredis
+        from .redis_client import connect
 
         self.url = url
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self.redis = connect(url)
 
     async def publish(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:

@@ -84,7 +84,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             kind="target", model_id=self.model_spec, vocab_size=self.engine.vocab_size,
             context_length=self.engine.context_length, eos_token_ids=self.eos_token_ids,
             tokenizer_fingerprint=self.fingerprint, live_sessions=stats["live_sessions"],
-            kv_bytes=stats["kv_bytes"], kv_bytes_per_token=stats["kv_bytes_per_token"],
+            kv_bytes=stats["kv_bytes"], sessions_started=stats.get("sessions_started", 0),
+            draining=self.draining, kv_bytes_per_token=stats["kv_bytes_per_token"],
         )
 
 

@@ -9,8 +9,9 @@ from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_pb2_grpc
 
 
-def request(prompt_ids=None, prompt=None, k=None, method="", **sampling) -> pb.GenerateRequest:
-    req = pb.GenerateRequest()
+def request(prompt_ids=None, prompt=None, k=None, method="", request_id="", resume_from_index=0,
+            **sampling) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, resume_from_index=resume_from_index)
     if prompt_ids is not None:
         req.prompt_token_ids.extend(prompt_ids)
     if prompt is not None:

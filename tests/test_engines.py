@@ -252,7 +252,7 @@ def test_kv_bytes_are_tracked_and_capped(target_model):
     target.prefill("a", PROMPT, GREEDY)
     assert target.stats()["kv_bytes"] == (len(PROMPT) - 1) * per_token
     target.release("a")
-    assert target.stats() == {"live_sessions": 0, "kv_bytes": 0, "kv_bytes_per_token": per_token}
+    assert target.stats() == {"live_sessions": 0, "kv_bytes": 0, "kv_bytes_per_token": per_token, "sessions_started": 1}
 
     capped = TargetEngine(target_model, CacheLimits(max_sessions=2, max_session_kv_bytes=10 * per_token,
                                                     max_total_kv_bytes=12 * per_token))

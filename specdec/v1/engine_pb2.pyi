@@ -70,7 +70,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind")
+    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind", "sessions_started", "replica_id", "draining")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,9 @@ class EngineInfo(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_STARTED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     kind: str
     model_id: str
     vocab_size: int
@@ -91,4 +94,7 @@ class EngineInfo(_message.Message):
     kv_bytes: int
     kv_bytes_per_token: int
     draft_kind: str
-    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ...) -> None: ...
+    sessions_started: int
+    replica_id: str
+    draining: bool
+    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ..., sessions_started: _Optional[int] = ..., replica_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...

@@ -36,7 +36,9 @@ def stack(tmp_path_factory):
     word_tokenizer(32).save_pretrained(root / "draft")
     with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=2,
                      log_dir=tmp_path_factory.mktemp("failover-logs"), draft_replicas=2, target_replicas=2,
-                     extra_target=["--threads", "1"], extra_draft=["--threads", "1"]) as s:
+                     # sessions of a coordinator killed below are freed by the services' TTL
+                     extra_target=["--threads", "1", "--session-ttl", "8"],
+                     extra_draft=["--threads", "1", "--session-ttl", "8"]) as s:
         s.spares = 0
         yield s
 

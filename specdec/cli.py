@@ -64,7 +64,8 @@ def cmd_serve(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model, port=args.port,
                      num_speculative_tokens=args.num_speculative_tokens, host=args.host,
-                     extra_target=_device_flags(args, "target"), extra_draft=_device_flags(args, "draft"),
+                     extra_target=_device_flags(args, "target") + ["--tp", str(args.target_tp)],
+                     extra_draft=_device_flags(args, "draft"),
                      draft_replicas=args.draft_replicas, target_replicas=args.target_replicas) as stack:
         print(f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)\n"
               f"  registry and session log: {stack.redis_url}"
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-device", default=None, help="device of the draft (e.g. cuda:1)")
     p.add_argument("--draft-replicas", type=int, default=1, help="draft service processes")
     p.add_argument("--target-replicas", type=int, default=1, help="target service processes")
+    p.add_argument("--target-tp", type=int, default=1, help="tensor-parallel ranks per target replica")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="call a running coordinator and stream the answer")

@@ -97,14 +97,15 @@ class CacheLimits:
 class SessionStore:
     """Sessions of one model: creation with validation, caps, forward passes, commits."""
 
-    def __init__(self, model, limits: CacheLimits | None = None, name: str = "engine"):
+    def __init__(self, model, limits: CacheLimits | None = None, name: str = "engine", kv_shards: int = 1):
+        """``kv_shards``: tensor-parallel ranks the KV heads are split over (bytes are per rank)."""
         self.model = model
         self.name = name
         self.limits = limits or CacheLimits()
         self.vocab_size = int(model.config.vocab_size)
         self.context_length = context_length(model)
         self.device = next(model.parameters()).device
-        self.bytes_per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+        self.bytes_per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype) // kv_shards
         self._sessions: dict[str, Session] = {}
         self._table_lock = threading.Lock()
         self.sessions_started = 0
@@ -175,11 +176,13 @@ class SessionStore:
             session.kv_bytes = 0
         return True
 
+    def stale_sessions(self, ttl_seconds: float) -> list[str]:
+        now = time.monotonic()
+        return [sid for sid, s in list(self._sessions.items()) if now - s.last_used > ttl_seconds]
+
     def expire_idle(self, ttl_seconds: float) -> list[str]:
         """Release sessions unused for ``ttl_seconds`` (abandoned by a dead coordinator)."""
-        now = time.monotonic()
-        stale = [sid for sid, s in list(self._sessions.items()) if now - s.last_used > ttl_seconds]
-        return [sid for sid in stale if self.release(sid)]
+        return [sid for sid in self.stale_sessions(ttl_seconds) if self.release(sid)]
 
     # -- caps ---------------------------------------------------------------------------------
     def _check_capacity(self) -> None:

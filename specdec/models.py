@@ -106,8 +106,20 @@ def load_tokenizer(spec: str):
         raise ModelLoadError(f"cannot load a tokenizer from {source.describe()}: {exc}") from exc
 
 
-def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None = None, quiet: bool = False):
-    """Load a causal LM for inference (eval mode, no grad) on ``device``."""
+def load_config(spec: str):
+    from transformers import AutoConfig
+
+    source = resolve(spec)
+    try:
+        return AutoConfig.from_pretrained(source.location, **source.kwargs())
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load a model config from {source.describe()}: {exc}") from exc
+
+
+def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None = None, quiet: bool = False,
+               tp_plan: str | None = None):
+    """Load a causal LM for inference (eval mode, no grad) on ``device``; with ``tp_plan="auto"``
+    (inside an initialised process group) each rank loads its tensor-parallel shard."""
     from transformers import AutoModelForCausalLM
 
     device = device or default_device()
@@ -118,10 +130,12 @@ def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None =
         print(f"[specdec] loading {source.describe()} on {device} ({str(dtype).replace('torch.', '')})...",
               file=sys.stderr, flush=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **source.kwargs())
+        extra = {"tp_plan": tp_plan} if tp_plan else {}
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **source.kwargs(), **extra)
     except OSError as exc:
         raise ModelLoadError(f"cannot load a model from {source.describe()}: {exc}") from exc
-    model.to(device)
+    if not tp_plan:
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
     if not quiet:

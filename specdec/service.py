@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +32,7 @@ class ServiceSpec:
     advertise: str | None = None  # the address others reach us at (default: host:port)
     describe: Callable[[str, bool], "object"] | None = None  # (address, draining) -> registry.Replica
     drain_seconds: float = 30.0
+    on_stop: Callable[[], None] | None = None  # after the server stopped (e.g. stop the other TP ranks)
 
 
 async def _expiry_loop(engine, ttl: float) -> None:
@@ -85,6 +88,19 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
     async def release_all() -> None:
         expiry.cancel()
         await asyncio.to_thread(spec.engine.expire_idle, -1.0)  # free every remaining session
+        if spec.on_stop is not None:
+            await asyncio.to_thread(spec.on_stop)
+
+    async def broken() -> None:
+        # A tensor-parallel peer rank died (SIGUSR1 from the supervisor): say so and leave now.
+        log.error("the tensor-parallel group is broken: NOT_SERVING, deregistering, exiting")
+        await srv.set_serving(health, [spec.full_service_name], False)
+        if heartbeat is not None:
+            await heartbeat.stop(deregister=True)
+        await asyncio.sleep(1.0)
+        os._exit(1)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: asyncio.ensure_future(broken()))
 
     await srv.serve_until_signal(server, health, [spec.full_service_name], spec.grace_seconds, release_all, drain)
 

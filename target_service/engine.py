@@ -16,8 +16,8 @@ from specdec.verify import TargetVerdict, target_verify, validate_block
 
 
 class TargetEngine:
-    def __init__(self, model, limits: CacheLimits | None = None, name: str = "target"):
-        self.store = SessionStore(model, limits, name=name)
+    def __init__(self, model, limits: CacheLimits | None = None, name: str = "target", kv_shards: int = 1):
+        self.store = SessionStore(model, limits, name=name, kv_shards=kv_shards)
         self.model_id = getattr(model.config, "_name_or_path", "") or name
 
     @property

@@ -18,8 +18,9 @@ SERVICE = "specdec.v1.Target"
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, engine, model_spec: str, eos_token_ids=(), tokenizer_fingerprint: str = ""):
+    def __init__(self, engine, model_spec: str, eos_token_ids=(), tokenizer_fingerprint: str = "", tp: int = 1):
         self.engine = engine
+        self.tp = tp
         self.model_spec = model_spec
         self.eos_token_ids = sorted(eos_token_ids)
         self.fingerprint = tokenizer_fingerprint
@@ -80,7 +81,15 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
     @grpc_method
     async def Info(self, request, context):
         stats = self.engine.stats()
+        if hasattr(self.engine, "rank_stats"):  # tensor parallel: every rank's own numbers
+            ranks = await asyncio.to_thread(self.engine.rank_stats)
+        else:
+            from .tp import local_param_bytes
+
+            ranks = [{"param_bytes": local_param_bytes(self.engine.store.model), "kv_bytes": stats["kv_bytes"]}]
         return engine_pb2.EngineInfo(
+            tp_size=self.tp, rank_param_bytes=[r["param_bytes"] for r in ranks],
+            rank_kv_bytes=[r["kv_bytes"] for r in ranks],
             kind="target", model_id=self.model_spec, vocab_size=self.engine.vocab_size,
             context_length=self.engine.context_length, eos_token_ids=self.eos_token_ids,
             tokenizer_fingerprint=self.fingerprint, live_sessions=stats["live_sessions"],
@@ -100,6 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one device each; gloo on CPU)")
     p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")
     p.add_argument("--advertise", default=None, help="address coordinators use to reach this replica "
                                                       "(default: HOST:PORT, 127.0.0.1 for a wildcard host)")
@@ -109,10 +119,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     import os
+    import sys
 
     from specdec.registry import Replica, new_replica_id
 
+    tp = args.tp
+    if tp < 1:
+        raise SystemExit("specdec target: --tp must be >= 1")
+    if tp > 1 and not os.environ.get("SPECDEC_TP_RANK_PROCESS"):
+        from specdec.models import load_config
+
+        from .tp import check_divisible, supervise
+
+        check_divisible(load_config(args.model), tp)  # fail before starting any rank
+        return supervise(["target", *sys.argv[sys.argv.index("target") + 1:]], tp)
+
+    rank = 0
+    on_stop = None
+
     def spec() -> ServiceSpec:
+        nonlocal rank, on_stop
         import torch
 
         from specdec.models import (default_device, eos_token_ids, load_model, parse_dtype, tokenizer_fingerprint,
@@ -122,11 +148,24 @@ def main(args) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         device = args.device or default_device()
-        model = load_model(args.model, device, parse_dtype(args.dtype, device))
+        limits = CacheLimits(args.max_sessions, args.max_session_kv_bytes, args.max_kv_bytes)
+        if tp > 1:
+            from .tp import DistributedTargetEngine, init_rank, worker_loop
+
+            rank, _, device = init_rank(args.device)
+            model = load_model(args.model, device, parse_dtype(args.dtype, device), quiet=rank != 0, tp_plan="auto")
+            engine = TargetEngine(model, limits, kv_shards=tp)
+            if rank != 0:
+                worker_loop(engine)
+                raise SystemExit(0)
+            engine = DistributedTargetEngine(engine, tp)
+            on_stop = engine.shutdown
+        else:
+            model = load_model(args.model, device, parse_dtype(args.dtype, device))
+            engine = TargetEngine(model, limits)
         tokenizer = try_load_tokenizer(args.model)
-        engine = TargetEngine(model, CacheLimits(args.max_sessions, args.max_session_kv_bytes, args.max_kv_bytes))
         fingerprint = tokenizer_fingerprint(tokenizer)
-        servicer = TargetServicer(engine, args.model, eos_token_ids(model, tokenizer), fingerprint)
+        servicer = TargetServicer(engine, args.model, eos_token_ids(model, tokenizer), fingerprint, tp)
         replica_id = args.replica_id or new_replica_id()
 
         def describe(address: str, draining: bool) -> Replica:
@@ -135,6 +174,7 @@ def main(args) -> int:
 
         return ServiceSpec("target", SERVICE, target_pb2_grpc.add_TargetServicer_to_server, servicer, engine,
                            args.host, args.port, args.session_ttl, redis_url=args.redis or os.environ.get("REDIS_URL"),
-                           advertise=args.advertise, describe=describe, drain_seconds=args.drain_seconds)
+                           advertise=args.advertise, describe=describe, drain_seconds=args.drain_seconds,
+                           on_stop=lambda: on_stop() if on_stop else None)
 
     return main_async(spec, "target")

@@ -70,7 +70,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind", "sessions_started", "replica_id", "draining")
+    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind", "sessions_started", "replica_id", "draining", "tp_size", "rank_param_bytes", "rank_kv_bytes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,9 @@ class EngineInfo(_message.Message):
     SESSIONS_STARTED_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANK_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     model_id: str
     vocab_size: int
@@ -97,4 +100,7 @@ class EngineInfo(_message.Message):
     sessions_started: int
     replica_id: str
     draining: bool
-    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ..., sessions_started: _Optional[int] = ..., replica_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    tp_size: int
+    rank_param_bytes: _containers.RepeatedScalarFieldContainer[int]
+    rank_kv_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ..., sessions_started: _Optional[int] = ..., replica_id: _Optional[str] = ..., draining: _Optional[bool] = ..., tp_size: _Optional[int] = ..., rank_param_bytes: _Optional[_Iterable[int]] = ..., rank_kv_bytes: _Optional[_Iterable[int]] = ...) -> None: ...

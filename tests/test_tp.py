@@ -1,0 +1,223 @@
+"""Tensor-parallel target (--tp N, gloo on CPU): sharding changes nothing the client sees."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import grpc
+import pytest
+import torch
+
+from coordinator.peers import GrpcTarget
+from draft_service.engine import DraftEngine
+from specdec.generate import LocalDraft, generate_async
+from specdec.launcher import Child, Stack, free_port, local_stack
+from specdec.proposal import DraftProposal
+from specdec.sampling import SamplingParams
+from specdec.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, exact_law, judge
+from specdec.sparse import SparseDist
+from specdec.tiny import negated_head, perturbed, word_tokenizer
+
+from stack_util import generate_many, request, stub
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-models")
+    target = build_target()  # 4 heads, 2 KV heads: splits 2 ways
+    target.save_pretrained(root / "target")
+    word_tokenizer(16).save_pretrained(root / "target")
+    perturbed(target, scale=0.04, seed=DRAFT_SEED).save_pretrained(root / "draft")
+    word_tokenizer(16).save_pretrained(root / "draft")
+    return root, target
+
+
+def start_target(model_dir, tp: int, logs, timeout: float = 300) -> Child:
+    port = free_port()
+    out = open(logs / f"target-tp{tp}-{port}.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "target", "--model", str(model_dir), "--tp",
+                                str(tp), "--host", "127.0.0.1", "--port", str(port), "--threads", "1"],
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    child = Child(f"target-tp{tp}", f"127.0.0.1:{port}", process)
+    Stack().wait_healthy(child, timeout)
+    return child
+
+
+def stop(child: Child) -> None:
+    if child.process.poll() is None:
+        child.process.send_signal(signal.SIGTERM)
+        try:
+            child.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def targets(models, tmp_path_factory):
+    root, _ = models
+    logs = tmp_path_factory.mktemp("tp-logs")
+    sharded, plain = start_target(root / "target", 2, logs), start_target(root / "target", 1, logs)
+    yield sharded, plain
+    stop(sharded)
+    stop(plain)
+
+
+def test_sharded_verifier_output_equals_unsharded(targets):
+    async def verdicts(address):
+        peer = GrpcTarget(address)
+        await peer.info()
+        out = []
+        for i, params in enumerate([SamplingParams(temperature=1.0, seed=5), SamplingParams(top_p=0.8, seed=6),
+                                    SamplingParams(repetition_penalty=1.5, seed=7)]):
+            sid = f"s{i}"
+            await peer.start(sid, [1, 2, 3, 4], params)
+            block = DraftProposal([5, 6, 7], [SparseDist.of([5, 9], [0.6, 0.4]), SparseDist.one_hot(6),
+                                              SparseDist.of([7, 1, 2], [0.2, 0.5, 0.3])])
+            out.append(await peer.verify(sid, 1, block, None))
+            await peer.release(sid)
+        await peer.close()
+        return out
+
+    sharded, plain = targets
+    for a, b in zip(asyncio.run(verdicts(sharded.address)), asyncio.run(verdicts(plain.address))):
+        assert a.p_proposed == pytest.approx(b.p_proposed, rel=1e-5, abs=1e-6)
+        assert a.recovered == b.recovered and a.bonus == b.bonus
+
+
+def test_each_rank_holds_about_half(targets):
+    from specdec.v1 import engine_pb2, target_pb2_grpc
+
+    def info(child):
+        return target_pb2_grpc.TargetStub(grpc.insecure_channel(child.address)).Info(engine_pb2.InfoRequest())
+
+    sharded, plain = info(targets[0]), info(targets[1])
+    assert sharded.tp_size == 2 and len(sharded.rank_param_bytes) == 2
+    total = plain.rank_param_bytes[0]
+    for rank_bytes in sharded.rank_param_bytes:
+        assert 0.45 * total <= rank_bytes <= 0.6 * total  # norms are replicated, the rest is split
+    assert sharded.kv_bytes_per_token * 2 == plain.kv_bytes_per_token
+
+
+def test_forced_rejection_then_decoding_matches_plain_decoding(models, targets):
+    """Every proposal rejected at index 0 (a draft whose favourite is the target's least likely):
+    the caches on both ranks must roll back identically, or greedy decoding would diverge."""
+    _, target_model = models
+    prompt = [3, 1, 4, 1, 5]
+    expected = target_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+
+    async def run():
+        peer = GrpcTarget(targets[0].address)
+        await peer.info()
+        draft = DraftEngine(negated_head(target_model))
+        result = await generate_async(peer, LocalDraft(draft), prompt,
+                                      SamplingParams(temperature=0.0, seed=1, max_new_tokens=40, ignore_eos=True), 3)
+        await peer.close()
+        return result
+
+    result = asyncio.run(run())
+    assert result.token_ids == expected
+    assert result.stats.accepted_tokens == 0 and result.stats.proposed_tokens > 0
+
+
+def test_killing_one_rank_takes_the_group_down_cleanly(models, tmp_path_factory):
+    import psutil
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    root, _ = models
+    group = start_target(root / "target", 2, tmp_path_factory.mktemp("tp-kill"))
+    ranks = psutil.Process(group.process.pid).children()
+    assert len(ranks) == 2
+    started = time.monotonic()
+    ranks[1].kill()
+    states = []
+    while time.monotonic() - started < 10 and group.process.poll() is None:
+        try:
+            reply = health_pb2_grpc.HealthStub(grpc.insecure_channel(group.address)).Check(
+                health_pb2.HealthCheckRequest(), timeout=1)
+            states.append(reply.status)
+        except grpc.RpcError as exc:
+            states.append(exc.code().name)
+        time.sleep(0.1)
+    group.process.wait(10)  # the supervisor exits: no hang
+    assert group.process.returncode != 0
+    assert time.monotonic() - started < 10
+    assert health_pb2.HealthCheckResponse.SERVING not in states[3:]  # not serving within a few checks
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+
+
+@pytest.fixture(scope="module")
+def tp_stack(models, tmp_path_factory):
+    root, _ = models
+    with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=3,
+                     log_dir=tmp_path_factory.mktemp("tp-stack-logs"),
+                     extra_target=["--tp", "2", "--threads", "1"], extra_draft=["--threads", "1"]) as s:
+        yield s
+
+
+def test_greedy_through_the_stack_with_tp2_equals_transformers(models, tp_stack):
+    _, target_model = models
+    prompt = [3, 9, 3, 9, 14, 2]
+    expected = target_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+    reply = stub(tp_stack.coordinator_address).Generate(
+        request(prompt, k=3, temperature=0.0, max_new_tokens=30, ignore_eos=True))
+    assert list(reply.token_ids) == expected
+
+
+TP_CASES = [c for c in CASES if c.name in ("temperature_1", "top_p", "penalties_and_bias")]
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("case", TP_CASES, ids=[c.name for c in TP_CASES])
+def test_exactness_through_the_stack_with_tp2(models, tp_stack, case):
+    _, target_model = models
+    n = 300
+    law = exact_law(target_model, case.prompt, case_params(case), case.tokens)
+    sampling = dict(case.params, max_new_tokens=case.tokens, ignore_eos=True)
+    replies = generate_many(tp_stack.coordinator_address,
+                            [request(list(case.prompt), k=case.k, seed=BASE_SEED + i, **sampling) for i in range(n)])
+    verdict = judge(case, Counter(tuple(r.token_ids) for r in replies), law, n,
+                    sum(r.stats.proposed_tokens for r in replies), sum(r.stats.accepted_tokens for r in replies))
+    assert verdict.passed, verdict
+
+
+def test_default_smollm2_target_with_tp3_equals_transformers(smollm2, tmp_path_factory):
+    """SmolLM2-135M has 9 heads / 3 KV heads: it splits 3 ways (not 2: see the next test)."""
+    from specdec.models import encode_prompt
+
+    model, tokenizer = smollm2
+    ids = encode_prompt(tokenizer, "Explain why the sky is blue.", chat=True)
+    expected = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24,
+                              pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+    group = start_target("smollm2", 3, tmp_path_factory.mktemp("tp3"))
+    try:
+        async def run():
+            from draft_service.ngram import NgramDraft
+
+            peer = GrpcTarget(group.address)
+            info = await peer.info()
+            assert info.tp_size == 3 and len(info.rank_param_bytes) == 3
+            result = await generate_async(peer, LocalDraft(NgramDraft(info.vocab_size)), ids,
+                                          SamplingParams(temperature=0.0, seed=0, max_new_tokens=24), 3)
+            await peer.close()
+            return result.token_ids
+
+        assert asyncio.run(run()) == expected
+    finally:
+        stop(group)
+
+
+def test_a_model_that_cannot_be_split_is_refused_clearly():
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "target", "--model", "smollm2", "--tp", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "cannot be split 2 ways" in proc.stderr and "num_attention_heads=9" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -168,6 +168,12 @@ class CoordinatorCore:
             params = params.with_seed(new_seed())
         return ParsedRequest(request_id, prompt_ids, params, k, method)
 
+    async def generate_unary(self, request, trace_carrier: dict | None = None) -> coordinator_pb2.GenerateResponse:
+        response = coordinator_pb2.GenerateResponse()
+        async for chunk in self.generate(request, trace_carrier):
+            wire.add_chunk(response, chunk)
+        return response
+
     # -- the public entry point ----------------------------------------------------------------
     async def generate(self, request: coordinator_pb2.GenerateRequest,
                        trace_carrier: dict | None = None) -> AsyncIterator[coordinator_pb2.GenerateChunk]:

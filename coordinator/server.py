@@ -10,7 +10,7 @@ import logging
 import sys
 
 from specdec import server as srv
-from specdec import tracing
+from specdec import tracing, wire
 from specdec.server import grpc_method
 from specdec.v1 import coordinator_pb2_grpc
 
@@ -47,13 +47,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         response = coordinator_pb2.GenerateResponse()
         async for chunk in self.backend.generate(request, tracing.inject_context()):
-            response.request_id = chunk.request_id
-            response.token_ids.extend(chunk.token_ids)
-            response.text += chunk.text
-            if chunk.finish_reason:
-                response.finish_reason = chunk.finish_reason
-                response.seed = chunk.seed
-                response.stats.CopyFrom(chunk.stats)
+            wire.add_chunk(response, chunk)
         return response
 
     @grpc_method

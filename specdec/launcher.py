@@ -50,7 +50,7 @@ class Child:
 
 
 @dataclass
-class Stack:
+class Stack:  # noqa: D101
     children: list[Child] = field(default_factory=list)
     coordinator_address: str = ""
     redis_url: str = ""

@@ -123,3 +123,13 @@ def stats_from_proto(msg: coordinator_pb2.SpeculationStats) -> StepStats:
         verify_seconds=msg.verify_seconds, total_seconds=msg.total_seconds, draft_fallbacks=msg.draft_fallbacks,
         draft_failovers=msg.draft_failovers, target_failovers=msg.target_failovers,
     )
+
+
+def add_chunk(response: coordinator_pb2.GenerateResponse, chunk: coordinator_pb2.GenerateChunk) -> None:
+    """Fold one stream chunk into the unary response (Generate is GenerateStream, collected)."""
+    response.request_id = chunk.request_id
+    response.token_ids.extend(chunk.token_ids)
+    response.text += chunk.text
+    if chunk.finish_reason:
+        response.finish_reason, response.seed = chunk.finish_reason, chunk.seed
+        response.stats.CopyFrom(chunk.stats)

@@ -1,0 +1,38 @@
+# specdec image: every service (draft, target, coordinator on Ray) runs this image with a different
+# `specdec` subcommand. Models are NOT baked in: mount them at /models, or let an init container
+# fetch them at start (see deploy/).
+#
+# CPU (default):  docker build -t ghcr.io/specdec/specdec:0.1.0 .
+# GPU variant:    docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 \
+#                   -t ghcr.io/specdec/specdec:0.1.0-cuda .
+#                 (the CUDA wheels carry their own CUDA runtime; nodes need the NVIDIA driver and the
+#                 NVIDIA device plugin, pods request nvidia.com/gpu)
+FROM python:3.11.9-slim-bookworm
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    HF_HUB_OFFLINE=1 \
+    HF_HOME=/tmp/hf \
+    RAY_AUTH_MODE=disabled
+
+RUN groupadd --gid 10001 specdec && useradd --uid 10001 --gid 10001 --create-home specdec
+
+WORKDIR /opt/specdec
+# torch first, from the chosen index: a bare `torch` requirement would pick an arbitrary build.
+RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
+COPY pyproject.toml README.md ./
+COPY specdec ./specdec
+COPY draft_service ./draft_service
+COPY target_service ./target_service
+COPY coordinator ./coordinator
+COPY proto ./proto
+RUN pip install . && python -c "import specdec.v1.coordinator_pb2, coordinator.serve_app"
+
+USER 10001:10001
+EXPOSE 50051 50061 50062 9000
+ENTRYPOINT ["specdec"]
+CMD ["--help"]

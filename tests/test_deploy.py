@@ -1,0 +1,203 @@
+"""deploy/ is validated offline: kustomize renders every overlay, every core object passes strict
+schema validation against a pinned Kubernetes version, CRDs are checked structurally, and the
+manifests agree with what the services actually accept and listen on."""
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERLAYS = ["dev", "gpu"]
+K8S_VERSION = "1.34.0"
+PROJECT_IMAGE = re.compile(r"^ghcr\.io/specdec/specdec:\d+\.\d+\.\d+(-cuda)?$")
+THIRD_PARTY = re.compile(r"^(redis:7\.\d+\.\d+-alpine|jaegertracing/all-in-one:1\.\d+\.\d+)$")
+CRD_KINDS = {"RayService"}
+
+
+def render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl (with kustomize) is needed to render deploy/"
+    out = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / "overlays" / overlay)],
+                         capture_output=True, text=True, check=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def objects(request):
+    return request.param, render(request.param)
+
+
+def pod_templates(objs):
+    """(owner name, pod template) for every workload, the RayService head included."""
+    for obj in objs:
+        kind = obj["kind"]
+        if kind in ("Deployment", "StatefulSet"):
+            yield obj["metadata"]["name"], obj["spec"]["template"]
+        elif kind == "RayService":
+            yield obj["metadata"]["name"], obj["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+
+
+def containers(template, init=True):
+    spec = template["spec"]
+    return spec.get("containers", []) + (spec.get("initContainers", []) if init else [])
+
+
+def config(objs) -> dict:
+    return next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "specdec-config")["data"]
+
+
+def test_core_objects_validate_strictly(objects):
+    import kubernetes_validate
+
+    _, objs = objects
+    for obj in objs:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_the_expected_objects_exist(objects):
+    overlay, objs = objects
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    expected = {("Deployment", "specdec-draft"), ("Service", "specdec-draft"),
+                ("HorizontalPodAutoscaler", "specdec-draft"), ("StatefulSet", "specdec-target"),
+                ("RayService", "specdec-coordinator"), ("Service", "specdec-coordinator"),
+                ("StatefulSet", "specdec-redis"), ("ConfigMap", "specdec-config")}
+    assert expected <= kinds
+    assert sum(o["kind"] == "PodDisruptionBudget" for o in objs) >= 2
+    assert sum(o["kind"] == "NetworkPolicy" for o in objs) >= 3
+    if overlay == "dev":
+        assert ("Deployment", "specdec-jaeger") in kinds
+    draft_svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "specdec-draft")
+    assert draft_svc["spec"]["clusterIP"] == "None"  # per-replica routing through the registry
+
+
+def test_rayservice_structure(objects):
+    _, objs = objects
+    rs = next(o for o in objs if o["kind"] == "RayService")
+    assert rs["apiVersion"] == "ray.io/v1"
+    serve_config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    grpc = serve_config["grpc_options"]
+    for path in grpc["grpc_servicer_functions"]:  # importable, as Serve's proxy will import them
+        module, attr = path.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(module), attr))
+    (app,) = serve_config["applications"]
+    assert app["route_prefix"] == "/"  # without it Serve's proxy never routes gRPC
+    module, attr = app["import_path"].split(":")
+    builder = getattr(importlib.import_module(module), attr)
+    from coordinator.serve_app import config_from_args
+
+    config_from_args({**app["args"], "redis_url": "redis://x:6379/0"})  # every arg is one the app knows
+    assert callable(builder)
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    ports = {p["containerPort"] for c in containers(head, init=False) for p in c.get("ports", [])}
+    assert grpc["port"] in ports
+    import ray
+
+    assert rs["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
+
+
+def test_every_service_selects_a_pod_template(objects):
+    _, objs = objects
+    templates = [t for _, t in pod_templates(objs)]
+    for svc in (o for o in objs if o["kind"] == "Service"):
+        selector = svc["spec"]["selector"]
+        matching = [t for t in templates if selector.items() <= t["metadata"]["labels"].items()]
+        assert matching, f"Service {svc['metadata']['name']} selects no pod template"
+        named_ports = {p["name"]: p["containerPort"] for t in matching for c in containers(t, init=False)
+                       for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert target in named_ports or target in named_ports.values(), (svc["metadata"]["name"], target)
+    for obj in objs:
+        if obj["kind"] in ("PodDisruptionBudget", "Deployment", "StatefulSet"):
+            labels = obj["spec"]["selector"]["matchLabels"]
+            assert any(labels.items() <= t["metadata"]["labels"].items() for t in templates)
+
+
+def test_every_container_has_limits_security_and_probes(objects):
+    _, objs = objects
+    for owner, template in pod_templates(objs):
+        assert template["spec"].get("securityContext", {}).get("runAsNonRoot") is True, owner
+        for c in containers(template):
+            res = c.get("resources", {})
+            assert res.get("requests") and res.get("limits"), (owner, c["name"])
+            sec = c.get("securityContext", {})
+            assert sec.get("allowPrivilegeEscalation") is False and sec.get("readOnlyRootFilesystem") is True, c["name"]
+        for c in containers(template, init=False):
+            assert "readinessProbe" in c and "livenessProbe" in c, (owner, c["name"])
+
+
+def test_every_image_is_the_projects_or_a_pinned_dependency(objects):
+    _, objs = objects
+    for owner, template in pod_templates(objs):
+        for c in containers(template):
+            image = c["image"]
+            assert PROJECT_IMAGE.match(image) or THIRD_PARTY.match(image), (owner, image)
+
+
+def expand(arg: str, env: dict) -> str:
+    return re.sub(r"\$\(([A-Z_]+)\)", lambda m: env[m.group(1)], arg)
+
+
+def test_cli_flags_and_ports_agree_with_the_services(objects):
+    """The container args parse with the real `specdec` CLI, and the port a service listens on is
+    the containerPort, the probe port and the Service's target."""
+    from specdec.cli import build_parser
+
+    _, objs = objects
+    env = {**config(objs), "POD_IP": "10.0.0.1"}
+    parser = build_parser()
+    seen = set()
+    for owner, template in pod_templates(objs):
+        for c in containers(template, init=False):
+            if not PROJECT_IMAGE.match(c["image"]) or "args" not in c:
+                continue
+            args = parser.parse_args([expand(a, env) for a in c["args"]])
+            seen.add(args.command)
+            grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+            assert args.port == grpc_port, (owner, args.port, grpc_port)
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert c[probe]["grpc"]["port"] == args.port
+            assert args.advertise == f"10.0.0.1:{args.port}"
+            assert args.redis == env["REDIS_URL"]
+            assert {"name": "specdec-config"} in [e.get("configMapRef") for e in c["envFrom"]]
+    assert seen == {"draft", "target"}
+    # the model specs the config names are what the services will be asked to load
+    assert env["TARGET_TP"].isdigit() and int(env["NUM_SPECULATIVE_TOKENS"]) <= int(env["MAX_SPECULATIVE_TOKENS"])
+
+
+def test_gpu_overlay_shards_the_target_and_gives_drafts_their_own_gpus():
+    objs = render("gpu")
+    tp = int(config(objs)["TARGET_TP"])
+    target = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "specdec-target")
+    (container,) = containers(target["spec"]["template"], init=False)
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp == 2
+    draft = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "specdec-draft")
+    (dc,) = containers(draft["spec"]["template"], init=False)
+    assert int(dc["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    hpa = next(o for o in objs if o["kind"] == "HorizontalPodAutoscaler")
+    assert hpa["spec"]["maxReplicas"] > 1
+    assert all(not t["spec"].get("initContainers") for _, t in pod_templates(objs))  # models from the PVC
+
+
+def test_dockerfile_structure():
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith("#")]
+    base = next(l for l in lines if l.startswith("FROM ")).split()[1]
+    assert ":" in base and not base.endswith(":latest")  # pinned by tag
+    user = [l for l in lines if l.startswith("USER ")]
+    assert user and user[-1].split()[1].split(":")[0] not in ("root", "0")
+    assert not re.search(r"(?i)(password|secret|token|api_key)\s*=", text)
+    entry = next(l for l in lines if l.startswith("ENTRYPOINT"))
+    assert shlex.split(entry.replace("[", "").replace("]", "").replace(",", " "))[1:] == ["specdec"]
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'specdec = "specdec.cli:main"' in pyproject  # the entrypoint exists in the package
+    assert "gguf" not in text.lower() and "/models" not in "".join(l for l in lines if l.startswith("COPY"))

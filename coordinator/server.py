@@ -11,7 +11,8 @@ import sys
 
 from specdec import server as srv
 from specdec import tracing, wire
-from specdec.server import grpc_method
+from specdec import metrics
+from specdec.server import grpc_method, status_of
 from specdec.v1 import coordinator_pb2_grpc
 
 from .core import CoordinatorConfig, CoordinatorCore
@@ -41,19 +42,30 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, backend):
         self.backend = backend
 
+    async def _chunks(self, request):
+        """The backend's chunks, recorded in the Prometheus metrics as they pass."""
+        recorder = metrics.RequestRecorder()
+        try:
+            async for chunk in self.backend.generate(request, tracing.inject_context()):
+                recorder.chunk(chunk)
+                yield chunk
+        except Exception as exc:
+            recorder.error(status_of(exc).name)
+            raise
+
     @grpc_method
     async def Generate(self, request, context):
         from specdec.v1 import coordinator_pb2
 
         response = coordinator_pb2.GenerateResponse()
-        async for chunk in self.backend.generate(request, tracing.inject_context()):
+        async for chunk in self._chunks(request):
             wire.add_chunk(response, chunk)
         return response
 
     @grpc_method
     async def GenerateStream(self, request, context):
         # Written as `async def ... yield` (not context.write): see design.md §7 on the OTel bug.
-        async for chunk in self.backend.generate(request, tracing.inject_context()):
+        async for chunk in self._chunks(request):
             yield chunk
 
 
@@ -76,6 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=1, help="coordinator Ray actors")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS or a local one)")
     p.add_argument("--no-ray", action="store_true", help="run the core in the front process (debugging only)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
 
 
 def config_from_args(args) -> CoordinatorConfig:
@@ -111,6 +124,7 @@ async def serve(args) -> None:
     if bound == 0:
         raise SystemExit(f"specdec coordinator: cannot listen on {args.host}:{args.port}")
     await server.start()
+    metrics.serve_metrics(args.metrics_port)
     await srv.set_serving(health, [SERVICE], True)
     print(f"[specdec] coordinator service SERVING on {args.host}:{bound}", file=sys.stderr, flush=True)
     await srv.serve_until_signal(server, health, [SERVICE], 10.0, backend.stop)

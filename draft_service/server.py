@@ -96,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                       "(default: HOST:PORT, 127.0.0.1 for a wildcard host)")
     p.add_argument("--replica-id", default=None, help="registry id (default: random)")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, wait this long for live sessions")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
 
 
 def build_engine(args):
@@ -135,6 +136,7 @@ def main(args) -> int:
 
         return ServiceSpec("draft", SERVICE, draft_pb2_grpc.add_DraftServicer_to_server, servicer, engine,
                            args.host, args.port, args.session_ttl, redis_url=args.redis or os.environ.get("REDIS_URL"),
-                           advertise=args.advertise, describe=describe, drain_seconds=args.drain_seconds)
+                           advertise=args.advertise, describe=describe, drain_seconds=args.drain_seconds,
+                           metrics_port=args.metrics_port)
 
     return main_async(spec, "draft")

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import tracing
+from . import metrics, tracing
 from .errors import SpecdecError
 
 log = logging.getLogger("specdec.server")
@@ -47,12 +47,14 @@ def grpc_method(fn: Callable) -> Callable:
     exception becomes INTERNAL with a log line; never a stack trace to the client. Works for unary
     methods and for server-streaming methods written as ``async def ... yield``."""
     name = fn.__qualname__
+    method = fn.__name__
     if inspect.isasyncgenfunction(fn):
         @functools.wraps(fn)
         async def stream_wrapper(self, request, context):
             try:
-                async for item in fn(self, request, context):
-                    yield item
+                with metrics.rpc_timer(method):
+                    async for item in fn(self, request, context):
+                        yield item
             except (asyncio.CancelledError, GeneratorExit):
                 raise
             except grpc.aio.AbortError:
@@ -64,7 +66,8 @@ def grpc_method(fn: Callable) -> Callable:
     @functools.wraps(fn)
     async def unary_wrapper(self, request, context):
         try:
-            return await fn(self, request, context)
+            with metrics.rpc_timer(method):
+                return await fn(self, request, context)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AbortError:

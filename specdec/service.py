@@ -12,7 +12,7 @@ from typing import Callable
 import grpc
 
 from . import server as srv
-from . import tracing
+from . import metrics, tracing
 
 log = logging.getLogger("specdec.service")
 
@@ -33,6 +33,7 @@ class ServiceSpec:
     describe: Callable[[str, bool], "object"] | None = None  # (address, draining) -> registry.Replica
     drain_seconds: float = 30.0
     on_stop: Callable[[], None] | None = None  # after the server stopped (e.g. stop the other TP ranks)
+    metrics_port: int = 0
 
 
 async def _expiry_loop(engine, ttl: float) -> None:
@@ -53,6 +54,8 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
     if bound == 0:
         raise SystemExit(f"specdec {spec.name}: cannot listen on {address}")
     await server.start()
+    metrics.watch_engine(spec.engine)
+    metrics.serve_metrics(spec.metrics_port)
     await srv.set_serving(health, [spec.full_service_name], True)
     print(f"[specdec] {spec.name} service SERVING on {spec.host}:{bound}", file=sys.stderr, flush=True)
     if on_ready:

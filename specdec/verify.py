@@ -155,9 +155,11 @@ class StepStats:
     draft_fallbacks: int = 0
     draft_failovers: int = 0
     target_failovers: int = 0
+    drafts: int = 0
 
     def record(self, decision: StepDecision, num_proposed: int) -> None:
         self.target_passes += 1
+        self.drafts += 1 if num_proposed else 0
         self.proposed_tokens += num_proposed
         self.accepted_tokens += decision.num_accepted
         if len(self.accepted_per_position) < num_proposed:

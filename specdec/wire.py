@@ -112,7 +112,7 @@ def stats_to_proto(stats: StepStats) -> coordinator_pb2.SpeculationStats:
         accepted_tokens=stats.accepted_tokens, accepted_per_position=list(stats.accepted_per_position),
         draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
         total_seconds=stats.total_seconds, draft_fallbacks=stats.draft_fallbacks,
-        draft_failovers=stats.draft_failovers, target_failovers=stats.target_failovers,
+        draft_failovers=stats.draft_failovers, target_failovers=stats.target_failovers, drafts=stats.drafts,
     )
 
 
@@ -121,7 +121,7 @@ def stats_from_proto(msg: coordinator_pb2.SpeculationStats) -> StepStats:
         target_passes=msg.target_passes, proposed_tokens=msg.proposed_tokens, accepted_tokens=msg.accepted_tokens,
         accepted_per_position=list(msg.accepted_per_position), draft_seconds=msg.draft_seconds,
         verify_seconds=msg.verify_seconds, total_seconds=msg.total_seconds, draft_fallbacks=msg.draft_fallbacks,
-        draft_failovers=msg.draft_failovers, target_failovers=msg.target_failovers,
+        draft_failovers=msg.draft_failovers, target_failovers=msg.target_failovers, drafts=msg.drafts,
     )
 
 

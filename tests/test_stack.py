@@ -51,11 +51,18 @@ def stack(models, collector, tmp_path_factory):
     logs = tmp_path_factory.mktemp("stack-logs")
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector[1]}", "OTEL_BSP_SCHEDULE_DELAY": "200",
            "OTEL_BSP_MAX_QUEUE_SIZE": "200000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}
+    from specdec.launcher import free_port
+
+    metrics_ports = {name: free_port() for name in ("coordinator", "target", "draft")}
     with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=3, log_dir=logs,
-                     extra_target=["--max-sessions", str(MAX_TARGET_SESSIONS), "--threads", "1"],
-                     extra_draft=["--threads", "1"], extra_coordinator=["--max-speculative-tokens", "8"],
+                     extra_target=["--max-sessions", str(MAX_TARGET_SESSIONS), "--threads", "1",
+                                   "--metrics-port", str(metrics_ports["target"])],
+                     extra_draft=["--threads", "1", "--metrics-port", str(metrics_ports["draft"])],
+                     extra_coordinator=["--max-speculative-tokens", "8",
+                                        "--metrics-port", str(metrics_ports["coordinator"])],
                      env=env) as s:
         s.logs = logs
+        s.metrics_ports = metrics_ports
         yield s
 
 
@@ -269,3 +276,44 @@ def test_specdec_generate_cli(stack):
     local = subprocess.run([specdec, "generate", "--addr", stack.coordinator_address, "w1", "--top-p", "2"],
                            capture_output=True, text=True, timeout=120)  # refused before it is sent
     assert local.returncode == 2 and "top_p" in local.stderr and "Traceback" not in local.stderr
+
+
+def scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"|{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[key] = sample.value
+    return out
+
+
+def test_metrics_counters_equal_the_returned_stats(stack):
+    before = scrape(stack.metrics_ports["coordinator"])
+    reqs = [request([1 + i % 5, 2, 3], k=1 + i % 4, temperature=1.0, seed=500 + i, max_new_tokens=10 + i,
+                    ignore_eos=True) for i in range(12)]
+    replies = generate_many(stack.coordinator_address, reqs, concurrency=4)
+    with pytest.raises(grpc.RpcError):
+        stub(stack.coordinator_address).Generate(request([1, 2], top_p=2.0))
+    after = scrape(stack.metrics_ports["coordinator"])
+    delta = lambda key: after.get(key, 0.0) - before.get(key, 0.0)  # noqa: E731
+    assert delta("specdec_accepted_tokens_total") == sum(r.stats.accepted_tokens for r in replies)
+    assert delta("specdec_draft_tokens_total") == sum(r.stats.proposed_tokens for r in replies)
+    assert delta("specdec_target_passes_total") == sum(r.stats.target_passes for r in replies)
+    assert delta("specdec_drafts_total") == sum(r.stats.drafts for r in replies)
+    assert delta("specdec_emitted_tokens_total") == sum(len(r.token_ids) for r in replies)
+    assert delta("specdec_requests_total|finish_reason=length") == len(replies)
+    assert delta("specdec_request_errors_total|code=INVALID_ARGUMENT") == 1
+    for position in range(4):
+        assert delta(f"specdec_accepted_tokens_by_position_total|position={position}") == sum(
+            r.stats.accepted_per_position[position] for r in replies if len(r.stats.accepted_per_position) > position)
+    assert delta("specdec_time_to_first_token_seconds_count") == len(replies)
+    assert delta("specdec_request_latency_seconds_count") == len(replies)
+    for service in ("target", "draft"):
+        scraped = scrape(stack.metrics_ports[service])
+        assert scraped["specdec_live_sessions"] == 0 and "specdec_kv_cache_bytes" in scraped
+        assert any(k.startswith("specdec_rpc_seconds_count|method=") for k in scraped)

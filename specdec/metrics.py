@@ -1,0 +1,114 @@
+"""Prometheus metrics (``specdec_*``), served on ``/metrics`` of each service's ``--metrics-port``.
+
+Coordinator (recorded by the public front from what it streams, so the counters equal the stats
+in the responses exactly):
+  specdec_requests_total{finish_reason}            finished requests
+  specdec_request_errors_total{code}               failed requests by gRPC status
+  specdec_drafts_total                             target passes that verified a non-empty block
+  specdec_draft_tokens_total                       proposed tokens
+  specdec_accepted_tokens_total                    accepted proposals
+  specdec_accepted_tokens_by_position_total{position}
+  specdec_target_passes_total                      target passes (verify calls)
+  specdec_emitted_tokens_total                     tokens sent to clients
+  specdec_time_to_first_token_seconds              histogram
+  specdec_inter_token_latency_seconds              histogram (per token, between chunks)
+  specdec_request_latency_seconds                  histogram (end to end)
+  specdec_step_seconds_total{part=draft|verify}    time split
+
+Draft and target:
+  specdec_live_sessions, specdec_kv_cache_bytes    gauges
+  specdec_rpc_seconds{method}                      histogram
+
+PromQL: acceptance rate = rate(specdec_accepted_tokens_total[5m]) / rate(specdec_draft_tokens_total[5m]);
+mean accepted length (vLLM's count, including the recovered/bonus token) =
+(rate(specdec_accepted_tokens_total[5m]) + rate(specdec_target_passes_total[5m])) / rate(specdec_target_passes_total[5m]).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+REGISTRY = CollectorRegistry()
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+REQUESTS = Counter("specdec_requests", "Finished requests", ["finish_reason"], registry=REGISTRY)
+REQUEST_ERRORS = Counter("specdec_request_errors", "Failed requests by gRPC status", ["code"], registry=REGISTRY)
+DRAFTS = Counter("specdec_drafts", "Target passes that verified a non-empty draft block", registry=REGISTRY)
+DRAFT_TOKENS = Counter("specdec_draft_tokens", "Proposed draft tokens", registry=REGISTRY)
+ACCEPTED_TOKENS = Counter("specdec_accepted_tokens", "Accepted draft tokens", registry=REGISTRY)
+ACCEPTED_BY_POSITION = Counter("specdec_accepted_tokens_by_position", "Accepted draft tokens by block position",
+                               ["position"], registry=REGISTRY)
+TARGET_PASSES = Counter("specdec_target_passes", "Target verification passes", registry=REGISTRY)
+EMITTED_TOKENS = Counter("specdec_emitted_tokens", "Tokens streamed to clients", registry=REGISTRY)
+TTFT = Histogram("specdec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                 registry=REGISTRY)
+ITL = Histogram("specdec_inter_token_latency_seconds", "Latency per token between streamed chunks",
+                buckets=LATENCY_BUCKETS, registry=REGISTRY)
+E2E = Histogram("specdec_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS,
+                registry=REGISTRY)
+STEP_SECONDS = Counter("specdec_step_seconds", "Time spent per step part", ["part"], registry=REGISTRY)
+
+LIVE_SESSIONS = Gauge("specdec_live_sessions", "Live sessions on this replica", registry=REGISTRY)
+KV_BYTES = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by this replica", registry=REGISTRY)
+RPC_SECONDS = Histogram("specdec_rpc_seconds", "Server-side RPC latency", ["method"], buckets=LATENCY_BUCKETS,
+                        registry=REGISTRY)
+
+
+def serve_metrics(port: int) -> None:
+    """Expose /metrics on ``port`` (0 = off)."""
+    if port:
+        start_http_server(port, registry=REGISTRY)
+
+
+def watch_engine(engine) -> None:
+    """Live sessions and KV bytes, read from the engine at scrape time."""
+    LIVE_SESSIONS.set_function(lambda: engine.stats()["live_sessions"])
+    KV_BYTES.set_function(lambda: engine.stats()["kv_bytes"])
+
+
+@contextmanager
+def rpc_timer(method: str):
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        RPC_SECONDS.labels(method).observe(time.perf_counter() - started)
+
+
+class RequestRecorder:
+    """Records one request as the front streams it: latencies from arrival times, counters from
+    the stats on the last chunk (so they equal what the client received)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.last = None
+
+    def chunk(self, chunk) -> None:
+        now = time.perf_counter()
+        n = len(chunk.token_ids)
+        if n:
+            if self.last is None:
+                TTFT.observe(now - self.started)
+            else:
+                for _ in range(n):
+                    ITL.observe((now - self.last) / n)
+            self.last = now
+            EMITTED_TOKENS.inc(n)
+        if chunk.finish_reason:
+            s = chunk.stats
+            REQUESTS.labels(chunk.finish_reason).inc()
+            E2E.observe(now - self.started)
+            TARGET_PASSES.inc(s.target_passes)
+            DRAFT_TOKENS.inc(s.proposed_tokens)
+            ACCEPTED_TOKENS.inc(s.accepted_tokens)
+            DRAFTS.inc(s.drafts)
+            for position, count in enumerate(s.accepted_per_position):
+                ACCEPTED_BY_POSITION.labels(str(position)).inc(count)
+            STEP_SECONDS.labels("draft").inc(s.draft_seconds)
+            STEP_SECONDS.labels("verify").inc(s.verify_seconds)
+
+    @staticmethod
+    def error(code: str) -> None:
+        REQUEST_ERRORS.labels(code).inc()

@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
 
+    from . import bench
+
+    p = sub.add_parser("bench", help="measure speculative vs target-only vs transformers, in one run")
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.main)
+
     from coordinator import server as coordinator_server
     from draft_service import server as draft_server
     from target_service import server as target_server

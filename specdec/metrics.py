@@ -20,8 +20,8 @@ Draft and target:
   specdec_rpc_seconds{method}                      histogram
 
 PromQL: acceptance rate = rate(specdec_accepted_tokens_total[5m]) / rate(specdec_draft_tokens_total[5m]);
-mean accepted length (vLLM's count, including the recovered/bonus token) =
-(rate(specdec_accepted_tokens_total[5m]) + rate(specdec_target_passes_total[5m])) / rate(specdec_target_passes_total[5m]).
+mean accepted length per draft block (vLLM's count, including the recovered/bonus token) =
+(rate(specdec_accepted_tokens_total[5m]) + rate(specdec_drafts_total[5m])) / rate(specdec_drafts_total[5m]).
 """
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ def summary(answer: StreamedAnswer) -> str:
     s = answer.stats
     passes = s.target_passes if s else 0
     accept = s.accepted_tokens / s.proposed_tokens if s and s.proposed_tokens else 0.0
-    mean_len = (s.accepted_tokens + passes) / passes if passes else 0.0
+    drafts = s.drafts if s else 0
+    mean_len = (s.accepted_tokens + drafts) / drafts if drafts else 0.0  # per draft block, vLLM's count
     rate = len(answer.token_ids) / answer.seconds if answer.seconds else 0.0
     return (f"[{len(answer.token_ids)} tokens, finish={answer.finish_reason}, seed={answer.seed}]\n"
             f"acceptance rate {accept:.2f}, mean accepted length {mean_len:.2f}, {rate:.1f} tokens/s, "

@@ -173,5 +173,5 @@ class StepStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per target pass, counting the recovered/bonus token (vLLM's count)."""
-        return (self.accepted_tokens + self.target_passes) / self.target_passes if self.target_passes else 0.0
+        """Tokens emitted per verified draft block, counting the recovered/bonus token (vLLM's count)."""
+        return (self.accepted_tokens + self.drafts) / self.drafts if self.drafts else 0.0

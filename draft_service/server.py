@@ -6,33 +6,21 @@ import argparse
 import asyncio
 
 from specdec import tracing, wire
-from specdec.errors import DrainingError
 from specdec.kv import CacheLimits
 from specdec.server import grpc_method
-from specdec.service import ServiceSpec, main_async
+from specdec.service import ServiceSpec, SessionServicer, main_async
 from specdec.v1 import draft_pb2, draft_pb2_grpc, engine_pb2
 
 SERVICE = "specdec.v1.Draft"
 
 
-class DraftServicer(draft_pb2_grpc.DraftServicer):
+class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
+    kind = "draft"
+
     def __init__(self, engine, model_spec: str, tokenizer_fingerprint: str = ""):
         self.engine = engine
         self.model_spec = model_spec
         self.fingerprint = tokenizer_fingerprint
-
-    draining = False  # set on SIGTERM: live sessions finish, new ones are refused
-
-    @grpc_method
-    async def StartSession(self, request, context):
-        if self.draining:
-            raise DrainingError(f"{self.model_spec}: this draft replica is draining; start the session elsewhere")
-        params = wire.sampling_from_proto(request.sampling)
-        with tracing.tracer().start_as_current_span("draft.start_session") as span:
-            span.set_attribute("specdec.session_id", request.session_id)
-            span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
-            await asyncio.to_thread(self.engine.prefill, request.session_id, list(request.prompt_token_ids), params)
-        return engine_pb2.StartSessionResponse()
 
     @grpc_method
     async def Propose(self, request, context):
@@ -46,23 +34,6 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             proposal = await asyncio.to_thread(self.engine.propose, request.session_id, request.step, request.k)
             span.set_attribute("specdec.proposed", len(proposal))
         return wire.proposal_to_proto(proposal)
-
-    async def _commit(self, session_id: str, commit) -> None:
-        with tracing.tracer().start_as_current_span("draft.commit") as span:
-            span.set_attribute("specdec.session_id", session_id)
-            span.set_attribute("specdec.step", commit.step)
-            span.set_attribute("specdec.committed_tokens", len(commit.tokens))
-            await asyncio.to_thread(self.engine.commit, session_id, commit)
-
-    @grpc_method
-    async def Commit(self, request, context):
-        await self._commit(request.session_id, wire.commit_from_proto(request.commit))
-        return engine_pb2.CommitResponse()
-
-    @grpc_method
-    async def Release(self, request, context):
-        released = await asyncio.to_thread(self.engine.release, request.session_id)
-        return engine_pb2.ReleaseResponse(released=released)
 
     @grpc_method
     async def Info(self, request, context):

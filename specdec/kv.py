@@ -291,3 +291,42 @@ class SessionStore:
             "kv_bytes_per_token": self.bytes_per_token,
             "sessions_started": self.sessions_started,
         }
+
+
+class SessionEngine:
+    """What the draft and target engines share: sessions over one model's ``SessionStore``."""
+
+    def __init__(self, store: SessionStore):
+        self.store = store
+        self.model_id = getattr(store.model.config, "_name_or_path", "") or store.name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.store.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.store.context_length
+
+    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        session = self.store.create(session_id, prompt, params)
+        with session.lock:
+            try:
+                self.store.warm(session)
+            except BaseException:
+                self.store.release(session_id)
+                raise
+
+    def commit(self, session_id: str, commit: Commit) -> None:
+        session = self.store.get(session_id)
+        with session.lock:
+            self.store.commit(session, commit)
+
+    def release(self, session_id: str) -> bool:
+        return self.store.release(session_id)
+
+    def expire_idle(self, ttl_seconds: float) -> list[str]:
+        return self.store.expire_idle(ttl_seconds)
+
+    def stats(self) -> dict:
+        return self.store.stats()

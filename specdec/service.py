@@ -12,7 +12,10 @@ from typing import Callable
 import grpc
 
 from . import server as srv
-from . import metrics, tracing
+from . import metrics, tracing, wire
+from .errors import DrainingError
+from .server import grpc_method
+from .v1 import engine_pb2
 
 log = logging.getLogger("specdec.service")
 
@@ -34,6 +37,42 @@ class ServiceSpec:
     drain_seconds: float = 30.0
     on_stop: Callable[[], None] | None = None  # after the server stopped (e.g. stop the other TP ranks)
     metrics_port: int = 0
+
+
+class SessionServicer:
+    """The session RPCs the draft and target services share: StartSession, Commit, Release.
+    Subclasses set ``kind`` ("draft"/"target"), ``engine`` and ``model_spec``."""
+
+    kind = "engine"
+    draining = False  # set on SIGTERM: live sessions finish, new ones are refused
+
+    @grpc_method
+    async def StartSession(self, request, context):
+        if self.draining:
+            raise DrainingError(f"{self.model_spec}: this {self.kind} replica is draining; start the session elsewhere")
+        params = wire.sampling_from_proto(request.sampling)
+        with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
+            span.set_attribute("specdec.session_id", request.session_id)
+            span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
+            await asyncio.to_thread(self.engine.prefill, request.session_id, list(request.prompt_token_ids), params)
+        return engine_pb2.StartSessionResponse()
+
+    async def _commit(self, session_id: str, commit) -> None:
+        with tracing.tracer().start_as_current_span(f"{self.kind}.commit") as span:
+            span.set_attribute("specdec.session_id", session_id)
+            span.set_attribute("specdec.step", commit.step)
+            span.set_attribute("specdec.committed_tokens", len(commit.tokens))
+            await asyncio.to_thread(self.engine.commit, session_id, commit)
+
+    @grpc_method
+    async def Commit(self, request, context):
+        await self._commit(request.session_id, wire.commit_from_proto(request.commit))
+        return engine_pb2.CommitResponse()
+
+    @grpc_method
+    async def Release(self, request, context):
+        released = await asyncio.to_thread(self.engine.release, request.session_id)
+        return engine_pb2.ReleaseResponse(released=released)
 
 
 async def _expiry_loop(engine, ttl: float) -> None:

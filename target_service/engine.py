@@ -9,33 +9,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specdec.kv import CacheLimits, Commit, SessionStore
-from specdec.sampling import SamplingParams, block_token_counts, probs_from_logits
+from specdec.kv import CacheLimits, Commit, SessionEngine, SessionStore
+from specdec.sampling import block_token_counts, probs_from_logits
 from specdec.sparse import SparseDist
 from specdec.verify import TargetVerdict, target_verify, validate_block
 
 
-class TargetEngine:
+class TargetEngine(SessionEngine):
     def __init__(self, model, limits: CacheLimits | None = None, name: str = "target", kv_shards: int = 1):
-        self.store = SessionStore(model, limits, name=name, kv_shards=kv_shards)
-        self.model_id = getattr(model.config, "_name_or_path", "") or name
-
-    @property
-    def vocab_size(self) -> int:
-        return self.store.vocab_size
-
-    @property
-    def context_length(self) -> int:
-        return self.store.context_length
-
-    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
-        session = self.store.create(session_id, prompt, params)
-        with session.lock:
-            try:
-                self.store.warm(session)
-            except BaseException:
-                self.store.release(session_id)
-                raise
+        super().__init__(SessionStore(model, limits, name=name, kv_shards=kv_shards))
 
     def target_probs(self, session_id: str, proposals: Sequence[int]):
         """p_1..p_{k+1} for a block (dense; for tests and introspection, not for the wire)."""
@@ -60,17 +42,3 @@ class TargetEngine:
             validate_block(proposals, q_block, self.vocab_size)
             p_rows = self._probs(session, proposals)
             return target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
-
-    def commit(self, session_id: str, commit: Commit) -> None:
-        session = self.store.get(session_id)
-        with session.lock:
-            self.store.commit(session, commit)
-
-    def release(self, session_id: str) -> bool:
-        return self.store.release(session_id)
-
-    def expire_idle(self, ttl_seconds: float) -> list[str]:
-        return self.store.expire_idle(ttl_seconds)
-
-    def stats(self) -> dict:
-        return self.store.stats()

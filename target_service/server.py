@@ -7,36 +7,24 @@ import argparse
 import asyncio
 
 from specdec import tracing, wire
-from specdec.errors import DrainingError
 from specdec.errors import InvalidArgumentError
 from specdec.kv import CacheLimits
 from specdec.server import grpc_method
-from specdec.service import ServiceSpec, main_async
+from specdec.service import ServiceSpec, SessionServicer, main_async
 from specdec.v1 import engine_pb2, target_pb2_grpc
 
 SERVICE = "specdec.v1.Target"
 
 
-class TargetServicer(target_pb2_grpc.TargetServicer):
+class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
+    kind = "target"
+
     def __init__(self, engine, model_spec: str, eos_token_ids=(), tokenizer_fingerprint: str = "", tp: int = 1):
         self.engine = engine
         self.tp = tp
         self.model_spec = model_spec
         self.eos_token_ids = sorted(eos_token_ids)
         self.fingerprint = tokenizer_fingerprint
-
-    draining = False  # set on SIGTERM: live sessions finish, new ones are refused
-
-    @grpc_method
-    async def StartSession(self, request, context):
-        if self.draining:
-            raise DrainingError(f"{self.model_spec}: this target replica is draining; start the session elsewhere")
-        params = wire.sampling_from_proto(request.sampling)
-        with tracing.tracer().start_as_current_span("target.start_session") as span:
-            span.set_attribute("specdec.session_id", request.session_id)
-            span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
-            await asyncio.to_thread(self.engine.prefill, request.session_id, list(request.prompt_token_ids), params)
-        return engine_pb2.StartSessionResponse()
 
     @grpc_method
     async def Verify(self, request_iterator, context):
@@ -60,23 +48,6 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             span.set_attribute("specdec.k", len(block))
             verdict = await asyncio.to_thread(self.engine.verify, header.session_id, header.step, block.tokens, block.q)
         return wire.verdict_to_proto(verdict)
-
-    async def _commit(self, session_id: str, commit) -> None:
-        with tracing.tracer().start_as_current_span("target.commit") as span:
-            span.set_attribute("specdec.session_id", session_id)
-            span.set_attribute("specdec.step", commit.step)
-            span.set_attribute("specdec.committed_tokens", len(commit.tokens))
-            await asyncio.to_thread(self.engine.commit, session_id, commit)
-
-    @grpc_method
-    async def Commit(self, request, context):
-        await self._commit(request.session_id, wire.commit_from_proto(request.commit))
-        return engine_pb2.CommitResponse()
-
-    @grpc_method
-    async def Release(self, request, context):
-        released = await asyncio.to_thread(self.engine.release, request.session_id)
-        return engine_pb2.ReleaseResponse(released=released)
 
     @grpc_method
     async def Info(self, request, context):

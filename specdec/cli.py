@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)
 
+    from . import distill
+
+    p = sub.add_parser("distill", help="train a small draft for a target by knowledge distillation")
+    distill.add_arguments(p)
+    p.set_defaults(func=distill.main)
+
     from coordinator import server as coordinator_server
     from draft_service import server as draft_server
     from target_service import server as target_server

@@ -9,7 +9,7 @@ from specdec import tracing, wire
 from specdec.kv import CacheLimits
 from specdec.server import grpc_method
 from specdec.service import ServiceSpec, SessionServicer, main_async
-from specdec.v1 import draft_pb2, draft_pb2_grpc, engine_pb2
+from specdec.v1 import draft_pb2_grpc, engine_pb2
 
 SERVICE = "specdec.v1.Draft"
 

@@ -22,7 +22,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts.jsonl"

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
-import time
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -84,16 +82,16 @@ def cmd_serve(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    import grpc
+
     from .client import build_request, stream_to, summary
 
     request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
                             method=args.method, request_id=args.request_id, chat=not args.raw)
     try:
         answer = stream_to(args.addr, request, timeout=args.timeout)
-    except Exception as exc:  # grpc.RpcError: print the status, not a traceback
-        code = getattr(exc, "code", lambda: None)()
-        details = getattr(exc, "details", lambda: str(exc))()
-        print(f"specdec: error: {getattr(code, 'name', 'ERROR')}: {details}", file=sys.stderr)
+    except grpc.RpcError as exc:  # print the status, not a traceback
+        print(f"specdec: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
     print("\n\n" + summary(answer), file=sys.stderr)
     return 0
@@ -114,12 +112,6 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def build_parser() -> argparse.ArgumentParser:

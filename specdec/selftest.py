@@ -14,7 +14,6 @@ outright.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing
 import sys

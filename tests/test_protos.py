@@ -1,6 +1,5 @@
 """The checked-in generated modules (specdec/v1) are exactly what the .proto files generate."""
 import filecmp
-from pathlib import Path
 
 from specdec.protogen import ROOT, generate, proto_files
 

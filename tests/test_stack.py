@@ -3,8 +3,6 @@ on tiny random models, exercised through the public gRPC API."""
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 from collections import Counter
 
@@ -16,7 +14,6 @@ from specdec.launcher import local_stack
 from specdec.selftest import (BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, case_runs, exact_law,
                               judge)
 from specdec.tiny import perturbed, word_tokenizer
-from specdec.v1 import coordinator_pb2 as pb
 
 from otlp_collector import start_collector
 from stack_util import generate_many, live_sessions, request, stub

@@ -39,6 +39,23 @@ class ServiceSpec:
     metrics_port: int = 0
 
 
+def add_replica_arguments(p) -> None:
+    """The flags every draft/target replica takes (device, caps, registry, drain, metrics)."""
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    p.add_argument("--max-sessions", type=int, default=256)
+    p.add_argument("--max-kv-bytes", type=int, default=0, help="cap on all sessions' KV bytes (0 = none)")
+    p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
+    p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")
+    p.add_argument("--advertise", default=None, help="address coordinators use to reach this replica "
+                                                      "(default: HOST:PORT, 127.0.0.1 for a wildcard host)")
+    p.add_argument("--replica-id", default=None, help="registry id (default: random)")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, wait this long for live sessions")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+
+
 class SessionServicer:
     """The session RPCs the draft and target services share: StartSession, Commit, Release.
     Subclasses set ``kind`` ("draft"/"target"), ``engine`` and ``model_spec``."""

@@ -10,7 +10,7 @@ from specdec import tracing, wire
 from specdec.errors import InvalidArgumentError
 from specdec.kv import CacheLimits
 from specdec.server import grpc_method
-from specdec.service import ServiceSpec, SessionServicer, main_async
+from specdec.service import ServiceSpec, SessionServicer, add_replica_arguments, main_async
 from specdec.v1 import engine_pb2, target_pb2_grpc
 
 SERVICE = "specdec.v1.Target"
@@ -73,20 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--port", type=int, default=50062)
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
-    p.add_argument("--max-sessions", type=int, default=256)
-    p.add_argument("--max-kv-bytes", type=int, default=0, help="cap on all sessions' KV bytes (0 = none)")
-    p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
-    p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    add_replica_arguments(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one device each; gloo on CPU)")
-    p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")
-    p.add_argument("--advertise", default=None, help="address coordinators use to reach this replica "
-                                                      "(default: HOST:PORT, 127.0.0.1 for a wildcard host)")
-    p.add_argument("--replica-id", default=None, help="registry id (default: random)")
-    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, wait this long for live sessions")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
 
 
 def main(args) -> int:

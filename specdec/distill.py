@@ -1,15 +1,21 @@
 """``specdec distill``: build a small draft for any HF causal-LM target, sharing its tokenizer.
 
-1. Data: the target answers the prompts of a versioned prompt set (chat template when it has one),
-   greedily and by seeded sampling; those token sequences are the training text (cached in
-   ``OUT/data.pt``).
-2. Student: a compact Llama (a few layers, small width) over the target's full vocabulary with
+1. Corpus: the target answers every prompt of a versioned prompt set (chat template when it has
+   one), once greedily and ``--samples-per-prompt - 1`` times by seeded sampling, in batches. For
+   each generated token we keep the target's own next-token distribution (its top ``--teacher-top``
+   log-probabilities), so training never runs the target again. Batches are written as shards to
+   ``OUT/corpus/`` as they finish; an interrupted run picks up at the first missing shard.
+2. Head vocabulary: the ``--head-vocab`` tokens carrying the most teacher probability mass. The
+   draft computes output logits over those only (``head_vocab.json``, see ``specdec.draft_head``);
+   every other token has q = 0, which is exact because the verifier's residual supplies it.
+3. Student: a compact Llama (a few layers, small width) over the target's full vocabulary with
    tied embeddings, initialised from the target's embeddings projected onto their top principal
    directions (so token identities start out meaningful).
-3. Knowledge distillation: minimise KL(p_target || q_student) on the target's own softened
-   next-token distributions at every position (temperature ``--kd-temperature``).
-4. Output: a normal Hugging Face directory (config, safetensors in bf16/fp16, tokenizer files)
-   that ``specdec draft --model OUT`` loads, plus ``distill.json`` (settings, KL before/after).
+4. Knowledge distillation: minimise KL(p_target || q_student) over the head vocabulary (the
+   teacher's top tokens, renormalised, softened by ``--kd-temperature``) at every generated position.
+5. Output: a normal Hugging Face directory (config, safetensors in bf16/fp16, tokenizer files,
+   ``head_vocab.json``) that ``specdec draft --model OUT`` loads, and ``distill.json`` with the
+   settings and the held-out KL / top-1 agreement (the greedy acceptance rate's proxy) before and after.
 
 Seeded and reproducible; progress bars; checkpoints every ``--checkpoint-every`` steps to
 ``OUT/checkpoint.pt`` and resumes from it.
@@ -22,35 +28,160 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .bench import DEFAULT_PROMPTS, load_prompts
+from .bench import load_prompts
+from .draft_head import write_head_vocab
+
+DEFAULT_DISTILL_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "distill_prompts.v1.jsonl"
 
 
 def say(message: str) -> None:
     print(f"[distill] {message}", file=sys.stderr, flush=True)
 
 
+# -- corpus ------------------------------------------------------------------------------------
+@dataclass
+class Record:
+    """One target-generated sequence: ``ids`` = prompt + generated tokens; row t of the teacher
+    arrays is the target's distribution for ``ids[start + t]`` given ``ids[:start + t]``."""
+    ids: list[int]
+    start: int
+    top_ids: torch.Tensor   # [G, K] int32
+    top_logp: torch.Tensor  # [G, K] float16, log-probabilities under the full vocabulary
+
+    def as_dict(self) -> dict:
+        return {"ids": self.ids, "start": self.start, "top_ids": self.top_ids, "top_logp": self.top_logp}
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_index: int
+    sample: int  # 0 = greedy
+
+
+def plan_batches(prompt_lengths: list[int], samples: int, batch_size: int) -> list[list[Job]]:
+    """Deterministic batches: greedy jobs first, then sampled ones, each sorted by prompt length
+    (less left padding). The plan depends only on the inputs, so shard b means the same batch
+    in every run and a resumed run skips exactly the finished ones."""
+    jobs = [Job(i, j) for j in range(samples) for i in range(len(prompt_lengths))]
+    jobs.sort(key=lambda job: (job.sample > 0, prompt_lengths[job.prompt_index], job.prompt_index, job.sample))
+    out, current = [], []
+    for job in jobs:
+        if current and (current[0].sample > 0) != (job.sample > 0):
+            out.append(current)
+            current = []
+        current.append(job)
+        if len(current) == batch_size:
+            out.append(current)
+            current = []
+    if current:
+        out.append(current)
+    return out
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
 @torch.inference_mode()
-def generate_corpus(target, tokenizer, prompts: list[dict], samples: int, new_tokens: int, seed: int) -> list[list[int]]:
+def generate_batch(target, prompts: list[list[int]], greedy: bool, new_tokens: int, teacher_top: int,
+                   eos_ids: set[int], pad_id: int, temperature: float, seed: int) -> list[Record]:
+    ids, mask = left_pad(prompts, pad_id)
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0,
+                                                     "top_p": 1.0}
+    torch.manual_seed(seed)
+    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=1,
+                          pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None, output_logits=True,
+                          return_dict_in_generate=True, **sampling)
+    generated = out.sequences[:, ids.shape[1]:]
+    # raw logits, step by step -> the teacher's top-K log-probabilities per row
+    tops = [torch.log_softmax(step.float(), dim=-1).topk(teacher_top, dim=-1) for step in out.logits]
+    top_logp = torch.stack([t.values for t in tops], dim=1)  # [B, G, K]
+    top_ids = torch.stack([t.indices for t in tops], dim=1)
+    records = []
+    for row, prompt in enumerate(prompts):
+        tokens = generated[row].tolist()
+        length = len(tokens)
+        for t, token in enumerate(tokens):
+            if token in eos_ids:
+                length = t + 1  # keep the end-of-turn token: the draft should learn to propose it
+                break
+        records.append(Record(list(prompt) + tokens[:length], len(prompt), top_ids[row, :length].to(torch.int32),
+                              top_logp[row, :length].to(torch.float16)))
+    return records
+
+
+def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path) -> list[Record]:
     from tqdm import tqdm
 
-    from .models import encode_prompt
+    from .models import encode_prompt, eos_token_ids
 
-    corpus = []
-    for i, prompt in enumerate(tqdm(prompts, desc="target generates the corpus", file=sys.stderr)):
-        ids = encode_prompt(tokenizer, prompt["text"], chat=True) if tokenizer is not None else prompt["ids"]
-        for j in range(samples):
-            kwargs = {"do_sample": False} if j == 0 else {"do_sample": True, "temperature": 0.8, "top_k": 0}
-            torch.manual_seed(seed * 1000 + i * 10 + j)
-            out = target.generate(torch.tensor([ids]), max_new_tokens=new_tokens, pad_token_id=0, **kwargs)
-            corpus.append(out[0].tolist())
-    return corpus
+    corpus_dir.mkdir(parents=True, exist_ok=True)
+    encoded = [encode_prompt(tokenizer, p["text"], chat=True) for p in prompts]
+    plan = plan_batches([len(e) for e in encoded], args.samples_per_prompt, args.gen_batch_size)
+    eos_ids = eos_token_ids(target, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
+    records: list[Record] = []
+    done = sum(1 for b in range(len(plan)) if (corpus_dir / f"shard-{b:05d}.pt").exists())
+    if done:
+        say(f"reusing {done}/{len(plan)} finished corpus shards in {corpus_dir}")
+    bar = tqdm(total=len(plan), desc="target generates the corpus (batches)", file=sys.stderr)
+    for b, batch in enumerate(plan):
+        shard = corpus_dir / f"shard-{b:05d}.pt"
+        if shard.exists():
+            rows = [Record(**r) for r in torch.load(shard)]
+        else:
+            rows = generate_batch(target, [encoded[job.prompt_index] for job in batch], batch[0].sample == 0,
+                                  args.gen_tokens, args.teacher_top, eos_ids, pad_id, args.gen_temperature,
+                                  args.seed * 100_003 + b)
+            tmp = shard.with_suffix(".tmp")
+            torch.save([r.as_dict() for r in rows], tmp)
+            tmp.replace(shard)  # a shard exists only once it is complete
+        records.extend(rows)
+        bar.update(1)
+        bar.set_postfix(tokens=sum(len(r.top_ids) for r in records))
+    bar.close()
+    return records
 
 
+# -- head vocabulary -----------------------------------------------------------------------------
+def choose_head_vocab(records: list[Record], size: int, vocab_size: int, always: set[int]) -> list[int]:
+    """The ``size`` tokens with the most teacher probability mass over the corpus (plus ``always``)."""
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    for r in records:
+        mass.index_add_(0, r.top_ids.reshape(-1).long(), r.top_logp.reshape(-1).double().exp())
+    chosen = set(int(t) for t in always if 0 <= t < vocab_size)
+    for t in torch.argsort(mass, descending=True, stable=True).tolist():
+        if len(chosen) >= size:
+            break
+        chosen.add(t)
+    return sorted(chosen)
+
+
+def head_coverage(records: list[Record], head: list[int], vocab_size: int) -> float:
+    """Fraction of generated positions whose teacher top-1 token is in the head vocabulary (an
+    upper bound on greedy acceptance)."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[head] = True
+    hits = total = 0
+    for r in records:
+        hits += int(inside[r.top_ids[:, 0].long()].sum())
+        total += len(r.top_ids)
+    return hits / max(1, total)
+
+
+# -- student ---------------------------------------------------------------------------------------
 def build_student(target, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -69,49 +200,88 @@ def build_student(target, layers: int, hidden: int, heads: int, kv_heads: int, i
         centered = emb - emb.mean(0, keepdim=True)
         # top principal directions of the target's embeddings, rescaled to the student's init scale
         _, _, v = torch.linalg.svd(centered[: min(len(centered), 8192)], full_matrices=False)
-        projected = centered @ v[:hidden].T
+        projected = centered @ v[: min(hidden, v.shape[0])].T
+        if projected.shape[1] < hidden:
+            projected = torch.cat([projected, torch.zeros(len(projected), hidden - projected.shape[1])], dim=1)
         projected = projected / projected.std() * config.initializer_range * 10
         student.get_input_embeddings().weight.copy_(projected)
     return student
 
 
-def kl_loss(student_logits, teacher_logits, mask, temperature: float) -> torch.Tensor:
-    """Mean over unmasked positions of KL(softmax(t/T) || softmax(s/T)) * T^2."""
-    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    kl = (t.exp() * (t - s)).sum(-1)
-    return (kl * mask).sum() / mask.sum().clamp(min=1) * temperature ** 2
+@dataclass
+class Batch:
+    ids: torch.Tensor       # [B, T]
+    mask: torch.Tensor      # [B, T] attention mask
+    rows: torch.Tensor      # [N] batch row of each supervised position
+    cols: torch.Tensor      # [N] position whose hidden state predicts the next token
+    top_ids: torch.Tensor   # [N, K]
+    top_logp: torch.Tensor  # [N, K]
 
 
-def batches(corpus: list[list[int]], batch_size: int, seq_len: int, rng: random.Random):
-    while True:
-        picks = [corpus[rng.randrange(len(corpus))] for _ in range(batch_size)]
-        width = min(seq_len, max(len(p) for p in picks))
-        ids = torch.zeros(batch_size, width, dtype=torch.long)
-        mask = torch.zeros(batch_size, width)
-        for row, seq in enumerate(picks):
-            start = rng.randrange(0, max(1, len(seq) - width + 1))
-            chunk = seq[start:start + width]
-            ids[row, : len(chunk)] = torch.tensor(chunk)
-            mask[row, : len(chunk)] = 1
-        yield ids, mask
+def make_batch(records: list[Record], seq_len: int) -> Batch:
+    width = min(seq_len, max(len(r.ids) for r in records))
+    ids = torch.zeros(len(records), width, dtype=torch.long)
+    mask = torch.zeros(len(records), width, dtype=torch.long)
+    rows, cols, tids, tlogp = [], [], [], []
+    for i, r in enumerate(records):
+        seq = r.ids[:width]
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        g = max(0, min(len(r.top_ids), width - r.start))  # generated tokens that fit
+        rows.append(torch.full((g,), i, dtype=torch.long))
+        cols.append(torch.arange(r.start - 1, r.start - 1 + g))
+        tids.append(r.top_ids[:g].long())
+        tlogp.append(r.top_logp[:g].float())
+    return Batch(ids, mask, torch.cat(rows), torch.cat(cols), torch.cat(tids), torch.cat(tlogp))
+
+
+def distill_loss(student, batch: Batch, head: torch.Tensor, slot: torch.Tensor, temperature: float):
+    """(KL over the head vocabulary, top-1 agreement count, positions). The teacher's top tokens
+    outside the head are dropped and the rest renormalised: the draft cannot propose them anyway."""
+    hidden = student.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
+    h = hidden[batch.rows, batch.cols]                                    # [N, H]
+    weight = student.get_output_embeddings().weight
+    logq = F.log_softmax((h @ weight[head].T).float() / temperature, dim=-1)  # [N, S]
+    where = slot[batch.top_ids]                                           # [N, K], -1 = outside the head
+    inside = where >= 0
+    logp = torch.where(inside, batch.top_logp / temperature, torch.tensor(float("-inf")))
+    keep = inside.any(-1)
+    logp = torch.log_softmax(logp[keep], dim=-1)
+    p = logp.exp()
+    logq_at = logq[keep].gather(-1, where[keep].clamp(min=0))
+    kl = (p * (torch.where(inside[keep], logp, torch.zeros(())) - logq_at)).sum(-1)
+    agree = (head[logq.argmax(-1)] == batch.top_ids[:, 0]).sum()
+    return kl.mean() * temperature ** 2, int(agree), len(batch.rows)
 
 
 @torch.no_grad()
-def evaluate(student, target, corpus, temperature: float, seq_len: int) -> float:
-    total, count = 0.0, 0
-    for seq in corpus:
-        ids = torch.tensor([seq[:seq_len]])
-        mask = torch.ones(1, ids.shape[1])
-        total += float(kl_loss(student(input_ids=ids).logits, target(input_ids=ids).logits, mask, temperature))
-        count += 1
-    return total / max(1, count)
+def evaluate(student, records: list[Record], head, slot, temperature: float, seq_len: int) -> tuple[float, float]:
+    """(mean KL, top-1 agreement) over ``records``."""
+    was_training = student.training
+    student.eval()
+    kl_sum = agree = total = 0.0
+    for i in range(0, len(records), 8):
+        batch = make_batch(records[i:i + 8], seq_len)
+        kl, a, n = distill_loss(student, batch, head, slot, temperature)
+        kl_sum += float(kl) * n
+        agree += a
+        total += n
+    student.train(was_training)
+    return kl_sum / max(1, total), agree / max(1, total)
+
+
+# -- the command -------------------------------------------------------------------------------------
+def split_records(records: list[Record], eval_sequences: int) -> tuple[list[Record], list[Record]]:
+    """Held-out sequences (never trained on) measure generalisation; chosen by a fixed stride."""
+    stride = max(2, len(records) // max(1, eval_sequences))
+    held = set(range(0, len(records), stride)[:eval_sequences])
+    return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
 
 
 def distill(args) -> dict:
     from tqdm import tqdm
 
-    from .models import load_model, try_load_tokenizer
+    from .models import eos_token_ids, load_model, try_load_tokenizer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,102 +289,115 @@ def distill(args) -> dict:
     rng = random.Random(args.seed)
     target = load_model(args.target, "cpu", torch.float32)
     tokenizer = try_load_tokenizer(args.target)
-    data_path = out / "data.pt"
-    if data_path.exists():
-        corpus = torch.load(data_path)
-        say(f"reusing the corpus in {data_path} ({len(corpus)} sequences)")
-    else:
-        prompts = load_prompts(Path(args.prompts), args.num_prompts, args.split)
-        if tokenizer is None:
-            raise SystemExit("the target has no tokenizer: cannot build a corpus from text prompts")
-        corpus = generate_corpus(target, tokenizer, prompts, args.samples_per_prompt, args.gen_tokens, args.seed)
-        torch.save(corpus, data_path)
-    # Held-out sequences are never trained on: the KL reported on them measures generalisation.
-    stride = max(2, len(corpus) // max(1, args.eval_sequences))
-    held_out = corpus[::stride][: args.eval_sequences]
-    train = [seq for i, seq in enumerate(corpus) if not (i % stride == 0 and i // stride < args.eval_sequences)]
+    if tokenizer is None:
+        raise SystemExit("the target has no tokenizer: cannot build a corpus from text prompts")
+    prompts = load_prompts(Path(args.prompts), args.num_prompts, args.split)
+    if not prompts:
+        raise SystemExit(f"no prompts in {args.prompts} (split {args.split!r})")
+    say(f"{len(prompts)} prompts from {args.prompts}")
+    records = build_corpus(target, tokenizer, prompts, args, out / "corpus")
+    train, held_out = split_records(records, args.eval_sequences)
+    vocab_size = target.config.vocab_size
+    head_ids = choose_head_vocab(train, args.head_vocab or vocab_size, vocab_size, eos_token_ids(target, tokenizer))
+    head = torch.tensor(head_ids, dtype=torch.long)
+    slot = torch.full((vocab_size,), -1, dtype=torch.long)
+    slot[head] = torch.arange(len(head))
+    coverage = head_coverage(held_out, head_ids, vocab_size)
+    say(f"corpus: {len(train)} training + {len(held_out)} held-out sequences, "
+        f"{sum(len(r.top_ids) for r in train)} supervised tokens; head vocabulary {len(head_ids)} tokens "
+        f"covers {coverage:.1%} of held-out greedy choices")
+
     student = build_student(target, args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.seed)
+    del target  # the corpus holds everything training needs from the target
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
-    step = 0
+    step, before = 0, None
     ckpt = out / "checkpoint.pt"
-    kl_start = None
     if ckpt.exists() and not args.restart:
         state = torch.load(ckpt, weights_only=False)
         student.load_state_dict(state["student"])
         optimizer.load_state_dict(state["optimizer"])
-        step, kl_start = state["step"], state["kl_start"]
+        step, before = state["step"], state["before"]
         rng.setstate(state["rng"])
         say(f"resuming from {ckpt} at step {step}")
-    if kl_start is None:
-        kl_start = evaluate(student, target, held_out, args.kd_temperature, args.seq_len)
-    feed = batches(train, args.batch_size, args.seq_len, rng)
+    if before is None:
+        before = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
     student.train()
     progress = tqdm(total=args.steps, initial=step, desc="distilling", file=sys.stderr)
     started = time.monotonic()
     while step < args.steps:
-        ids, mask = next(feed)
-        with torch.no_grad():
-            teacher = target(input_ids=ids).logits
-        lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup)) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        batch = make_batch([train[rng.randrange(len(train))] for _ in range(args.batch_size)], args.seq_len)
+        lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = kl_loss(student(input_ids=ids).logits, teacher, mask, args.kd_temperature)
+        loss, agree, n = distill_loss(student, batch, head, slot, args.kd_temperature)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
         step += 1
         progress.update(1)
-        progress.set_postfix(kl=f"{loss.item():.3f}", lr=f"{lr:.1e}")
+        progress.set_postfix(kl=f"{loss.item():.3f}", top1=f"{agree / max(1, n):.2f}", lr=f"{lr:.1e}")
         if step % args.checkpoint_every == 0 or step == args.steps:
             torch.save({"student": student.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "kl_start": kl_start, "rng": rng.getstate()}, ckpt)
+                        "before": before, "rng": rng.getstate()}, ckpt)
+            if args.eval_every and step % args.eval_every == 0:
+                kl, top1 = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
+                say(f"step {step}: held-out KL {kl:.3f}, top-1 agreement {top1:.3f}")
     progress.close()
-    student.eval()
-    kl_end = evaluate(student, target, held_out, args.kd_temperature, args.seq_len)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.save_dtype]
-    student.to(dtype).save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    after = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
+    export(student, tokenizer, out, head_ids, args.save_dtype, note=f"distilled from {args.target}")
     params = sum(p.numel() for p in student.parameters())
     report = {"target": args.target, "steps": step, "train_sequences": len(train), "held_out_sequences": len(held_out),
-              "parameters": params,
-              "kl_start": kl_start, "kl_end": kl_end, "seconds": time.monotonic() - started,
+              "supervised_tokens": sum(len(r.top_ids) for r in train), "parameters": params,
+              "head_vocab": len(head_ids), "head_coverage_held_out": coverage,
+              "kl_start": before[0], "kl_end": after[0], "top1_start": before[1], "top1_end": after[1],
+              "train_seconds": time.monotonic() - started,
               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     (out / "distill.json").write_text(json.dumps(report, indent=2))
-    say(f"KL(target || draft) on held-out text: {kl_start:.3f} -> {kl_end:.3f}; "
-        f"{params / 1e6:.1f}M parameters saved to {out}")
+    say(f"held-out KL(target || draft) {before[0]:.3f} -> {after[0]:.3f}, top-1 agreement "
+        f"{before[1]:.3f} -> {after[1]:.3f}; {params / 1e6:.1f}M parameters saved to {out}")
     return report
+
+
+def export(student, tokenizer, out: Path, head_ids: list[int], save_dtype: str, note: str) -> None:
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[save_dtype]
+    student.to(dtype).save_pretrained(out, safe_serialization=True)
+    student.float()
+    tokenizer.save_pretrained(out)
+    write_head_vocab(out, head_ids, note=note)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model spec")
     p.add_argument("--out", required=True, help="output directory (HF format)")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    p.add_argument("--split", default="train", help="prompt split to use ('' = all)")
+    p.add_argument("--prompts", default=str(DEFAULT_DISTILL_PROMPTS), help="JSONL prompt set {id, text, split}")
+    p.add_argument("--split", default="", help="only prompts with this split ('' = all)")
     p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--samples-per-prompt", type=int, default=4, help="1 greedy + seeded samples")
-    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--samples-per-prompt", type=int, default=2, help="1 greedy + seeded samples")
+    p.add_argument("--gen-tokens", type=int, default=128, help="new tokens the target generates per sample")
+    p.add_argument("--gen-batch-size", type=int, default=16, help="sequences the target generates at once")
+    p.add_argument("--gen-temperature", type=float, default=0.7, help="temperature of the sampled answers")
+    p.add_argument("--teacher-top", type=int, default=32, help="teacher log-probabilities kept per position")
+    p.add_argument("--head-vocab", type=int, default=8192, help="output-head tokens (0 = full vocabulary)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=320)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--kd-temperature", type=float, default=1.0)
-    p.add_argument("--eval-sequences", type=int, default=8)
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--eval-sequences", type=int, default=32)
+    p.add_argument("--checkpoint-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=100, help="held-out evaluation every N steps (0 = off)")
     p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
 
 
 def main(args) -> int:
-    if args.split == "":
-        args.split = None
     distill(args)
     return 0

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .draft_head import apply_head_vocab, read_head_vocab
 from .errors import ModelLoadError
 
 DEFAULT_TARGET = "smollm2"
@@ -134,13 +135,17 @@ def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None =
         model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **source.kwargs(), **extra)
     except OSError as exc:
         raise ModelLoadError(f"cannot load a model from {source.describe()}: {exc}") from exc
+    head_vocab = read_head_vocab(source.location) if Path(str(source.location)).is_dir() else None
+    if head_vocab is not None:
+        apply_head_vocab(model, head_vocab)
     if not tp_plan:
         model.to(device)
     model.eval()
     model.requires_grad_(False)
     if not quiet:
         params = sum(p.numel() for p in model.parameters())
-        print(f"[specdec] loaded {source.describe()}: {params / 1e6:.1f}M parameters in "
+        head = f", output head over {len(head_vocab)} tokens" if head_vocab is not None else ""
+        print(f"[specdec] loaded {source.describe()}: {params / 1e6:.1f}M parameters{head} in "
               f"{time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
     return model
 

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SPECDEC = str(Path(sys.executable).with_name("specdec"))
 SMALL = ["--num-prompts", "6", "--samples-per-prompt", "2", "--gen-tokens", "24", "--layers", "1", "--hidden", "16",
-         "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--batch-size", "4", "--seq-len", "48",
+         "--heads", "2", "--kv-heads", "1", "--intermediate", "32", "--batch-size", "4", "--seq-len", "48", "--gen-batch-size", "4", "--head-vocab", "24",
          "--lr", "1e-2", "--checkpoint-every", "20", "--eval-sequences", "3"]
 
 

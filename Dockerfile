@@ -1,5 +1,5 @@
 # specdec image: every service (draft, target, coordinator on Ray) runs this image with a different
-# `specdec` subcommand. Models are NOT baked in: mount them at /models, or let an init container
+# `specdec` subcommand. Only the shipped distilled draft (models/) is baked in: mount other models at /models, or let an init container
 # fetch them at start (see deploy/).
 #
 # CPU (default):  docker build -t ghcr.io/specdec/specdec:0.1.0 .
@@ -17,7 +17,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     HF_HUB_OFFLINE=1 \
     HF_HOME=/tmp/hf \
-    RAY_AUTH_MODE=disabled
+    RAY_AUTH_MODE=disabled \
+    SPECDEC_MODELS_DIR=/opt/specdec/models
 
 RUN groupadd --gid 10001 specdec && useradd --uid 10001 --gid 10001 --create-home specdec
 
@@ -30,6 +31,8 @@ COPY draft_service ./draft_service
 COPY target_service ./target_service
 COPY coordinator ./coordinator
 COPY proto ./proto
+# the distilled draft for the default target (a few tens of MB); other models are mounted
+COPY models ./models
 RUN pip install . && python -c "import specdec.v1.coordinator_pb2, coordinator.serve_app"
 
 USER 10001:10001

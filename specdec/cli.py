@@ -68,7 +68,7 @@ def cmd_serve(args) -> int:
         print(f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)\n"
               f"  registry and session log: {stack.redis_url}"
               f"{' (embedded redis-server)' if stack.embedded_redis else ''}\n"
-              f"  add a draft replica: specdec draft --model {args.draft_model} --port PORT --redis {stack.redis_url}",
+              f"  add a draft replica: specdec draft --model {stack.draft_model} --port PORT --redis {stack.redis_url}",
               flush=True)
         try:
             while not stop.wait(1.0):
@@ -108,7 +108,9 @@ def _device_flags(args, role: str = "") -> list[str]:
 
 def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-model", default="ngram", help="draft model spec, 'ngram' (default) or 'none'")
+    p.add_argument("--draft-model", default="auto",
+                   help="draft model spec, 'ngram', 'none', or 'auto' (default: the shipped distilled draft "
+                        "'smollm2-draft' for the default target, 'ngram' for any other)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")

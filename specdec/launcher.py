@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import SpecdecError
-from .models import resolve
+from .models import default_draft_for, resolve
 from .server import wait_for_health
 
 
@@ -29,7 +29,7 @@ class StackError(SpecdecError):
     code = "UNAVAILABLE"
 
 DEFAULT_TARGET = "smollm2"
-DEFAULT_DRAFT = "ngram"  # the best draft the project ships today for the default target
+DEFAULT_DRAFT = "auto"  # the shipped distilled draft for the default target, else n-gram
 
 
 def free_port() -> int:
@@ -138,6 +138,8 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
     Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here."""
     from .redis_embedded import EmbeddedRedis
 
+    if draft_model == "auto":
+        draft_model = default_draft_for(target_model)
     # Fail fast, with the model loader's own message, before any process starts.
     for spec in (target_model, draft_model):
         if spec and spec not in ("ngram", "none"):

@@ -26,6 +26,20 @@ from .errors import ModelLoadError
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2", "default", "smollm2-135m-instruct"}
+SHIPPED_DRAFTS = {"smollm2-draft": "smollm2-draft"}  # alias -> folder under models/
+
+
+def shipped_models_dir() -> Path:
+    """Where the drafts this project ships live: $SPECDEC_MODELS_DIR (the container image sets
+    it), else ``models/`` of the source tree."""
+    env = os.environ.get("SPECDEC_MODELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "models"
+
+
+def default_draft_for(target_spec: str) -> str:
+    """The draft to use when none is named: the shipped distilled draft for the default target,
+    prompt lookup (n-gram, works with any tokenizer) otherwise."""
+    return "smollm2-draft" if target_spec.lower() in _ALIASES else "ngram"
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,12 @@ def smollm2_gguf_dir() -> Path:
 def resolve(spec: str) -> ModelSource:
     if spec.lower() in _ALIASES:
         return ModelSource(str(smollm2_gguf_dir()), _SMOLLM2_GGUF)
+    if spec.lower() in SHIPPED_DRAFTS:
+        folder = shipped_models_dir() / SHIPPED_DRAFTS[spec.lower()]
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"the shipped draft {spec!r} is missing from {folder} "
+                                 "(set SPECDEC_MODELS_DIR to the folder holding it)")
+        return ModelSource(str(folder))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

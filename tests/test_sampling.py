@@ -123,3 +123,32 @@ def test_invalid_params_name_the_field(field, value):
 def test_logit_bias_outside_vocab_is_refused():
     with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
         SamplingParams(logit_bias={10: 1.0}).validate_for_vocab(10)
+
+
+def test_subset_head_is_the_full_head_on_its_tokens_and_minus_inf_elsewhere():
+    from specdec.draft_head import SubsetHead
+
+    torch.manual_seed(0)
+    weight = torch.randn(10, 4)
+    hidden = torch.randn(2, 3, 4)
+    ids = torch.tensor([1, 4, 7])
+    out = SubsetHead(weight, ids, 10)(hidden)
+    full = hidden @ weight.T
+    assert out.shape == (2, 3, 10)
+    assert torch.allclose(out[..., ids], full[..., ids])
+    rest = torch.tensor([i for i in range(10) if i not in (1, 4, 7)])
+    assert torch.isneginf(out[..., rest]).all()
+    for bad in (torch.tensor([1, 1]), torch.tensor([10]), torch.tensor([-1]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError):
+            SubsetHead(weight, bad, 10)
+
+
+def test_probs_of_a_reduced_head_are_zero_outside_it_under_every_transform():
+    logits = torch.tensor([1.0, float("-inf"), 0.5, float("-inf"), 2.0])
+    counts = torch.tensor([0.0, 3.0, 1.0, 0.0, 0.0])
+    for params in (SamplingParams(temperature=0.7), SamplingParams(top_k=2), SamplingParams(top_p=0.9),
+                   SamplingParams(min_p=0.1), SamplingParams(repetition_penalty=1.5, presence_penalty=0.5,
+                                                             frequency_penalty=0.3)):
+        probs = probs_from_logits(logits, params, counts)
+        assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
+        assert probs[1] == 0 and probs[3] == 0

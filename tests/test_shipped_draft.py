@@ -1,0 +1,100 @@
+"""The distilled draft shipped in models/smollm2-draft: it is what the issue says it is (small,
+bf16, reduced output head), it pairs with the default target (same tokenizer), greedy speculation
+with it is the target's own greedy output, and the statistical exactness cases pass with it as the
+draft through the real engines (exactness never depends on draft quality; this checks the real one)."""
+import json
+
+import pytest
+import torch
+
+from draft_service.engine import DraftEngine
+from specdec import selftest
+from specdec.draft_head import HEAD_VOCAB_FILE, SubsetHead
+from specdec.generate import speculative_generate
+from specdec.models import (default_draft_for, encode_prompt, load_model, load_tokenizer, resolve,
+                            shipped_models_dir, tokenizer_fingerprint)
+from specdec.sampling import SamplingParams
+from target_service.engine import TargetEngine
+
+FOLDER = shipped_models_dir() / "smollm2-draft"
+# Held-out bench prompts: never seen by the distillation (benchmarks/prompts.jsonl, split heldout).
+HELD_OUT = ["What causes the tides in the ocean?", "How do I read a CSV file with pandas and print its first five rows?"]
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return load_model("smollm2-draft", "cpu", torch.float32, quiet=True)
+
+
+def test_shipped_files_are_small_bf16_with_a_card():
+    from safetensors import safe_open
+
+    weights = FOLDER / "model.safetensors"
+    assert weights.stat().st_size <= 30 * 1024 * 1024
+    with safe_open(str(weights), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    head = json.loads((FOLDER / HEAD_VOCAB_FILE).read_text())["token_ids"]
+    assert head == sorted(set(head)) and 0 < len(head) < 49152
+    card = (FOLDER / "README.md").read_text()
+    assert "acceptance" in card.lower() and "specdec distill" in card
+    assert json.loads((FOLDER / "distill.json").read_text())["kl_end"] < json.loads((FOLDER / "distill.json").read_text())["kl_start"]
+
+
+def test_default_draft_is_the_shipped_one_for_the_default_target():
+    assert default_draft_for("smollm2") == "smollm2-draft"
+    assert default_draft_for("/some/other/model") == "ngram"
+    assert resolve("smollm2-draft").location == str(FOLDER)
+
+
+@pytest.mark.slow
+def test_loads_with_reduced_head_and_shares_the_tokenizer(draft, smollm2):
+    target, tokenizer = smollm2
+    assert isinstance(draft.get_output_embeddings(), SubsetHead)
+    assert draft.config.vocab_size == target.config.vocab_size
+    assert tokenizer_fingerprint(load_tokenizer("smollm2-draft")) == tokenizer_fingerprint(tokenizer)
+    logits = draft(input_ids=torch.tensor([[1, 2, 3]])).logits[0, -1]
+    assert logits.shape == (target.config.vocab_size,)
+    assert int(torch.isfinite(logits).sum()) == len(draft.get_output_embeddings().token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_greedy_with_the_shipped_draft_is_the_targets_greedy(draft, smollm2):
+    target, tokenizer = smollm2
+    proposed = accepted = 0
+    for prompt in HELD_OUT:
+        ids = encode_prompt(tokenizer, prompt, chat=True)
+        expected = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                                   pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+        params = SamplingParams(temperature=0.0, seed=0, max_new_tokens=32, ignore_eos=True)
+        result = speculative_generate(TargetEngine(target), DraftEngine(draft), ids, params, 4)
+        assert result.token_ids == expected
+        proposed += result.stats.proposed_tokens
+        accepted += result.stats.accepted_tokens
+    # Not exactness (that holds for any draft) but a guard on the artifact: a broken head mapping
+    # or a wrong checkpoint drops greedy acceptance on held-out prompts to ~0.
+    assert accepted / proposed >= 0.3, f"greedy acceptance {accepted / proposed:.2f} on held-out prompts"
+
+
+CASES = [
+    selftest.Case("shipped_draft_top_k", "SmolLM2 target + shipped draft, temperature 1, top-k 5, k=3",
+                  {"temperature": 1.0, "top_k": 5}, k=3, tokens=2),
+    selftest.Case("shipped_draft_penalties_top_p", "temperature 0.8, top-p 0.6, repetition 1.3, k=2",
+                  {"temperature": 0.8, "top_p": 0.6, "repetition_penalty": 1.3}, k=2, tokens=2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_statistical_exactness_with_the_shipped_draft(case, draft, smollm2):
+    """alpha = selftest.ALPHA (1e-3) per case, fixed seeds: deterministic."""
+    target, tokenizer = smollm2
+    prompt = tuple(encode_prompt(tokenizer, "Name a fruit.", chat=True))
+    case = selftest.Case(case.name, case.covers, case.params, case.k, "model", case.tokens, 0, prompt)
+    result = selftest.check_pair(case, target, DraftEngine(draft), runs=RUNS)
+    assert result.passed, f"{result.name}: p={result.p_value:.2e} tv={result.tv:.3f} {result.detail}"
+    assert 0.0 < result.acceptance_rate < 1.0  # both the accept and the residual paths were exercised
+
+
+RUNS = 600

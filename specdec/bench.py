@@ -89,7 +89,9 @@ async def stream_one(stub, request) -> Sample:
     return sample
 
 
-def hf_one(model, prompt_ids, max_new_tokens, temperature, seed, assistant=None, lookup_k=0) -> Sample:
+def hf_one(model, prompt_ids, max_new_tokens, temperature, seed, assistant=None, k=0) -> Sample:
+    """transformers generate(); with ``assistant`` assisted generation drafting ``k`` tokens per
+    round (as the stack's k; transformers' own default is adaptive), else with ``k`` prompt lookup."""
     import torch
 
     kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": 0}
@@ -100,8 +102,10 @@ def hf_one(model, prompt_ids, max_new_tokens, temperature, seed, assistant=None,
         kwargs.update(do_sample=False)
     if assistant is not None:
         kwargs["assistant_model"] = assistant
-    if lookup_k:
-        kwargs["prompt_lookup_num_tokens"] = lookup_k
+        if k:
+            kwargs.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+    elif k:
+        kwargs["prompt_lookup_num_tokens"] = k
     started = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), **kwargs)
@@ -177,7 +181,7 @@ def run(args) -> dict:
     import grpc
 
     from .launcher import local_stack
-    from .models import encode_prompt, load_model, load_tokenizer
+    from .models import default_draft_for, encode_prompt, load_model, load_tokenizer
     from .v1 import coordinator_pb2_grpc
 
     say = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -185,11 +189,14 @@ def run(args) -> dict:
     ks = [int(k) for k in args.ks.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
+    if args.draft_model == "auto":
+        args.draft_model = default_draft_for(args.target_model)
     draft_is_model = args.draft_model not in ("ngram", "none")
     modes = [Mode("target-only", 0, "none")]
     if draft_is_model:
         modes += [Mode("speculative", k, "draft_model") for k in ks]
-    modes += [Mode("speculative-ngram", k, "ngram") for k in ks]
+    ngram_ks = ks if args.ngram_ks is None else [int(k) for k in args.ngram_ks.split(",") if k]
+    modes += [Mode("speculative-ngram", k, "ngram") for k in ngram_ks]
     hf_modes = [] if args.no_hf else [Mode("hf-generate")] + [Mode("hf-assisted", k) for k in ks]
     say(f"{len(prompts)} prompts x {len(temperatures)} settings x {len(modes) + len(hf_modes)} modes x "
         f"{args.repeats} repeats, {args.max_new_tokens} new tokens each")
@@ -219,7 +226,7 @@ def run(args) -> dict:
                                 seed = 1000 * rep + pi
                                 if mode.mode.startswith("hf"):
                                     assistant = hf_draft if mode.mode == "hf-assisted" else None
-                                    lookup = mode.k if mode.mode == "hf-assisted" and hf_draft is None else 0
+                                    lookup = mode.k if mode.mode == "hf-assisted" else 0
                                     sample = await asyncio.to_thread(hf_one, hf_target, prompt_ids[prompt["id"]],
                                                                      args.max_new_tokens, temperature, seed,
                                                                      assistant, lookup)
@@ -363,7 +370,10 @@ def plot(rep: dict, path: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2")
-    p.add_argument("--draft-model", default="ngram", help="draft model spec, or 'ngram'")
+    p.add_argument("--draft-model", default="auto",
+                   help="draft model spec, 'ngram', or 'auto' (the stack's default: the shipped distilled draft "
+                        "for the default target, else n-gram)")
+    p.add_argument("--ngram-ks", default=None, help="k sweep of the n-gram draft (default: --ks; '' = skip)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL file of {id, category, text}")
     p.add_argument("--split", default=None, help="only prompts with this split (e.g. heldout)")
     p.add_argument("--num-prompts", type=int, default=None)

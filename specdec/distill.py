@@ -354,6 +354,7 @@ def distill(args) -> dict:
               "train_seconds": time.monotonic() - started,
               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     (out / "distill.json").write_text(json.dumps(report, indent=2))
+    write_model_card(out, report)
     say(f"held-out KL(target || draft) {before[0]:.3f} -> {after[0]:.3f}, top-1 agreement "
         f"{before[1]:.3f} -> {after[1]:.3f}; {params / 1e6:.1f}M parameters saved to {out}")
     return report
@@ -365,6 +366,35 @@ def export(student, tokenizer, out: Path, head_ids: list[int], save_dtype: str, 
     student.float()
     tokenizer.save_pretrained(out)
     write_head_vocab(out, head_ids, note=note)
+
+
+def write_model_card(out: Path, report: dict) -> None:
+    """README.md of the draft directory: what it is, how it was made, what it measured."""
+    st = report["settings"]
+    size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
+    (out / "README.md").write_text(f"""# Draft model for `{report['target']}` (made by `specdec distill`)
+
+A speculative-decoding draft sharing the target's tokenizer. Not a general-purpose model: it is
+trained only to predict the target's next-token distribution on the target's own answers.
+
+- **Architecture**: Llama, {st['layers']} layers, hidden {st['hidden']}, {st['heads']} heads ({st['kv_heads']} KV heads),
+  MLP {st['intermediate']}; input embeddings over the target's full vocabulary, tied output head
+  restricted to {report['head_vocab']} tokens (`head_vocab.json`, applied by `specdec.models.load_model`;
+  other tokens get q = 0, which keeps speculative decoding exact).
+- **Size**: {report['parameters'] / 1e6:.1f}M parameters, {size_mb:.1f} MB of {st['save_dtype']} safetensors.
+- **Data**: the target's answers ({st['samples_per_prompt']} per prompt: one greedy, the rest sampled at
+  temperature {st['gen_temperature']}, up to {st['gen_tokens']} new tokens) to the prompts of
+  `{Path(st['prompts']).name}` (split {st['split'] or 'all'!r}): {report['train_sequences']} training sequences,
+  {report['supervised_tokens']} supervised positions, {report['held_out_sequences']} held-out sequences.
+- **Training**: forward KL to the target's top-{st['teacher_top']} next-token distribution (temperature
+  {st['kd_temperature']}), {report['steps']} steps of batch {st['batch_size']}, AdamW lr {st['lr']} (cosine), seed {st['seed']};
+  {report['train_seconds'] / 60:.0f} min of training on this machine.
+- **Held-out**: KL(target || draft) {report['kl_start']:.3f} -> {report['kl_end']:.3f}; top-1 agreement with the target
+  (the greedy acceptance rate to expect per proposed token) {report['top1_start']:.3f} -> {report['top1_end']:.3f};
+  the head vocabulary covers {report['head_coverage_held_out']:.1%} of the target's held-out greedy choices.
+
+Reproduce: `specdec distill --target {report['target']} --out DIR` with the settings in `distill.json`.
+""")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

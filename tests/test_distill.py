@@ -37,6 +37,8 @@ def test_distill_tiny_target(tmp_path):
     assert second.returncode == 0 and "resuming from" in second.stderr and "at step 40" in second.stderr
     report = json.loads((out / "distill.json").read_text())
     assert report["steps"] == 80 and report["kl_end"] < report["kl_start"]
+    assert report["top1_end"] >= report["top1_start"] and (out / "README.md").read_text().count("specdec distill")
+    assert (out / "head_vocab.json").exists() and len(json.loads((out / "head_vocab.json").read_text())["token_ids"]) == 24
     draft = load_model(str(out), "cpu", quiet=True)  # a normal HF directory
     assert draft.config.vocab_size == 32
     assert tokenizer_fingerprint(load_tokenizer(str(out))) == tokenizer_fingerprint(load_tokenizer(str(tmp_path / "target")))

@@ -25,7 +25,7 @@ test: install
 	$(VENV)/bin/python -m pytest -q
 
 run: install
-	$(VENV)/bin/specdec run
+	$(VENV)/bin/specdec run --compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info

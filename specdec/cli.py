@@ -48,7 +48,26 @@ def cmd_run(args) -> int:
         print(f"\n> {args.prompt}\n", flush=True)
         answer = stream_to(stack.coordinator_address, request)
         print("\n\n" + summary(answer), flush=True)
+        if args.compare:
+            print(compare_without_speculation(stack.coordinator_address, args, answer), flush=True)
     return 0
+
+
+def compare_without_speculation(address: str, args, answer) -> str:
+    """The same request (same seed) with speculation off, through the same stack: how much faster
+    the speculative answer was, and, for greedy decoding, that the tokens are identical."""
+    from .client import build_request, stream_to
+
+    params = sampling_from_args(args).with_seed(answer.seed)
+    request = build_request(prompt=args.prompt, params=params, k=0, method="none", chat=not args.raw)
+    plain = stream_to(address, request, out=None)
+    fast = len(answer.token_ids) / answer.seconds if answer.seconds else 0.0
+    slow = len(plain.token_ids) / plain.seconds if plain.seconds else 0.0
+    line = (f"without speculation (target only, same stack): {slow:.1f} tokens/s -> speculation is "
+            f"{fast / slow if slow else float('nan'):.2f}x")
+    if params.greedy:
+        line += "; identical tokens: " + ("yes" if plain.token_ids == answer.token_ids else "NO (a bug: please report)")
+    return line
 
 
 def cmd_serve(args) -> int:
@@ -126,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="bring the local stack up, stream one answer with its stats, shut down")
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    p.add_argument("--compare", action="store_true",
+                   help="then run the same request without speculation and print the speed-up")
     _stack_flags(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_run)

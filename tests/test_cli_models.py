@@ -48,12 +48,14 @@ def test_load_from_hf_directory(model_dirs):
 def test_specdec_run_streams_an_answer_with_stats(model_dirs):
     proc = subprocess.run(
         [SPECDEC, "run", "w1 w2 w3 w1 w2", "--target-model", str(model_dirs / "target"),
-         "--draft-model", str(model_dirs / "draft"), "-k", "3", "--max-new-tokens", "12", "--seed", "5"],
+         "--draft-model", str(model_dirs / "draft"), "-k", "3", "--max-new-tokens", "12", "--seed", "5", "--compare"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "acceptance rate" in proc.stdout and "target passes" in proc.stdout
     assert "seed=5" in proc.stdout and "12 tokens" in proc.stdout
+    # --compare: the same greedy request without speculation, same tokens, and the speed ratio
+    assert "without speculation" in proc.stdout and "identical tokens: yes" in proc.stdout
 
 
 def test_specdec_run_reports_a_missing_model_without_a_traceback(tmp_path):

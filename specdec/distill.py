@@ -37,7 +37,9 @@ import torch.nn.functional as F
 from .bench import load_prompts
 from .draft_head import write_head_vocab
 
-DEFAULT_DISTILL_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "distill_prompts.v1.jsonl"
+_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+DEFAULT_DISTILL_PROMPTS = ",".join(str(_BENCHMARKS / name) for name in
+                                   ("distill_prompts.v1.jsonl", "distill_prompts_extra.v1.jsonl"))
 
 
 def say(message: str) -> None:
@@ -122,12 +124,28 @@ def generate_batch(target, prompts: list[list[int]], greedy: bool, new_tokens: i
     return records
 
 
-def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path) -> list[Record]:
+def corpus_settings(prompt_file: Path, args) -> dict:
+    """What a corpus depends on; stored as ``plan.json`` beside its shards so a changed setting can
+    never silently mix with shards generated under another."""
+    import hashlib
+
+    return {"prompts_sha256": hashlib.sha256(prompt_file.read_bytes()).hexdigest(), "split": args.split,
+            "num_prompts": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
+            "gen_tokens": args.gen_tokens, "gen_batch_size": args.gen_batch_size,
+            "gen_temperature": args.gen_temperature, "teacher_top": args.teacher_top, "seed": args.seed}
+
+
+def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path, settings: dict) -> list[Record]:
     from tqdm import tqdm
 
     from .models import encode_prompt, eos_token_ids
 
     corpus_dir.mkdir(parents=True, exist_ok=True)
+    plan_file = corpus_dir / "plan.json"
+    if plan_file.exists() and json.loads(plan_file.read_text()) != settings:
+        raise SystemExit(f"{corpus_dir} was generated with other settings ({plan_file}); use another --out "
+                         "or delete that folder to regenerate it")
+    plan_file.write_text(json.dumps(settings, indent=2))
     encoded = [encode_prompt(tokenizer, p["text"], chat=True) for p in prompts]
     plan = plan_batches([len(e) for e in encoded], args.samples_per_prompt, args.gen_batch_size)
     eos_ids = eos_token_ids(target, tokenizer)
@@ -136,7 +154,7 @@ def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path)
     done = sum(1 for b in range(len(plan)) if (corpus_dir / f"shard-{b:05d}.pt").exists())
     if done:
         say(f"reusing {done}/{len(plan)} finished corpus shards in {corpus_dir}")
-    bar = tqdm(total=len(plan), desc="target generates the corpus (batches)", file=sys.stderr)
+    bar = tqdm(total=len(plan), desc=f"target answers {corpus_dir.name} (batches)", file=sys.stderr)
     for b, batch in enumerate(plan):
         shard = corpus_dir / f"shard-{b:05d}.pt"
         if shard.exists():
@@ -271,8 +289,17 @@ def evaluate(student, records: list[Record], head, slot, temperature: float, seq
 
 
 # -- the command -------------------------------------------------------------------------------------
+def prompt_files(spec: str) -> list[Path]:
+    files = [Path(p).expanduser() for p in spec.split(",") if p.strip()]
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        raise SystemExit(f"prompt file(s) not found: {', '.join(missing) or spec!r}")
+    return files
+
+
 def split_records(records: list[Record], eval_sequences: int) -> tuple[list[Record], list[Record]]:
-    """Held-out sequences (never trained on) measure generalisation; chosen by a fixed stride."""
+    """Held-out sequences (never trained on) measure generalisation; chosen by a fixed stride within
+    each corpus, so adding a prompt file never moves a sequence between training and held-out."""
     stride = max(2, len(records) // max(1, eval_sequences))
     held = set(range(0, len(records), stride)[:eval_sequences])
     return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
@@ -291,12 +318,18 @@ def distill(args) -> dict:
     tokenizer = try_load_tokenizer(args.target)
     if tokenizer is None:
         raise SystemExit("the target has no tokenizer: cannot build a corpus from text prompts")
-    prompts = load_prompts(Path(args.prompts), args.num_prompts, args.split)
-    if not prompts:
-        raise SystemExit(f"no prompts in {args.prompts} (split {args.split!r})")
-    say(f"{len(prompts)} prompts from {args.prompts}")
-    records = build_corpus(target, tokenizer, prompts, args, out / "corpus")
-    train, held_out = split_records(records, args.eval_sequences)
+    train, held_out = [], []
+    for prompt_file in prompt_files(args.prompts):
+        prompts = load_prompts(prompt_file, args.num_prompts, args.split)
+        if not prompts:
+            raise SystemExit(f"no prompts in {prompt_file} (split {args.split!r})")
+        say(f"{len(prompts)} prompts from {prompt_file}")
+        # one corpus per prompt file: adding a file generates answers for that file only
+        records = build_corpus(target, tokenizer, prompts, args, out / "corpus" / prompt_file.stem,
+                               corpus_settings(prompt_file, args))
+        file_train, file_held = split_records(records, args.eval_sequences)
+        train += file_train
+        held_out += file_held
     vocab_size = target.config.vocab_size
     head_ids = choose_head_vocab(train, args.head_vocab or vocab_size, vocab_size, eos_token_ids(target, tokenizer))
     head = torch.tensor(head_ids, dtype=torch.long)
@@ -384,7 +417,7 @@ trained only to predict the target's next-token distribution on the target's own
 - **Size**: {report['parameters'] / 1e6:.1f}M parameters, {size_mb:.1f} MB of {st['save_dtype']} safetensors.
 - **Data**: the target's answers ({st['samples_per_prompt']} per prompt: one greedy, the rest sampled at
   temperature {st['gen_temperature']}, up to {st['gen_tokens']} new tokens) to the prompts of
-  `{Path(st['prompts']).name}` (split {st['split'] or 'all'!r}): {report['train_sequences']} training sequences,
+  {', '.join('`' + Path(f).name + '`' for f in st['prompts'].split(','))} (split {st['split'] or 'all'!r}): {report['train_sequences']} training sequences,
   {report['supervised_tokens']} supervised positions, {report['held_out_sequences']} held-out sequences.
 - **Training**: forward KL to the target's top-{st['teacher_top']} next-token distribution (temperature
   {st['kd_temperature']}), {report['steps']} steps of batch {st['batch_size']}, AdamW lr {st['lr']} (cosine), seed {st['seed']};
@@ -400,7 +433,8 @@ Reproduce: `specdec distill --target {report['target']} --out DIR` with the sett
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model spec")
     p.add_argument("--out", required=True, help="output directory (HF format)")
-    p.add_argument("--prompts", default=str(DEFAULT_DISTILL_PROMPTS), help="JSONL prompt set {id, text, split}")
+    p.add_argument("--prompts", default=DEFAULT_DISTILL_PROMPTS,
+                   help="comma-separated JSONL prompt files {id, text, split}; one corpus each")
     p.add_argument("--split", default="", help="only prompts with this split ('' = all)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--samples-per-prompt", type=int, default=2, help="1 greedy + seeded samples")

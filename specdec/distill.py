@@ -404,7 +404,7 @@ def export(student, tokenizer, out: Path, head_ids: list[int], save_dtype: str, 
 def write_model_card(out: Path, report: dict) -> None:
     """README.md of the draft directory: what it is, how it was made, what it measured."""
     st = report["settings"]
-    size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
+    size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
     (out / "README.md").write_text(f"""# Draft model for `{report['target']}` (made by `specdec distill`)
 
 A speculative-decoding draft sharing the target's tokenizer. Not a general-purpose model: it is
@@ -423,7 +423,7 @@ trained only to predict the target's next-token distribution on the target's own
   {st['kd_temperature']}), {report['steps']} steps of batch {st['batch_size']}, AdamW lr {st['lr']} (cosine), seed {st['seed']};
   {report['train_seconds'] / 60:.0f} min of training on this machine.
 - **Held-out**: KL(target || draft) {report['kl_start']:.3f} -> {report['kl_end']:.3f}; top-1 agreement with the target
-  (the greedy acceptance rate to expect per proposed token) {report['top1_start']:.3f} -> {report['top1_end']:.3f};
+  (how often the draft's first choice is the target's: greedy acceptance at one position) {report['top1_start']:.3f} -> {report['top1_end']:.3f};
   the head vocabulary covers {report['head_coverage_held_out']:.1%} of the target's held-out greedy choices.
 
 Reproduce: `specdec distill --target {report['target']} --out DIR` with the settings in `distill.json`.

@@ -30,7 +30,7 @@ def test_shipped_files_are_small_bf16_with_a_card():
     from safetensors import safe_open
 
     weights = FOLDER / "model.safetensors"
-    assert weights.stat().st_size <= 30 * 1024 * 1024
+    assert weights.stat().st_size <= 30_000_000  # the issue: at most 30 MB
     with safe_open(str(weights), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     head = json.loads((FOLDER / HEAD_VOCAB_FILE).read_text())["token_ids"]
@@ -72,8 +72,9 @@ def test_greedy_with_the_shipped_draft_is_the_targets_greedy(draft, smollm2):
         proposed += result.stats.proposed_tokens
         accepted += result.stats.accepted_tokens
     # Not exactness (that holds for any draft) but a guard on the artifact: a broken head mapping
-    # or a wrong checkpoint drops greedy acceptance on held-out prompts to ~0.
-    assert accepted / proposed >= 0.3, f"greedy acceptance {accepted / proposed:.2f} on held-out prompts"
+    # or a wrong checkpoint drops greedy acceptance on held-out prompts to ~0 (a random draft of
+    # this vocabulary: < 0.01). accepted / proposed at k=4 counts the proposals after a rejection too.
+    assert accepted / proposed >= 0.15, f"greedy acceptance {accepted / proposed:.2f} on held-out prompts"
 
 
 RUNS = 400  # per case; the SmolLM2 target makes each run ~0.2 s on this CPU

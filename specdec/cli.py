@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -214,11 +215,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from .errors import SpecdecError
 
+    # SIGTERM unwinds like Ctrl-C, so `run`, `bench` and `distill` stop the processes they started
+    # (local_stack's finally) instead of dying and leaving them behind. Commands that serve install
+    # their own handler (drain first) after this one.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.func(args)
     except SpecdecError as exc:
         print(f"specdec: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -63,3 +63,46 @@ def test_specdec_run_reports_a_missing_model_without_a_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "GGUF file not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            for child in children.read_text().split():
+                if int(child) not in found:
+                    found.add(int(child))
+                    todo.append(int(child))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def test_sigterm_to_specdec_run_stops_every_process_it_started(model_dirs):
+    import signal
+    import time
+
+    proc = subprocess.Popen([SPECDEC, "run", "w1 w2", "--target-model", str(model_dirs / "target"),
+                             "--draft-model", str(model_dirs / "draft")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # the services are up; the coordinator (Ray) is starting
+            if "starting coordinator" in line:
+                break
+        started = _descendants(proc.pid)
+        assert len(started) >= 3  # redis-server, target, draft (and the coordinator's process tree)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_running(p) for p in started):
+        time.sleep(0.5)
+    assert not [p for p in started if _running(p)], "processes left behind after SIGTERM"

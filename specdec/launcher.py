@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -82,10 +83,12 @@ class Stack:  # noqa: D101
 
     def start(self, name: str, args: list[str], address: str, log_dir: Path | None, env: dict | None = None) -> Child:
         out = open(log_dir / f"{name}.log", "ab") if log_dir else None
-        process = subprocess.Popen(specdec_command() + args, stdout=out or None, stderr=subprocess.STDOUT if out else None,
-                                   env={**os.environ, **(env or {})}, start_new_session=True)
-        child = Child(name, address, process)
-        self.children.append(child)
+        with _signals_deferred():  # a child started but not recorded could never be stopped
+            process = subprocess.Popen(specdec_command() + args, stdout=out or None,
+                                       stderr=subprocess.STDOUT if out else None,
+                                       env={**os.environ, **(env or {})}, start_new_session=True)
+            child = Child(name, address, process)
+            self.children.append(child)
         return child
 
     def wait_healthy(self, child: Child, timeout: float, log: Path | None = None) -> None:
@@ -120,6 +123,25 @@ class Stack:  # noqa: D101
 
     def any_exited(self) -> Child | None:
         return next((c for c in self.children if c.process.poll() is not None), None)
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGTERM / SIGINT (which `specdec` turns into KeyboardInterrupt) until the block is done,
+    then raise. Only the main thread can set handlers; elsewhere this is a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if pending:
+        raise KeyboardInterrupt(f"signal {pending[0]} during a child's start")
 
 
 def _say(message: str) -> None:

@@ -155,9 +155,12 @@ def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None =
         model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **source.kwargs(), **extra)
     except OSError as exc:
         raise ModelLoadError(f"cannot load a model from {source.describe()}: {exc}") from exc
-    head_vocab = read_head_vocab(source.location) if Path(str(source.location)).is_dir() else None
-    if head_vocab is not None:
-        apply_head_vocab(model, head_vocab)
+    try:
+        head_vocab = read_head_vocab(source.location) if Path(str(source.location)).is_dir() else None
+        if head_vocab is not None:
+            apply_head_vocab(model, head_vocab)
+    except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ModelLoadError(f"{source.describe()}/head_vocab.json is invalid: {exc}") from exc
     if not tp_plan:
         model.to(device)
     model.eval()

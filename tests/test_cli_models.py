@@ -106,3 +106,14 @@ def test_sigterm_to_specdec_run_stops_every_process_it_started(model_dirs):
     while time.monotonic() < deadline and any(_running(p) for p in started):
         time.sleep(0.5)
     assert not [p for p in started if _running(p)], "processes left behind after SIGTERM"
+
+
+def test_an_invalid_head_vocabulary_is_a_clear_load_error(model_dirs, tmp_path):
+    import shutil
+
+    broken = tmp_path / "draft"
+    shutil.copytree(model_dirs / "draft", broken)
+    for content in ('{"token_ids": [1, 1]}', '{"token_ids": [99]}', "not json", "{}"):
+        (broken / "head_vocab.json").write_text(content)
+        with pytest.raises(ModelLoadError, match="head_vocab.json is invalid"):
+            load_model(str(broken), "cpu", quiet=True)

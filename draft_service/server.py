@@ -3,10 +3,10 @@ call the engine, map errors; no sampling math here)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from specdec import tracing, wire
 from specdec.kv import CacheLimits
+from specdec.model_thread import on_model_thread
 from specdec.server import grpc_method
 from specdec.service import ServiceSpec, SessionServicer, add_replica_arguments, main_async
 from specdec.v1 import draft_pb2_grpc, engine_pb2
@@ -31,7 +31,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.step", request.step)
             span.set_attribute("specdec.k", request.k)
-            proposal = await asyncio.to_thread(self.engine.propose, request.session_id, request.step, request.k)
+            proposal = await on_model_thread(self.engine.propose, request.session_id, request.step, request.k)
             span.set_attribute("specdec.proposed", len(proposal))
         return wire.proposal_to_proto(proposal)
 

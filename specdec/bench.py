@@ -181,6 +181,7 @@ def run(args) -> dict:
     import grpc
 
     from .launcher import local_stack
+    from .model_thread import on_model_thread
     from .models import default_draft_for, encode_prompt, load_model, load_tokenizer
     from .v1 import coordinator_pb2_grpc
 
@@ -227,9 +228,11 @@ def run(args) -> dict:
                                 if mode.mode.startswith("hf"):
                                     assistant = hf_draft if mode.mode == "hf-assisted" else None
                                     lookup = mode.k if mode.mode == "hf-assisted" else 0
-                                    sample = await asyncio.to_thread(hf_one, hf_target, prompt_ids[prompt["id"]],
-                                                                     args.max_new_tokens, temperature, seed,
-                                                                     assistant, lookup)
+                                    # The model thread, as in the services: passes spread over a pool's
+                                    # threads run slower on CPU (specdec/model_thread.py).
+                                    sample = await on_model_thread(hf_one, hf_target, prompt_ids[prompt["id"]],
+                                                                   args.max_new_tokens, temperature, seed,
+                                                                   assistant, lookup)
                                 else:
                                     sample = await stream_one(stub, build_request(prompt, mode, temperature,
                                                                                   args.max_new_tokens, seed))

@@ -14,6 +14,7 @@ import grpc
 from . import server as srv
 from . import metrics, tracing, wire
 from .errors import DrainingError
+from .model_thread import on_model_thread
 from .server import grpc_method
 from .v1 import engine_pb2
 
@@ -71,7 +72,7 @@ class SessionServicer:
         with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
-            await asyncio.to_thread(self.engine.prefill, request.session_id, list(request.prompt_token_ids), params)
+            await on_model_thread(self.engine.prefill, request.session_id, list(request.prompt_token_ids), params)
         return engine_pb2.StartSessionResponse()
 
     async def _commit(self, session_id: str, commit) -> None:
@@ -79,7 +80,7 @@ class SessionServicer:
             span.set_attribute("specdec.session_id", session_id)
             span.set_attribute("specdec.step", commit.step)
             span.set_attribute("specdec.committed_tokens", len(commit.tokens))
-            await asyncio.to_thread(self.engine.commit, session_id, commit)
+            await on_model_thread(self.engine.commit, session_id, commit)
 
     @grpc_method
     async def Commit(self, request, context):
@@ -88,7 +89,7 @@ class SessionServicer:
 
     @grpc_method
     async def Release(self, request, context):
-        released = await asyncio.to_thread(self.engine.release, request.session_id)
+        released = await on_model_thread(self.engine.release, request.session_id)
         return engine_pb2.ReleaseResponse(released=released)
 
 
@@ -96,7 +97,7 @@ async def _expiry_loop(engine, ttl: float) -> None:
     # Sessions whose coordinator vanished without a Release are freed after ``ttl`` idle seconds.
     while True:
         await asyncio.sleep(min(30.0, max(1.0, ttl / 4)))
-        expired = await asyncio.to_thread(engine.expire_idle, ttl)
+        expired = await on_model_thread(engine.expire_idle, ttl)
         if expired:
             log.warning("expired %d idle session(s)", len(expired))
 
@@ -146,9 +147,9 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
 
     async def release_all() -> None:
         expiry.cancel()
-        await asyncio.to_thread(spec.engine.expire_idle, -1.0)  # free every remaining session
+        await on_model_thread(spec.engine.expire_idle, -1.0)  # free every remaining session
         if spec.on_stop is not None:
-            await asyncio.to_thread(spec.on_stop)
+            await on_model_thread(spec.on_stop)
 
     async def broken() -> None:
         # A tensor-parallel peer rank died (SIGUSR1 from the supervisor): say so and leave now.

@@ -4,9 +4,9 @@ runs one pass and answers with the target side of the verifier."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from specdec import tracing, wire
+from specdec.model_thread import on_model_thread
 from specdec.errors import InvalidArgumentError
 from specdec.kv import CacheLimits
 from specdec.server import grpc_method
@@ -46,14 +46,14 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             span.set_attribute("specdec.session_id", header.session_id)
             span.set_attribute("specdec.step", header.step)
             span.set_attribute("specdec.k", len(block))
-            verdict = await asyncio.to_thread(self.engine.verify, header.session_id, header.step, block.tokens, block.q)
+            verdict = await on_model_thread(self.engine.verify, header.session_id, header.step, block.tokens, block.q)
         return wire.verdict_to_proto(verdict)
 
     @grpc_method
     async def Info(self, request, context):
         stats = self.engine.stats()
         if hasattr(self.engine, "rank_stats"):  # tensor parallel: every rank's own numbers
-            ranks = await asyncio.to_thread(self.engine.rank_stats)
+            ranks = await on_model_thread(self.engine.rank_stats)
         else:
             from .tp import local_param_bytes
 

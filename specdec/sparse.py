@@ -97,6 +97,26 @@ def validate_sparse(q: SparseDist, proposal: int | None = None, vocab_size: int 
             )
 
 
+def _descending_prefix(p: torch.Tensor, top_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, values): the first entries of ``p`` sorted by value descending, ties by lower id --
+    all of them when ``top_m`` is 0, else at least the first ``top_m`` (every positive entry
+    when fewer are positive).
+
+    With a cap this is a top-k plus a sort of the few candidates instead of a sort of the whole
+    vocabulary (49k entries for SmolLM2: ~1.5 ms per drafted token saved on CPU). Exactly the
+    prefix of the full stable sort: every entry >= the top_m-th largest value is a candidate, so
+    ties at the boundary are all present and the stable sort orders them by id.
+    """
+    if top_m <= 0 or top_m >= p.numel():
+        order = torch.sort(p, descending=True, stable=True).indices
+        return order, p[order]
+    threshold = torch.topk(p, top_m, sorted=False).values.min()
+    candidates = torch.nonzero(p >= threshold if threshold > 0 else p > 0).flatten()  # ascending ids
+    values = p[candidates]
+    order = torch.sort(values, descending=True, stable=True).indices
+    return candidates[order], values[order]
+
+
 def truncate(probs: torch.Tensor, top_m: int = 0, eps: float = 0.0) -> SparseDist:
     """The draft's truncation policy on one dense row of probabilities.
 
@@ -108,12 +128,13 @@ def truncate(probs: torch.Tensor, top_m: int = 0, eps: float = 0.0) -> SparseDis
     if probs.ndim != 1:
         raise ValueError("truncate takes one row")
     p = probs.detach().to(torch.float64)
-    order = torch.sort(p, descending=True, stable=True).indices
-    sorted_p = p[order]
+    order, sorted_p = _descending_prefix(p, top_m)
     keep = int((sorted_p > 0).sum())
     if top_m > 0:
         keep = min(keep, top_m)
     if eps > 0.0:
+        # The prefix holds every kept candidate, and mass_before only grows along the sort, so
+        # counting inside the prefix gives the same answer as counting over the whole row.
         mass_before = torch.cumsum(sorted_p, 0) - sorted_p
         keep = min(keep, int((mass_before < 1.0 - eps).sum()))
     keep = max(keep, 1)

@@ -26,6 +26,33 @@ def test_truncate_ties_break_toward_lower_id():
     assert truncate(torch.tensor([0.25, 0.25, 0.25, 0.25]), top_m=2).token_ids.tolist() == [0, 1]
 
 
+def _truncate_by_full_sort(probs, top_m, eps):
+    """The policy spelled out on a sort of the whole row (the definition the fast path must match)."""
+    p = probs.to(torch.float64)
+    order = sorted(range(len(p)), key=lambda i: (-float(p[i]), i))
+    kept, mass = [], 0.0
+    for i in order:
+        if p[i] <= 0 or (top_m and len(kept) == top_m) or (eps and mass >= 1.0 - eps):
+            break
+        kept.append(i)
+        mass += float(p[i])
+    return kept or [order[0]]
+
+
+@pytest.mark.parametrize("top_m, eps", [(1, 0.0), (4, 0.0), (16, 0.0), (4, 1e-4), (16, 0.3), (0, 0.2), (64, 0.0)])
+def test_truncate_matches_the_full_sort_definition_with_ties_and_zeros(top_m, eps):
+    gen = torch.Generator().manual_seed(top_m * 1000 + int(eps * 1e4))
+    for trial in range(40):
+        size = int(torch.randint(2, 200, (1,), generator=gen))
+        # Few distinct levels: many ties, often straddling the top_m boundary; some exact zeros.
+        levels = torch.randint(0, 6, (size,), generator=gen).to(torch.float32)
+        if trial % 4 == 0:
+            levels = torch.zeros(size)
+            levels[int(torch.randint(0, size, (1,), generator=gen))] = 1.0  # one-hot (greedy)
+        probs = levels / levels.sum()
+        assert truncate(probs, top_m, eps).token_ids.tolist() == _truncate_by_full_sort(probs, top_m, eps)
+
+
 def test_inverse_cdf_is_exact_on_the_shipped_order():
     q = SparseDist.of([9, 4, 7], [0.5, 0.25, 0.25])
     assert sample_sparse(q, 0.0) == 9

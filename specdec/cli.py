@@ -129,8 +129,8 @@ def _device_flags(args, role: str = "") -> list[str]:
 def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft-model", default="auto",
-                   help="draft model spec, 'ngram', 'none', or 'auto' (default: the shipped distilled draft "
-                        "'smollm2-draft' for the default target, 'ngram' for any other)")
+                   help="draft model spec, 'ngram', 'none' (no speculation), or 'auto' (default: the shipped "
+                        "distilled draft 'smollm2-draft' for the default target, 'ngram' for any other)")
     # 2: the best k of the held-out bench with the shipped draft on CPU (README Performance)
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=2)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")

@@ -67,6 +67,8 @@ def summary(answer: StreamedAnswer) -> str:
     drafts = s.drafts if s else 0
     mean_len = (s.accepted_tokens + drafts) / drafts if drafts else 0.0  # per draft block, vLLM's count
     rate = len(answer.token_ids) / answer.seconds if answer.seconds else 0.0
+    speculation = (f"acceptance rate {accept:.2f}, mean accepted length {mean_len:.2f}" if drafts
+                   else "no speculation (target only)")
     return (f"[{len(answer.token_ids)} tokens, finish={answer.finish_reason}, seed={answer.seed}]\n"
-            f"acceptance rate {accept:.2f}, mean accepted length {mean_len:.2f}, {rate:.1f} tokens/s, "
-            f"{passes} target passes, time to first token {answer.first_token_seconds or 0:.2f}s")
+            f"{speculation}, {rate:.1f} tokens/s, {passes} target passes, "
+            f"time to first token {answer.first_token_seconds or 0:.2f}s")

@@ -181,7 +181,7 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
         for i in range(target_replicas):
             _say(f"starting target replica {i} ({target_model})...")
             stack.start_replica("target", target_model, list(extra_target or []), f"target-{i}")
-        if draft_model:
+        if draft_model and draft_model != "none":
             for i in range(draft_replicas):
                 _say(f"starting draft replica {i} ({draft_model})...")
                 stack.start_replica("draft", draft_model, stack.extra_draft, f"draft-{i}")
@@ -193,8 +193,8 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
         _say(f"starting coordinator on {coord_addr} (Ray)...")
         args = ["coordinator", "--redis", redis_url, "--host", host, "--port", str(coord_port),
                 "--num-speculative-tokens", str(num_speculative_tokens)]
-        if not draft_model:
-            args += ["--default-method", "ngram"]
+        if not draft_model or draft_model == "none":  # no draft: requests run target-only by default
+            args += ["--default-method", "none"]
         coordinator = stack.start("coordinator", args + list(extra_coordinator or []), coord_addr, log_dir,
                                   {"OTEL_SERVICE_NAME": "specdec-coordinator", **(env or {})})
         stack.wait_healthy(coordinator, startup_timeout, log_dir / "coordinator.log" if log_dir else None)

@@ -58,6 +58,18 @@ def test_specdec_run_streams_an_answer_with_stats(model_dirs):
     assert "without speculation" in proc.stdout and "identical tokens: yes" in proc.stdout
 
 
+def test_specdec_run_with_draft_none_does_not_speculate(model_dirs):
+    # A repetitive prompt: an n-gram draft would propose here, so a silent fallback would show.
+    proc = subprocess.run(
+        [SPECDEC, "run", "w1 w2 w3 w1 w2 w3 w1 w2", "--target-model", str(model_dirs / "target"),
+         "--draft-model", "none", "--max-new-tokens", "8", "--ignore-eos", "--seed", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no speculation (target only)" in proc.stdout and "8 target passes" in proc.stdout, proc.stdout
+    assert "starting draft replica" not in proc.stderr
+
+
 def test_specdec_run_reports_a_missing_model_without_a_traceback(tmp_path):
     proc = subprocess.run([SPECDEC, "run", "hi", "--target-model", str(tmp_path / "nope.gguf")],
                           capture_output=True, text=True, timeout=120)

@@ -3,6 +3,7 @@ subjects, fixed order):
 
 - benchmarks/distill_prompts.v1.jsonl        (ids d0000...)
 - benchmarks/distill_prompts_extra.v1.jsonl  (ids e0000...; new subjects, tasks and phrasings)
+- benchmarks/distill_prompts_more.v1.jsonl   (ids m0000...; other sentence shapes)
 
 No prompt appears twice or is a bench prompt, so the held-out half of benchmarks/prompts.jsonl
 measures a draft on text it never saw. `specdec distill` builds one corpus per file, so adding a
@@ -166,6 +167,90 @@ EXTRA_REWRITE_TEMPLATES = [
 ]
 
 
+# The third set (ids m0000...): other sentence shapes -- code to explain, "how do I ... with <tool>",
+# comparisons, causes, personal advice, shortening -- so the draft sees more than the first two sets'
+# templates (the first distilled draft matched the target far better on its own corpus than on
+# unseen prompts).
+MORE_SNIPPETS = [
+    "x = [n * 2 for n in range(5)]", "print(sum(range(1, 11)))", "words = text.split(); print(len(words))",
+    "d = {'a': 1}; print(d.get('b', 0))", "for i, c in enumerate('abc'): print(i, c)",
+    "with open('log.txt') as f: lines = f.readlines()", "nums.sort(reverse=True)",
+    "squares = {n: n * n for n in range(4)}", "while n > 0: n //= 2", "print(' '.join(reversed(s.split())))",
+    "total = 0\nfor x in items: total += x", "if x % 2 == 0: print('even')", "result = list(map(str.upper, names))",
+    "evens = list(filter(lambda n: n % 2 == 0, nums))", "SELECT name FROM users WHERE age > 30;",
+    "ls -la | grep .txt", "git commit -m 'fix typo'", "const add = (a, b) => a + b;", "import random; random.choice(items)",
+    "try: x = int(s)\nexcept ValueError: x = 0", "a, b = b, a", "print(len(set(items)))",
+    "def greet(name='world'): return f'hello {name}'", "matrix = [[0] * 3 for _ in range(3)]",
+]
+MORE_SNIPPET_TEMPLATES = [
+    "Explain what this code does: {x}", "What is the output of this code, and why? {x}",
+    "Is there a bug in this code? {x}",
+]
+MORE_HOWTO = [
+    ("read an Excel file", "pandas"), ("plot a line chart", "matplotlib"), ("make an HTTP request", "Python"),
+    ("parse a date string", "Python"), ("sort a list of dictionaries by a key", "Python"),
+    ("remove a file", "bash"), ("find large files", "the Linux command line"), ("undo the last commit", "Git"),
+    ("create a new branch", "Git"), ("count rows in a table", "SQL"), ("join two tables", "SQL"),
+    ("drop missing values", "pandas"), ("group rows and compute averages", "pandas"),
+    ("write a list to a CSV file", "Python"), ("generate random numbers", "NumPy"),
+    ("measure how long a function takes", "Python"), ("read user input", "Python"),
+    ("center a div", "CSS"), ("add an event listener to a button", "JavaScript"), ("copy a folder", "bash"),
+]
+MORE_HOWTO_TEMPLATES = ["How do I {task} with {tool}?", "What is the easiest way to {task} in {tool}?"]
+MORE_PAIRS = [
+    ("a virus", "a bacterium"), ("speed", "velocity"), ("an ocean", "a sea"), ("a meteor", "a meteorite"),
+    ("a crocodile", "an alligator"), ("empathy", "sympathy"), ("a simile", "a metaphor"),
+    ("a hurricane", "a tornado"), ("baking soda", "baking powder"), ("a democracy", "a republic"),
+    ("a list", "a set in Python"), ("TCP", "UDP"), ("a loan", "a grant"), ("a fruit", "a vegetable"),
+    ("an atom", "a molecule"), ("mass", "weight"), ("a frog", "a toad"), ("a lake", "a pond"),
+    ("a debit card", "a credit card"), ("a planet", "a star"), ("a habit", "a routine"), ("AC", "DC current"),
+]
+MORE_PAIR_TEMPLATES = ["What is the difference between {a} and {b}?", "Compare {a} and {b} in a few sentences."]
+MORE_CAUSES = [
+    "thunder", "earthquakes", "rust", "hiccups", "the northern lights", "wind", "fog", "inflation", "acid rain",
+    "muscle cramps", "jet lag", "sunburn", "ocean waves", "a rainbow", "the smell after rain", "yawning",
+    "static electricity", "snoring", "leaves changing color in autumn", "traffic jams",
+]
+MORE_CAUSE_TEMPLATES = ["What causes {c}?", "Why does {c} happen? Explain briefly."]
+MORE_FEELINGS = [
+    "I am bored at home.", "I feel nervous before my exam.", "I can't concentrate at work today.",
+    "I feel lonely since I moved.", "I am stressed about money.", "I keep waking up at night.",
+    "I have too many things to do this week.", "I feel unmotivated to study.", "I ate too much sugar today.",
+    "My neighbour is very noisy.", "I want to be more productive in the morning.", "I get headaches after screen time.",
+]
+MORE_FEELING_TEMPLATES = ["{f} What can I do?", "{f} Any advice?"]
+MORE_ACTIVITIES = [
+    "a hobby to start this spring", "a board game for four people", "a weekend project for beginners",
+    "a podcast topic", "a gift for a coworker", "a name for my blog", "a healthy snack for the office",
+    "a way to celebrate a small win", "a fun science experiment for kids", "a book club pick",
+]
+MORE_ACTIVITY_TEMPLATES = ["What is {a}? Give me a few ideas.", "Suggest {a}."]
+MORE_TEXTS = [
+    "Because the weather was very cold and windy, the organizers decided to move the concert indoors to the hall.",
+    "Many people believe that breakfast is the most important meal of the day, although scientists still debate it.",
+    "The old bridge, which was built more than a hundred years ago, will be repaired during the next two summers.",
+    "Although she had never cooked before, Maria prepared a delicious dinner for her whole family on Sunday.",
+    "Due to the fact that the printer was broken, we were not able to print the documents for the meeting.",
+    "The students who finished their homework early were allowed to go outside and play football in the park.",
+    "In the event that it rains tomorrow, the picnic will be postponed until the following weekend.",
+    "Tom forgot his umbrella at home, and as a result he was completely wet when he arrived at the office.",
+]
+MORE_REWRITE_TEMPLATES = [
+    "Make this sentence shorter: {t}", "Summarize in a few words: {t}", "Rewrite this in plain English: {t}",
+    "Rewrite this as two sentences: {t}",
+]
+
+
+def more_prompts() -> list[dict]:
+    rows = [("code", t.format(x=x)) for x in MORE_SNIPPETS for t in MORE_SNIPPET_TEMPLATES]
+    rows += [("code", t.format(task=task, tool=tool)) for task, tool in MORE_HOWTO for t in MORE_HOWTO_TEMPLATES]
+    rows += [("explanation", t.format(a=a, b=b)) for a, b in MORE_PAIRS for t in MORE_PAIR_TEMPLATES]
+    rows += [("explanation", t.format(c=c)) for c in MORE_CAUSES for t in MORE_CAUSE_TEMPLATES]
+    rows += [("chat", t.format(f=f)) for f in MORE_FEELINGS for t in MORE_FEELING_TEMPLATES]
+    rows += [("chat", t.format(a=a)) for a in MORE_ACTIVITIES for t in MORE_ACTIVITY_TEMPLATES]
+    rows += [("rewrite", t.format(t=text)) for text in MORE_TEXTS for t in MORE_REWRITE_TEMPLATES]
+    return [{"id": f"m{i:04d}", "category": c, "split": "distill", "text": text} for i, (c, text) in enumerate(rows)]
+
 def prompts(prefix: str, code_tasks, code_templates, code_questions, subjects, explain_templates, chat, texts,
             rewrite_templates) -> list[dict]:
     rows = []
@@ -184,6 +269,7 @@ SETS = {
     "distill_prompts_extra.v1.jsonl": lambda: prompts("e", EXTRA_CODE_TASKS, EXTRA_CODE_TEMPLATES,
                                                       EXTRA_CODE_QUESTIONS, EXTRA_SUBJECTS, EXTRA_EXPLAIN_TEMPLATES,
                                                       EXTRA_CHAT, EXTRA_TEXTS, EXTRA_REWRITE_TEMPLATES),
+    "distill_prompts_more.v1.jsonl": more_prompts,
 }
 
 

@@ -39,7 +39,8 @@ from .draft_head import write_head_vocab
 
 _BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 DEFAULT_DISTILL_PROMPTS = ",".join(str(_BENCHMARKS / name) for name in
-                                   ("distill_prompts.v1.jsonl", "distill_prompts_extra.v1.jsonl"))
+                                   ("distill_prompts.v1.jsonl", "distill_prompts_extra.v1.jsonl",
+                                    "distill_prompts_more.v1.jsonl"))
 
 
 def say(message: str) -> None:

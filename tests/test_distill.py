@@ -35,8 +35,9 @@ def test_distill_tiny_target(tmp_path):
     second = subprocess.run([SPECDEC, "distill", "--target", str(tmp_path / "target"), "--out", str(out),
                              "--steps", "80", *SMALL], capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "resuming from" in second.stderr and "at step 40" in second.stderr
-    # one corpus per prompt file (the default is two files), each guarded by its settings
-    assert sorted(p.name for p in (out / "corpus").iterdir()) == ["distill_prompts.v1", "distill_prompts_extra.v1"]
+    # one corpus per prompt file (the default is three files), each guarded by its settings
+    assert sorted(p.name for p in (out / "corpus").iterdir()) == [
+        "distill_prompts.v1", "distill_prompts_extra.v1", "distill_prompts_more.v1"]
     changed = list(SMALL)
     changed[changed.index("--gen-tokens") + 1] = "20"
     third = subprocess.run([SPECDEC, "distill", "--target", str(tmp_path / "target"), "--out", str(out),

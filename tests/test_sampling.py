@@ -86,6 +86,22 @@ def test_greedy_is_one_hot_with_ties_to_lowest_id():
     assert p.tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
+def test_greedy_probs_and_logprobs_agree_after_bias_and_penalties():
+    from specdec.sampling import logprobs_from_logits, probs_from_logits, token_counts
+
+    logits = torch.tensor([[1.0, 4.0, 3.9, 2.0, -1.0], [0.5, 0.5, 0.1, 0.2, 0.3]])
+    counts = token_counts([1, 1], 5)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, logit_bias={4: 10.0})
+    # row 0: token 1 is penalised (4 / 1.5 < 3.9), the bias makes token 4 (9.0) the argmax
+    # row 1: the bias wins again; without it, the tie 0.5 / 0.5 -> 0.333 would go to token 0
+    p = probs_from_logits(logits, params, counts)
+    assert p.tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 1.0]]
+    assert torch.equal(logprobs_from_logits(logits, params, counts).exp(), p)
+    plain = SamplingParams(temperature=0.0)
+    assert probs_from_logits(logits, plain).argmax(-1).tolist() == [1, 0]  # ties to the lowest id
+    assert logprobs_from_logits(logits, plain)[1].tolist() == [0.0] + [float("-inf")] * 4
+
+
 def test_tiny_temperature_is_stable_and_nearly_one_hot():
     p = probs({"temperature": 1e-4})
     assert torch.isfinite(p).all()

@@ -181,7 +181,7 @@ def run(args) -> dict:
     import grpc
 
     from .launcher import local_stack
-    from .model_thread import on_model_thread
+    from .model_thread import call_on_model_thread, on_model_thread
     from .models import default_draft_for, encode_prompt, load_model, load_tokenizer
     from .v1 import coordinator_pb2_grpc
 
@@ -206,8 +206,9 @@ def run(args) -> dict:
     hf_target = hf_draft = None
     if hf_modes:
         say("loading the target (and draft) in process for the transformers baselines...")
-        hf_target = load_model(args.target_model, "cpu", quiet=True)
-        hf_draft = load_model(args.draft_model, "cpu", quiet=True) if draft_is_model else None
+        # loaded on the thread that runs them (specdec/model_thread.py)
+        hf_target = call_on_model_thread(load_model, args.target_model, "cpu", quiet=True)
+        hf_draft = call_on_model_thread(load_model, args.draft_model, "cpu", quiet=True) if draft_is_model else None
     prompt_ids = {p["id"]: encode_prompt(tokenizer, p["text"], chat=True) for p in prompts}
     results: dict[tuple, list[list[Sample]]] = {}
     with local_stack(args.target_model, args.draft_model if draft_is_model else "ngram",

@@ -14,7 +14,7 @@ import grpc
 from . import server as srv
 from . import metrics, tracing, wire
 from .errors import DrainingError
-from .model_thread import on_model_thread
+from .model_thread import call_on_model_thread, on_model_thread
 from .server import grpc_method
 from .v1 import engine_pb2
 
@@ -168,6 +168,6 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
 def main_async(spec_factory: Callable[[], ServiceSpec], service_name: str) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[specdec {service_name}] %(levelname)s %(message)s")
     tracing.init_tracing(f"specdec-{service_name}")
-    spec = spec_factory()
+    spec = call_on_model_thread(spec_factory)  # loads the model on the thread that will run it
     asyncio.run(run(spec))
     return 0

@@ -223,7 +223,7 @@ def _min_p(logprobs: torch.Tensor, min_p: float) -> torch.Tensor:
 
 def _biased_and_penalised(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None,
                           dtype: torch.dtype) -> torch.Tensor:
-    """Steps 1-3 of the pipeline (after the finiteness check)."""
+    """The finiteness check, then steps 1-3 of the pipeline (logit bias, penalties)."""
     logits = logits.to(dtype)
     _check_finite(logits)
     if params.logit_bias:

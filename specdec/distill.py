@@ -5,6 +5,9 @@
    each generated token we keep the target's own next-token distribution (its top ``--teacher-top``
    log-probabilities), so training never runs the target again. Batches are written as shards to
    ``OUT/corpus/`` as they finish; an interrupted run picks up at the first missing shard.
+   With ``--self-prompts N`` the target also writes N user messages itself (seeded sampling from
+   the opening of a user turn in its chat format) and answers those too: varied data beyond the
+   templated prompt files, in the target's own idea of what users ask.
 2. Head vocabulary: the ``--head-vocab`` tokens carrying the most teacher probability mass. The
    draft computes output logits over those only (``head_vocab.json``, see ``specdec.draft_head``);
    every other token has q = 0, which is exact because the verifier's residual supplies it.
@@ -18,7 +21,10 @@
    settings and the held-out KL / top-1 agreement (the greedy acceptance rate's proxy) before and after.
 
 Seeded and reproducible; progress bars; checkpoints every ``--checkpoint-every`` steps to
-``OUT/checkpoint.pt`` and resumes from it.
+``OUT/checkpoint.pt`` and resumes from it. Runs on the CPU or a GPU (``--device``; the student
+trains in bf16 autocast there); ``--time-budget-minutes`` makes a run end on time (training stops
+early with its learning-rate schedule compressed to fit), and the draft exported is the one with
+the best held-out agreement seen at an evaluation.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .bench import load_prompts
+from .bench import DEFAULT_PROMPTS, load_prompts
 from .draft_head import write_head_vocab
 
 _BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -101,6 +107,7 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 def generate_batch(target, prompts: list[list[int]], greedy: bool, new_tokens: int, teacher_top: int,
                    eos_ids: set[int], pad_id: int, temperature: float, seed: int) -> list[Record]:
     ids, mask = left_pad(prompts, pad_id)
+    ids, mask = ids.to(target.device), mask.to(target.device)
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0,
                                                      "top_p": 1.0}
     torch.manual_seed(seed)
@@ -110,8 +117,9 @@ def generate_batch(target, prompts: list[list[int]], greedy: bool, new_tokens: i
     generated = out.sequences[:, ids.shape[1]:]
     # raw logits, step by step -> the teacher's top-K log-probabilities per row
     tops = [torch.log_softmax(step.float(), dim=-1).topk(teacher_top, dim=-1) for step in out.logits]
-    top_logp = torch.stack([t.values for t in tops], dim=1)  # [B, G, K]
-    top_ids = torch.stack([t.indices for t in tops], dim=1)
+    top_logp = torch.stack([t.values for t in tops], dim=1).cpu()  # [B, G, K]
+    top_ids = torch.stack([t.indices for t in tops], dim=1).cpu()
+    generated = generated.cpu()
     records = []
     for row, prompt in enumerate(prompts):
         tokens = generated[row].tolist()
@@ -174,13 +182,93 @@ def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path,
     return records
 
 
+# -- prompts the target writes itself ----------------------------------------------------------------
+def user_turn_opening(tokenizer) -> list[int]:
+    """The tokens that open a user message in the target's chat format (its default system prompt
+    included), so that what the target generates next *is* a user message. Without a chat template:
+    the BOS token (or, lacking one, token 0), i.e. plain text."""
+    if getattr(tokenizer, "chat_template", None):
+        mark = "\u2063specdec-user-message\u2063"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+        if mark in text:
+            return [int(t) for t in tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"]]
+    for special in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(special, int):
+            return [special]
+    return [0]
+
+
+def finished_messages(rows: list[list[int]], eos_ids: set[int], need_end: bool) -> list[list[int]]:
+    """The generated rows that form a whole message: cut at the first end token; rows that never
+    ended are dropped when the target has end tokens (``need_end``) -- half a message is not a prompt."""
+    out = []
+    for row in rows:
+        ends = [i for i, t in enumerate(row) if t in eos_ids]
+        if ends:
+            out.append(row[: ends[0]])
+        elif not need_end:
+            out.append(row)
+    return out
+
+
+@torch.inference_mode()
+def write_self_prompts(target, tokenizer, args, path: Path, exclude: set[str]) -> list[dict]:
+    """``args.self_prompts`` user messages written by the target (seeded sampling at
+    ``--self-prompt-temperature``, at most ``--self-prompt-tokens`` tokens each), deduplicated and
+    never equal to a prompt in ``exclude`` (the prompt files and the bench prompts). Written to
+    ``path`` as a prompt file; reused when its settings (``path``.plan.json) match."""
+    from tqdm import tqdm
+
+    from .models import eos_token_ids
+
+    settings = {"count": args.self_prompts, "tokens": args.self_prompt_tokens,
+                "temperature": args.self_prompt_temperature, "batch": args.gen_batch_size, "seed": args.seed}
+    plan = path.with_suffix(".plan.json")
+    if path.exists() and plan.exists() and json.loads(plan.read_text()) == settings:
+        rows = load_prompts(path)
+        say(f"reusing {len(rows)} self-written prompts from {path}")
+        return rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    opening = user_turn_opening(tokenizer)
+    eos_ids = eos_token_ids(target, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
+    texts: list[str] = []
+    seen = set(exclude)
+    bar = tqdm(total=args.self_prompts, desc="target writes prompts", file=sys.stderr)
+    attempts, batch_index = 0, 0
+    while len(texts) < args.self_prompts and attempts < 4 * args.self_prompts:
+        n = min(args.gen_batch_size, 2 * (args.self_prompts - len(texts)) + 8)
+        ids = torch.tensor([opening] * n, device=target.device)
+        torch.manual_seed(args.seed * 7919 + batch_index)
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                              temperature=args.self_prompt_temperature, top_k=0, top_p=1.0,
+                              max_new_tokens=args.self_prompt_tokens, pad_token_id=pad_id,
+                              eos_token_id=sorted(eos_ids) or None)
+        rows = out[:, len(opening):].cpu().tolist()
+        for message in finished_messages(rows, eos_ids, need_end=bool(eos_ids)):
+            text = tokenizer.decode(message, skip_special_tokens=True).strip()
+            if len(text.split()) >= 3 and text not in seen and len(texts) < args.self_prompts:
+                seen.add(text)
+                texts.append(text)
+                bar.update(1)
+        attempts += n
+        batch_index += 1
+    bar.close()
+    if len(texts) < args.self_prompts:
+        say(f"the target wrote only {len(texts)} usable prompts in {attempts} attempts (asked for {args.self_prompts})")
+    rows = [{"id": f"s{i:05d}", "category": "self", "split": "distill", "text": t} for i, t in enumerate(texts)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan.write_text(json.dumps(settings, indent=2))
+    return rows
+
+
 # -- head vocabulary -----------------------------------------------------------------------------
 def choose_head_vocab(records: list[Record], size: int, vocab_size: int, always: set[int]) -> list[int]:
     """The ``size`` tokens with the most teacher probability mass over the corpus (plus ``always``)."""
     mass = torch.zeros(vocab_size, dtype=torch.float64)
     for r in records:
         mass.index_add_(0, r.top_ids.reshape(-1).long(), r.top_logp.reshape(-1).double().exp())
-    chosen = set(int(t) for t in always if 0 <= t < vocab_size)
+    chosen = {int(t) for t in always if 0 <= t < vocab_size}
     for t in torch.argsort(mass, descending=True, stable=True).tolist():
         if len(chosen) >= size:
             break
@@ -236,6 +324,10 @@ class Batch:
     top_ids: torch.Tensor   # [N, K]
     top_logp: torch.Tensor  # [N, K]
 
+    def to(self, device) -> Batch:
+        return Batch(*(t.to(device, non_blocking=True) for t in
+                       (self.ids, self.mask, self.rows, self.cols, self.top_ids, self.top_logp)))
+
 
 def make_batch(records: list[Record], seq_len: int) -> Batch:
     width = min(seq_len, max(len(r.ids) for r in records))
@@ -256,19 +348,23 @@ def make_batch(records: list[Record], seq_len: int) -> Batch:
 
 def distill_loss(student, batch: Batch, head: torch.Tensor, slot: torch.Tensor, temperature: float):
     """(KL over the head vocabulary, top-1 agreement count, positions). The teacher's top tokens
-    outside the head are dropped and the rest renormalised: the draft cannot propose them anyway."""
-    hidden = student.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
-    h = hidden[batch.rows, batch.cols]                                    # [N, H]
-    weight = student.get_output_embeddings().weight
-    logq = F.log_softmax((h @ weight[head].T).float() / temperature, dim=-1)  # [N, S]
+    outside the head are dropped and the rest renormalised: the draft cannot propose them anyway.
+    On a GPU the student's matrix products run in bf16 (autocast); the softmax and KL in fp32."""
+    device = batch.ids.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        hidden = student.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
+        h = hidden[batch.rows, batch.cols]                                # [N, H]
+        weight = student.get_output_embeddings().weight
+        logits = h @ weight[head].T
+    logq = F.log_softmax(logits.float() / temperature, dim=-1)            # [N, S]
     where = slot[batch.top_ids]                                           # [N, K], -1 = outside the head
     inside = where >= 0
-    logp = torch.where(inside, batch.top_logp / temperature, torch.tensor(float("-inf")))
+    logp = torch.where(inside, batch.top_logp / temperature, float("-inf"))
     keep = inside.any(-1)
     logp = torch.log_softmax(logp[keep], dim=-1)
     p = logp.exp()
     logq_at = logq[keep].gather(-1, where[keep].clamp(min=0))
-    kl = (p * (torch.where(inside[keep], logp, torch.zeros(())) - logq_at)).sum(-1)
+    kl = (p * (torch.where(inside[keep], logp, 0.0) - logq_at)).sum(-1)
     agree = (head[logq.argmax(-1)] == batch.top_ids[:, 0]).sum()
     return kl.mean() * temperature ** 2, int(agree), len(batch.rows)
 
@@ -278,15 +374,23 @@ def evaluate(student, records: list[Record], head, slot, temperature: float, seq
     """(mean KL, top-1 agreement) over ``records``."""
     was_training = student.training
     student.eval()
+    device = head.device
     kl_sum = agree = total = 0.0
-    for i in range(0, len(records), 8):
-        batch = make_batch(records[i:i + 8], seq_len)
+    for i in range(0, len(records), 32):
+        batch = make_batch(records[i:i + 32], seq_len).to(device)
         kl, a, n = distill_loss(student, batch, head, slot, temperature)
         kl_sum += float(kl) * n
         agree += a
         total += n
     student.train(was_training)
     return kl_sum / max(1, total), agree / max(1, total)
+
+
+def learning_rate(args, step: int, budget_fraction: float) -> float:
+    """Linear warm-up, then cosine decay to 10% over the run; ``budget_fraction`` (the part of the
+    time budget spent) moves the schedule on when time, not steps, will end the run."""
+    progress = min(1.0, max(step / args.steps, budget_fraction))
+    return args.lr * min(1.0, (step + 1) / max(1, args.warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # -- the command -------------------------------------------------------------------------------------
@@ -309,48 +413,64 @@ def split_records(records: list[Record], eval_sequences: int) -> tuple[list[Reco
 def distill(args) -> dict:
     from tqdm import tqdm
 
-    from .models import eos_token_ids, load_model, try_load_tokenizer
+    from .models import default_device, eos_token_ids, load_model, try_load_tokenizer
 
+    command_started = time.monotonic()
+    deadline = command_started + args.time_budget_minutes * 60 if args.time_budget_minutes else None
+    device = torch.device(default_device() if args.device == "auto" else args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the teacher's fp32 forward passes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    target = load_model(args.target, "cpu", torch.float32)
+    target = load_model(args.target, str(device), torch.float32)
     tokenizer = try_load_tokenizer(args.target)
     if tokenizer is None:
         raise SystemExit("the target has no tokenizer: cannot build a corpus from text prompts")
-    train, held_out = [], []
+    sources = []
     for prompt_file in prompt_files(args.prompts):
         prompts = load_prompts(prompt_file, args.num_prompts, args.split)
         if not prompts:
             raise SystemExit(f"no prompts in {prompt_file} (split {args.split!r})")
         say(f"{len(prompts)} prompts from {prompt_file}")
+        sources.append((prompt_file, prompts))
+    if args.self_prompts:
+        exclude = {p["text"] for _, prompts in sources for p in prompts}
+        if DEFAULT_PROMPTS.is_file():
+            exclude |= {p["text"] for p in load_prompts(DEFAULT_PROMPTS)}  # never a bench prompt
+        self_file = out / "corpus" / "self_prompts.jsonl"
+        sources.append((self_file, write_self_prompts(target, tokenizer, args, self_file, exclude)))
+    train, held_out = [], []
+    for prompt_file, prompts in sources:
         # one corpus per prompt file: adding a file generates answers for that file only
         records = build_corpus(target, tokenizer, prompts, args, out / "corpus" / prompt_file.stem,
                                corpus_settings(prompt_file, args))
         file_train, file_held = split_records(records, args.eval_sequences)
         train += file_train
         held_out += file_held
+    say(f"corpus ready after {(time.monotonic() - command_started) / 60:.1f} min")
     vocab_size = target.config.vocab_size
     head_ids = choose_head_vocab(train, args.head_vocab or vocab_size, vocab_size, eos_token_ids(target, tokenizer))
-    head = torch.tensor(head_ids, dtype=torch.long)
-    slot = torch.full((vocab_size,), -1, dtype=torch.long)
-    slot[head] = torch.arange(len(head))
+    head = torch.tensor(head_ids, dtype=torch.long, device=device)
+    slot = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
+    slot[head] = torch.arange(len(head), device=device)
     coverage = head_coverage(held_out, head_ids, vocab_size)
     say(f"corpus: {len(train)} training + {len(held_out)} held-out sequences, "
         f"{sum(len(r.top_ids) for r in train)} supervised tokens; head vocabulary {len(head_ids)} tokens "
         f"covers {coverage:.1%} of held-out greedy choices")
 
-    student = build_student(target, args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.seed)
+    student = build_student(target.cpu(), args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate,
+                            args.seed).to(device)
     del target  # the corpus holds everything training needs from the target
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
-    step, before = 0, None
+    step, before, best = 0, None, None
     ckpt = out / "checkpoint.pt"
     if ckpt.exists() and not args.restart:
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=False, map_location=device)
         student.load_state_dict(state["student"])
         optimizer.load_state_dict(state["optimizer"])
-        step, before = state["step"], state["before"]
+        step, before, best = state["step"], state["before"], state.get("best")
         rng.setstate(state["rng"])
         say(f"resuming from {ckpt} at step {step}")
     if before is None:
@@ -358,9 +478,17 @@ def distill(args) -> dict:
     student.train()
     progress = tqdm(total=args.steps, initial=step, desc="distilling", file=sys.stderr)
     started = time.monotonic()
+    # training stops early when the time budget would be overrun (one minute is kept for the export)
+    train_seconds = (deadline - 60 - started) if deadline else None
+    stopped_by = "steps"
     while step < args.steps:
-        batch = make_batch([train[rng.randrange(len(train))] for _ in range(args.batch_size)], args.seq_len)
-        lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        if train_seconds is not None and time.monotonic() - started >= train_seconds:
+            stopped_by = "time budget"
+            say(f"time budget reached at step {step} of {args.steps}")
+            break
+        batch = make_batch([train[rng.randrange(len(train))] for _ in range(args.batch_size)], args.seq_len).to(device)
+        spent = (time.monotonic() - started) / train_seconds if train_seconds else 0.0
+        lr = learning_rate(args, step, spent)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss, agree, n = distill_loss(student, batch, head, slot, args.kd_temperature)
@@ -371,21 +499,32 @@ def distill(args) -> dict:
         step += 1
         progress.update(1)
         progress.set_postfix(kl=f"{loss.item():.3f}", top1=f"{agree / max(1, n):.2f}", lr=f"{lr:.1e}")
+        if args.eval_every and step % args.eval_every == 0:
+            kl, top1 = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
+            say(f"step {step}: held-out KL {kl:.3f}, top-1 agreement {top1:.3f}")
+            if best is None or top1 > best["top1"]:
+                best = {"step": step, "kl": kl, "top1": top1,
+                        "student": {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}}
         if step % args.checkpoint_every == 0 or step == args.steps:
             torch.save({"student": student.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "before": before, "rng": rng.getstate()}, ckpt)
-            if args.eval_every and step % args.eval_every == 0:
-                kl, top1 = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
-                say(f"step {step}: held-out KL {kl:.3f}, top-1 agreement {top1:.3f}")
+                        "before": before, "best": best, "rng": rng.getstate()}, ckpt)
     progress.close()
     after = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
+    exported_step = step
+    if best is not None and best["top1"] > after[1]:
+        # later steps overfit: export the evaluation with the best held-out agreement
+        student.load_state_dict(best["student"])
+        after, exported_step = (best["kl"], best["top1"]), best["step"]
+        say(f"exporting the step-{exported_step} weights (best held-out agreement)")
     export(student, tokenizer, out, head_ids, args.save_dtype, note=f"distilled from {args.target}")
     params = sum(p.numel() for p in student.parameters())
-    report = {"target": args.target, "steps": step, "train_sequences": len(train), "held_out_sequences": len(held_out),
+    report = {"target": args.target, "steps": step, "exported_step": exported_step, "stopped_by": stopped_by,
+              "device": str(device), "train_sequences": len(train), "held_out_sequences": len(held_out),
               "supervised_tokens": sum(len(r.top_ids) for r in train), "parameters": params,
               "head_vocab": len(head_ids), "head_coverage_held_out": coverage,
               "kl_start": before[0], "kl_end": after[0], "top1_start": before[1], "top1_end": after[1],
               "train_seconds": time.monotonic() - started,
+              "total_seconds": time.monotonic() - command_started,
               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     (out / "distill.json").write_text(json.dumps(report, indent=2))
     write_model_card(out, report)
@@ -405,6 +544,13 @@ def export(student, tokenizer, out: Path, head_ids: list[int], save_dtype: str, 
 def write_model_card(out: Path, report: dict) -> None:
     """README.md of the draft directory: what it is, how it was made, what it measured."""
     st = report["settings"]
+    self_written = (f" and {st['self_prompts']} user messages the target wrote itself (sampled at temperature "
+                    f"{st['self_prompt_temperature']}, seed {st['seed']})") if st.get("self_prompts") else ""
+    exported = ""
+    if report.get("exported_step", report["steps"]) != report["steps"]:
+        exported = f"; exported the step-{report['exported_step']} weights (best held-out agreement)"
+    if report.get("stopped_by") == "time budget":
+        exported += f" (stopped by the {st['time_budget_minutes']}-minute time budget)"
     size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
     (out / "README.md").write_text(f"""# Draft model for `{report['target']}` (made by `specdec distill`)
 
@@ -418,11 +564,11 @@ trained only to predict the target's next-token distribution on the target's own
 - **Size**: {report['parameters'] / 1e6:.1f}M parameters, {size_mb:.1f} MB of {st['save_dtype']} safetensors.
 - **Data**: the target's answers ({st['samples_per_prompt']} per prompt: one greedy, the rest sampled at
   temperature {st['gen_temperature']}, up to {st['gen_tokens']} new tokens) to the prompts of
-  {', '.join('`' + Path(f).name + '`' for f in st['prompts'].split(','))} (split {st['split'] or 'all'!r}): {report['train_sequences']} training sequences,
+  {', '.join('`' + Path(f).name + '`' for f in st['prompts'].split(','))} (split {st['split'] or 'all'!r}){self_written}: {report['train_sequences']} training sequences,
   {report['supervised_tokens']} supervised positions, {report['held_out_sequences']} held-out sequences.
 - **Training**: forward KL to the target's top-{st['teacher_top']} next-token distribution (temperature
   {st['kd_temperature']}), {report['steps']} steps of batch {st['batch_size']}, AdamW lr {st['lr']} (cosine), seed {st['seed']};
-  {report['train_seconds'] / 60:.0f} min of training on this machine.
+  {report['train_seconds'] / 60:.0f} min of training on {report.get('device', 'cpu')}{exported}.
 - **Held-out**: KL(target || draft) {report['kl_start']:.3f} -> {report['kl_end']:.3f}; top-1 agreement with the target
   (how often the draft's first choice is the target's: greedy acceptance at one position) {report['top1_start']:.3f} -> {report['top1_end']:.3f};
   the head vocabulary covers {report['head_coverage_held_out']:.1%} of the target's held-out greedy choices.
@@ -461,6 +607,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="user messages the target writes itself and then answers (0 = prompt files only)")
+    p.add_argument("--self-prompt-tokens", type=int, default=64, help="longest self-written user message")
+    p.add_argument("--self-prompt-temperature", type=float, default=1.0)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N ('auto': a GPU when there is one)")
+    p.add_argument("--time-budget-minutes", type=float, default=0.0,
+                   help="end the whole run within this many minutes: training stops early, schedule compressed "
+                        "(0 = no limit)")
 
 
 def main(args) -> int:

@@ -478,8 +478,9 @@ def distill(args) -> dict:
     student.train()
     progress = tqdm(total=args.steps, initial=step, desc="distilling", file=sys.stderr)
     started = time.monotonic()
-    # training stops early when the time budget would be overrun (one minute is kept for the export)
-    train_seconds = (deadline - 60 - started) if deadline else None
+    # training stops early when the time budget would be overrun; a tenth of the budget (at most a
+    # minute) is kept for the final evaluation and the export
+    train_seconds = (deadline - min(60.0, 6.0 * args.time_budget_minutes) - started) if deadline else None
     stopped_by = "steps"
     while step < args.steps:
         if train_seconds is not None and time.monotonic() - started >= train_seconds:

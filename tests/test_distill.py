@@ -59,3 +59,32 @@ def test_distill_tiny_target(tmp_path):
     expected = target.generate(torch.tensor([[1, 2, 3]]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
                                pad_token_id=0)[0, 3:].tolist()
     assert speculative_generate(TargetEngine(target), DraftEngine(draft.float()), [1, 2, 3], greedy, 3).token_ids == expected
+
+
+def test_distill_self_prompts_and_time_budget(tmp_path):
+    """--self-prompts: the target writes prompts (a fourth corpus, reused by a second run);
+    --time-budget-minutes ends a run that could never reach its step count, and the export is
+    the best evaluation seen."""
+    target = tiny_llama(32, seed=12, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    target.save_pretrained(tmp_path / "target")
+    word_tokenizer(32).save_pretrained(tmp_path / "target")
+    out = tmp_path / "draft"
+    args = [SPECDEC, "distill", "--target", str(tmp_path / "target"), "--out", str(out), *SMALL,
+            "--self-prompts", "5", "--self-prompt-tokens", "10", "--eval-every", "10"]
+    first = subprocess.run([*args, "--steps", "30"], capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    written = [json.loads(line) for line in (out / "corpus" / "self_prompts.jsonl").read_text().splitlines()]
+    assert len(written) == 5 and len({p["text"] for p in written}) == 5
+    assert all(p["text"].split()[0].startswith("w") for p in written)  # text in the target's own vocabulary
+    assert (out / "corpus" / "self_prompts").is_dir()  # and the target answered them
+    report = json.loads((out / "distill.json").read_text())
+    assert report["settings"]["self_prompts"] == 5 and report["stopped_by"] == "steps"
+    assert report["exported_step"] in (10, 20, 30)
+
+    budget = subprocess.run([*args, "--steps", "1000000", "--time-budget-minutes", "0.1"], capture_output=True,
+                            text=True, timeout=600)
+    assert budget.returncode == 0, budget.stderr[-2000:]
+    assert "reusing 5 self-written prompts" in budget.stderr and "time budget reached" in budget.stderr
+    report = json.loads((out / "distill.json").read_text())
+    assert report["stopped_by"] == "time budget" and 30 <= report["steps"] < 1_000_000
+    assert load_model(str(out), "cpu", quiet=True).config.vocab_size == 32

@@ -1,0 +1,40 @@
+"""Pure helpers of `specdec distill`: self-written prompts and the learning-rate schedule."""
+import argparse
+import math
+
+import pytest
+
+from specdec.distill import finished_messages, learning_rate, user_turn_opening
+from specdec.tiny import word_tokenizer
+
+
+def test_finished_messages_cut_at_the_first_end_token_and_drop_unfinished_ones():
+    rows = [[5, 6, 2, 7], [5, 6, 7, 8], [2, 9], [9, 3, 2]]
+    assert finished_messages(rows, {2, 3}, need_end=True) == [[5, 6], [], [9]]
+    # a target without end tokens: every row is a message
+    assert finished_messages(rows, set(), need_end=False) == rows
+
+
+def test_user_turn_opening_of_a_plain_tokenizer_is_one_token():
+    assert user_turn_opening(word_tokenizer(32)) == [0]
+
+
+@pytest.mark.slow
+def test_user_turn_opening_is_the_chat_prefix_of_a_user_message(smollm2):
+    from specdec.models import encode_prompt
+
+    _, tokenizer = smollm2
+    opening = user_turn_opening(tokenizer)
+    assert tokenizer.decode(opening).endswith("<|im_start|>user\n")
+    encoded = encode_prompt(tokenizer, "Name a fruit.", chat=True)
+    assert encoded[: len(opening)] == opening  # what the target then writes is the message itself
+
+
+def test_learning_rate_follows_steps_or_the_time_budget_whichever_is_further():
+    args = argparse.Namespace(lr=1.0, steps=1000, warmup=10)
+    assert learning_rate(args, 0, 0.0) == pytest.approx(0.1)  # warm-up
+    assert learning_rate(args, 10, 0.0) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.01)))
+    assert learning_rate(args, 500, 0.0) == pytest.approx(0.55)  # half way by steps
+    assert learning_rate(args, 100, 0.5) == pytest.approx(0.55)  # half way by time
+    assert learning_rate(args, 100, 1.0) == pytest.approx(0.1)   # budget spent: the floor
+    assert learning_rate(args, 2000, 0.0) == pytest.approx(0.1)  # never below it

@@ -18,7 +18,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     HF_HOME=/tmp/hf \
     RAY_AUTH_MODE=disabled \
-    SPECDEC_MODELS_DIR=/opt/specdec/models
+    SPECDEC_MODELS_DIR=/opt/specdec/models \
+    SPECDEC_CACHE_DIR=/tmp/specdec-cache
+# SPECDEC_CACHE_DIR: the dequantized copy of a quantized target (README: Model specs) goes to /tmp,
+# the one writable path of the pods (an emptyDir): a restarted container skips the dequantization.
 
 RUN groupadd --gid 10001 specdec && useradd --uid 10001 --gid 10001 --create-home specdec
 

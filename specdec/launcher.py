@@ -93,20 +93,18 @@ class Stack:  # noqa: D101
 
     def wait_healthy(self, child: Child, timeout: float, log: Path | None = None) -> None:
         deadline = time.monotonic() + timeout
-
-        async def poll():
-            while time.monotonic() < deadline:
-                if child.process.poll() is not None:
-                    raise StackError(f"the {child.name} service exited with code {child.process.returncode} before "
-                                     f"it was ready (see its output above{' or in ' + str(log) if log else ''})")
-                try:
-                    await wait_for_health(child.address, timeout=2.0)
-                    return
-                except TimeoutError:
-                    continue
-            raise StackError(f"the {child.name} service at {child.address} is not SERVING after {timeout:.0f}s")
-
-        asyncio.run(poll())
+        while time.monotonic() < deadline:
+            if child.process.poll() is not None:
+                raise StackError(f"the {child.name} service exited with code {child.process.returncode} before "
+                                 f"it was ready (see its output above{' or in ' + str(log) if log else ''})")
+            # One probe at a time with SIGTERM/SIGINT held until it returns (at most ~2 s): the
+            # KeyboardInterrupt they become must not land inside grpc.aio's event loop, which can
+            # abort the interpreter at exit (seen once in CI: `specdec run` exited -6 on SIGTERM).
+            with _signals_deferred():
+                ready = asyncio.run(_probe_health(child.address))
+            if ready:
+                return
+        raise StackError(f"the {child.name} service at {child.address} is not SERVING after {timeout:.0f}s")
 
     def stop(self, grace: float = 15.0) -> None:
         for child in reversed(self.children):
@@ -123,6 +121,15 @@ class Stack:  # noqa: D101
 
     def any_exited(self) -> Child | None:
         return next((c for c in self.children if c.process.poll() is not None), None)
+
+
+async def _probe_health(address: str) -> bool:
+    """One health check of ``address`` (up to 2 s): SERVING or not yet."""
+    try:
+        await wait_for_health(address, timeout=2.0)
+        return True
+    except TimeoutError:
+        return False
 
 
 @contextmanager

@@ -101,17 +101,27 @@ def test_sigterm_to_specdec_run_stops_every_process_it_started(model_dirs):
     import signal
     import time
 
+    import threading
+
     proc = subprocess.Popen([SPECDEC, "run", "w1 w2", "--target-model", str(model_dirs / "target"),
                              "--draft-model", str(model_dirs / "draft")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
     try:
         for line in proc.stderr:  # the services are up; the coordinator (Ray) is starting
+            log.append(line)
             if "starting coordinator" in line:
                 break
+        # keep reading: the children log to this same pipe, and a full pipe nobody drains blocks
+        # their writes (and can abort the interpreter's shutdown), which is not what is tested here
+        drain = threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True)
+        drain.start()
         started = _descendants(proc.pid)
         assert len(started) >= 3  # redis-server, target, draft (and the coordinator's process tree)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 130
+        code = proc.wait(timeout=120)
+        drain.join(timeout=10)
+        assert code == 130, "".join(log)[-3000:]
     finally:
         proc.kill()
     deadline = time.monotonic() + 30

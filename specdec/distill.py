@@ -133,6 +133,13 @@ def generate_batch(target, prompts: list[list[int]], greedy: bool, new_tokens: i
     return records
 
 
+def padding_id(tokenizer, eos_ids: set[int]) -> int:
+    """The id that pads batched generation: the tokenizer's pad token, else an end token, else 0."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return min(eos_ids) if eos_ids else 0
+
+
 def corpus_settings(prompt_file: Path, args) -> dict:
     """What a corpus depends on; stored as ``plan.json`` beside its shards so a changed setting can
     never silently mix with shards generated under another."""
@@ -158,7 +165,7 @@ def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path,
     encoded = [encode_prompt(tokenizer, p["text"], chat=True) for p in prompts]
     plan = plan_batches([len(e) for e in encoded], args.samples_per_prompt, args.gen_batch_size)
     eos_ids = eos_token_ids(target, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
+    pad_id = padding_id(tokenizer, eos_ids)
     records: list[Record] = []
     done = sum(1 for b in range(len(plan)) if (corpus_dir / f"shard-{b:05d}.pt").exists())
     if done:
@@ -231,7 +238,7 @@ def write_self_prompts(target, tokenizer, args, path: Path, exclude: set[str]) -
     path.parent.mkdir(parents=True, exist_ok=True)
     opening = user_turn_opening(tokenizer)
     eos_ids = eos_token_ids(target, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
+    pad_id = padding_id(tokenizer, eos_ids)
     texts: list[str] = []
     seen = set(exclude)
     bar = tqdm(total=args.self_prompts, desc="target writes prompts", file=sys.stderr)
@@ -410,14 +417,39 @@ def split_records(records: list[Record], eval_sequences: int) -> tuple[list[Reco
     return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
 
 
+def check_arguments(args) -> torch.device:
+    """Refuse settings that cannot work before the target is loaded; returns the device to use."""
+    from .models import default_device
+
+    problems = []
+    if args.self_prompts < 0:
+        problems.append(f"--self-prompts must be >= 0 (got {args.self_prompts})")
+    if args.self_prompt_tokens < 1:
+        problems.append(f"--self-prompt-tokens must be >= 1 (got {args.self_prompt_tokens})")
+    if not args.self_prompt_temperature > 0:
+        problems.append(f"--self-prompt-temperature must be > 0 (got {args.self_prompt_temperature})")
+    if args.time_budget_minutes < 0:
+        problems.append(f"--time-budget-minutes must be >= 0 (got {args.time_budget_minutes})")
+    try:
+        device = torch.device(default_device() if args.device == "auto" else args.device)
+    except RuntimeError:
+        problems.append(f"--device {args.device!r} is not a device (cpu, cuda, cuda:N or auto)")
+        device = None
+    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+        problems.append(f"--device {args.device}: this torch build or machine has no CUDA GPU (use --device cpu)")
+    if problems:
+        raise SystemExit("specdec distill: " + "; ".join(problems))
+    return device
+
+
 def distill(args) -> dict:
     from tqdm import tqdm
 
-    from .models import default_device, eos_token_ids, load_model, try_load_tokenizer
+    from .models import eos_token_ids, load_model, try_load_tokenizer
 
     command_started = time.monotonic()
+    device = check_arguments(args)
     deadline = command_started + args.time_budget_minutes * 60 if args.time_budget_minutes else None
-    device = torch.device(default_device() if args.device == "auto" else args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the teacher's fp32 forward passes
     out = Path(args.out)

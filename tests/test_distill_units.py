@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from specdec.distill import finished_messages, learning_rate, user_turn_opening
+from specdec.distill import add_arguments, check_arguments, finished_messages, learning_rate, user_turn_opening
 from specdec.tiny import word_tokenizer
 
 
@@ -38,3 +38,28 @@ def test_learning_rate_follows_steps_or_the_time_budget_whichever_is_further():
     assert learning_rate(args, 100, 0.5) == pytest.approx(0.55)  # half way by time
     assert learning_rate(args, 100, 1.0) == pytest.approx(0.1)   # budget spent: the floor
     assert learning_rate(args, 2000, 0.0) == pytest.approx(0.1)  # never below it
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--self-prompts", "-3"], "--self-prompts must be >= 0"),
+    (["--self-prompt-tokens", "0"], "--self-prompt-tokens must be >= 1"),
+    (["--self-prompt-temperature", "0"], "--self-prompt-temperature must be > 0"),
+    (["--time-budget-minutes", "-1"], "--time-budget-minutes must be >= 0"),
+    (["--device", "gpu0"], "is not a device"),
+])
+def test_bad_settings_are_refused_before_loading_anything(flags, message):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit, match=message):
+        check_arguments(parser.parse_args(["--target", "t", "--out", "o", *flags]))
+
+
+def test_cuda_without_a_gpu_is_refused_clearly(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        check_arguments(parser.parse_args(["--target", "t", "--out", "o", "--device", "cuda"]))
+    assert check_arguments(parser.parse_args(["--target", "t", "--out", "o", "--device", "auto"])).type == "cpu"

@@ -23,6 +23,7 @@ from .errors import (
     SessionNotFoundError,
     StaleStepError,
 )
+from .lean_llama import LeanCache, lean_runner
 from .models import context_length
 from .sampling import SamplingParams, token_counts
 
@@ -44,6 +45,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 def cache_nbytes(cache) -> int:
+    if isinstance(cache, LeanCache):
+        return cache.nbytes()
     total = 0
     for layer in getattr(cache, "layers", []):
         for name in ("keys", "values"):
@@ -108,6 +111,9 @@ class SessionStore:
         self.bytes_per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype) // kv_shards
         self._sessions: dict[str, Session] = {}
         self._table_lock = threading.Lock()
+        # The lean pass (specdec/lean_llama.py) where it applies; a tensor-parallel shard keeps
+        # transformers' forward, whose layers carry the collective operations.
+        self.runner = lean_runner(model) if kv_shards == 1 else None
         self.sessions_started = 0
 
     # -- table --------------------------------------------------------------------------------
@@ -147,14 +153,12 @@ class SessionStore:
         params.validate_for_vocab(self.vocab_size)
         self._check_capacity()
         self._check_bytes(None, len(prompt))
-        from transformers import DynamicCache
-
         session = Session(
             session_id=session_id,
             tokens=prompt,
             prompt_len=len(prompt),
             params=params,
-            cache=DynamicCache(config=self.model.config),
+            cache=self._new_cache(),
             counts=token_counts(prompt, self.vocab_size),
         )
         with self._table_lock:
@@ -183,6 +187,20 @@ class SessionStore:
     def expire_idle(self, ttl_seconds: float) -> list[str]:
         """Release sessions unused for ``ttl_seconds`` (abandoned by a dead coordinator)."""
         return [sid for sid in self.stale_sessions(ttl_seconds) if self.release(sid)]
+
+    def _new_cache(self):
+        if self.runner is not None:
+            return self.runner.new_cache()
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _run(self, cache, feed: list[int], rows: int) -> torch.Tensor:
+        """Logits of the last ``rows`` of ``feed`` (appended to ``cache``), [rows, V]."""
+        input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)
+        if self.runner is not None:
+            return self.runner.forward(input_ids[0], cache, rows)
+        return self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=rows).logits[0]
 
     # -- caps ---------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
@@ -267,11 +285,10 @@ class SessionStore:
                 "num_speculative_tokens", f"{total} tokens exceed the model context of {self.context_length}"
             )
         self._check_bytes(session, total)
-        input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, cache=session.cache, use_cache=True, logits_to_keep=rows)
+        logits = self._run(session.cache, feed, rows)
         session.cached.extend(feed)
         session.kv_bytes = cache_nbytes(session.cache)
-        return out.logits[0, -rows:].to(device="cpu", dtype=torch.float32)
+        return logits[-rows:].to(device="cpu", dtype=torch.float32)
 
     @torch.inference_mode()
     def warm(self, session: Session) -> None:
@@ -279,8 +296,7 @@ class SessionStore:
         feed = session.tokens[len(session.cached) : -1]
         if not feed:
             return
-        input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-        self.model(input_ids=input_ids, cache=session.cache, use_cache=True, logits_to_keep=1)
+        self._run(session.cache, feed, 1)
         session.cached.extend(feed)
         session.kv_bytes = cache_nbytes(session.cache)
 

@@ -1,0 +1,208 @@
+"""A lean forward pass for Llama-architecture models, with a preallocated, croppable KV cache.
+
+Why: on a small CPU, most of the time transformers spends in a SmolLM2 decode step is not the
+matrix products but the ~55 small tensor operations per layer around them (RMSNorm in six ops,
+rotary embeddings re-derived every call, a ``torch.cat`` to grow each cache tensor, ``repeat_kv``
+copying the whole cache for grouped-query attention, a causal mask rebuilt per call). This pass
+runs the same model, with the same weights, in ~20 operations per layer:
+
+- q, k and v come from one matrix product and gate/up from another (the module's own weights are
+  re-pointed into the fused tensors, so no memory is duplicated and the module stays usable);
+- rotary cos/sin come from a table computed once by the model's own rotary module;
+- keys/values are written in place into a buffer that grows by doubling; cropping is O(1);
+- attention is ``scaled_dot_product_attention`` with ``enable_gqa`` (no ``repeat_kv`` copy).
+
+It is the same function of the weights as the transformers forward, up to float rounding (the
+tests compare logits, greedy continuations and the cache after rollbacks against transformers).
+Models it does not cover (other architectures, dynamic rotary scaling, biases, a sharded model)
+keep the transformers forward: :func:`lean_runner` returns ``None`` for them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .models import context_length
+
+# Rotary types whose cos/sin depend on the position only (a table can hold them).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class LeanCache:
+    """Keys and values of one sequence for every layer: [layers, kv_heads, capacity, head_dim]
+    each, the first ``length`` positions valid. ``crop(-n)`` forgets the last n positions."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                 max_length: int, capacity: int = 64):
+        self.shape = (layers, kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.max_length = max_length
+        self.length = 0
+        self.keys = self._alloc(min(capacity, max_length))
+        self.values = self._alloc(min(capacity, max_length))
+
+    def _alloc(self, capacity: int) -> torch.Tensor:
+        layers, heads, dim = self.shape
+        return torch.empty(layers, heads, capacity, dim, dtype=self.dtype, device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` positions (doubling, so appends are amortised O(1))."""
+        if length <= self.capacity:
+            return
+        if length > self.max_length:
+            raise ValueError(f"{length} positions exceed the model context of {self.max_length}")
+        capacity = min(self.max_length, max(length, 2 * self.capacity))
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = self._alloc(capacity)
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def crop(self, n: int) -> None:
+        """transformers' convention: a negative ``n`` removes that many trailing positions."""
+        if n >= 0:
+            raise ValueError("LeanCache.crop takes a negative count of positions to remove")
+        self.length = max(0, self.length + n)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def nbytes(self) -> int:
+        """Bytes the valid positions occupy (what the session accounts for)."""
+        layers, heads, dim = self.shape
+        return 2 * layers * heads * self.length * dim * self.keys.element_size()
+
+
+def _supported(model) -> str | None:
+    """Why the lean pass cannot run ``model`` (None: it can)."""
+    config = model.config
+    if getattr(config, "model_type", None) != "llama":
+        return f"model type {getattr(config, 'model_type', None)!r} is not llama"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "attention or MLP biases"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rotary type {rope_type!r} depends on the sequence length"
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return "a tensor-parallel shard"
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return "weights on the meta device"
+    return None
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """One weight for several linears over the same input; each module's weight becomes a view
+    into it, so the fused tensor costs no extra memory and the module computes as before."""
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[start : start + rows]
+        start += rows
+    return fused
+
+
+class LeanLlama:
+    """The forward pass of one loaded Llama model (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        config = model.config
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.head = model.get_output_embeddings()
+        first = inner.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.scaling = float(first.scaling)
+        self.max_length = context_length(model)
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
+                _fuse([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj.weight,
+                layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon),
+                _fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight,
+            ))
+        self.norm_eps = float(self.norm.variance_epsilon)
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self._cos = self._sin = None
+        self._rotary = inner.rotary_emb
+
+    def new_cache(self) -> LeanCache:
+        return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, self.max_length)
+
+    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [0, length), from the model's own rotary module (grown by doubling)."""
+        if self._cos is None or self._cos.shape[0] < length:
+            size = min(self.max_length, max(length, 2 * (0 if self._cos is None else self._cos.shape[0]), 256))
+            positions = torch.arange(size, device=self.device).unsqueeze(0)
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self._rotary(probe, positions)
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos, self._sin
+
+    @staticmethod
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # As LlamaRMSNorm: statistics in float32, the weight applied in the model's dtype.
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1) -> torch.Tensor:
+        """Logits [rows, V] of the last ``logits_to_keep`` of ``input_ids`` (1-D), appending their
+        keys/values to ``cache``."""
+        n = int(input_ids.shape[-1])
+        start = cache.length
+        end = start + n
+        cache.reserve(end)
+        cos_table, sin_table = self._rope_table(end)
+        cos = cos_table[start:end].unsqueeze(0)  # [1, n, D]
+        sin = sin_table[start:end].unsqueeze(0)
+        half = self.head_dim // 2
+        h_q, h_kv, d = self.heads, self.kv_heads, self.head_dim
+        mask = None
+        if n > 1:  # query i sees every cached position and itself: positions <= start + i
+            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
+        x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
+        for index, (ln1, eps1, wqkv, wo, ln2, eps2, wgu, wdown) in enumerate(self.layers):
+            h = self._rms_norm(x, ln1, eps1)
+            qkv = F.linear(h, wqkv)  # [n, (h_q + 2 h_kv) d]
+            qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d).transpose(0, 1)  # [heads, n, d]
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin
+            cache.keys[index, :, start:end] = qk[h_q:]
+            cache.values[index, :, start:end] = qkv[:, (h_q + h_kv) * d :].view(n, h_kv, d).transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                qk[:h_q].unsqueeze(0), cache.keys[index, :, :end].unsqueeze(0),
+                cache.values[index, :, :end].unsqueeze(0), attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            x = x + F.linear(attn[0].transpose(0, 1).reshape(n, h_q * d), wo)
+            h = self._rms_norm(x, ln2, eps2)
+            gate, up = F.linear(h, wgu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, wdown)
+        cache.length = end
+        keep = min(logits_to_keep, n)
+        return self.head(self._rms_norm(x[n - keep :], self.norm.weight, self.norm_eps))
+
+
+def lean_runner(model) -> LeanLlama | None:
+    """The lean pass for ``model``, or None where it does not apply or SPECDEC_LEAN_FORWARD=0."""
+    if os.environ.get("SPECDEC_LEAN_FORWARD", "1") == "0":
+        return None
+    if _supported(model) is not None:
+        return None
+    return LeanLlama(model)

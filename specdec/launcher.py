@@ -31,6 +31,19 @@ class StackError(SpecdecError):
 
 DEFAULT_TARGET = "smollm2"
 DEFAULT_DRAFT = "auto"  # the shipped distilled draft for the default target, else n-gram
+# The local stack puts the target and the draft on one machine's cores. A draft of a few layers
+# gains little from a second CPU thread (the distilled SmolLM2 draft alone: 7.8-9.7 ms per k=2
+# proposal with two threads, 9.4-11.7 ms with one), but its OpenMP team then competes with the
+# target's for the same cores: through the stack, one thread was faster (server-side Propose
+# 12.5-13.7 ms vs 14.8-15.0 ms). A caller's own --threads wins.
+DRAFT_THREADS = "1"
+
+
+def draft_flags(extra: list[str] | None) -> list[str]:
+    """The draft service's flags in the local stack: the caller's, with one CPU thread unless
+    they chose a thread count (see DRAFT_THREADS)."""
+    flags = list(extra or [])
+    return flags if "--threads" in flags else flags + ["--threads", DRAFT_THREADS]
 
 
 def free_port() -> int:
@@ -183,7 +196,7 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
             _say(f"started an embedded redis-server at {redis_url}")
         stack.redis_url, stack.embedded_redis = redis_url, embedded
         stack.host, stack.log_dir, stack.env = host, log_dir, env or {}
-        stack.draft_model, stack.extra_draft = draft_model, list(extra_draft or [])
+        stack.draft_model, stack.extra_draft = draft_model, draft_flags(extra_draft)
         stack.target_model, stack.extra_target = target_model, list(extra_target or [])
         for i in range(target_replicas):
             _say(f"starting target replica {i} ({target_model})...")

@@ -139,3 +139,11 @@ def test_an_invalid_head_vocabulary_is_a_clear_load_error(model_dirs, tmp_path):
         (broken / "head_vocab.json").write_text(content)
         with pytest.raises(ModelLoadError, match="head_vocab.json is invalid"):
             load_model(str(broken), "cpu", quiet=True)
+
+
+def test_local_stack_gives_the_draft_one_thread_unless_told_otherwise():
+    from specdec.launcher import draft_flags
+
+    assert draft_flags(None) == ["--threads", "1"]
+    assert draft_flags(["--device", "cpu"]) == ["--device", "cpu", "--threads", "1"]
+    assert draft_flags(["--threads", "2"]) == ["--threads", "2"]

@@ -137,7 +137,28 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Commands whose flags live in their own module: name -> (help, module). The module provides
+# add_arguments(parser) and main(args).
+MODULE_COMMANDS = {
+    "bench": ("measure speculative vs target-only vs transformers, in one run", "specdec.bench"),
+    "distill": ("train a small draft for a target by knowledge distillation", "specdec.distill"),
+    "draft": ("run the draft gRPC service", "draft_service.server"),
+    "target": ("run the target gRPC service", "target_service.server"),
+    "coordinator": ("run the coordinator (public gRPC API) on Ray", "coordinator.server"),
+}
+
+
+def _module_command(name: str):
+    import importlib
+
+    module = importlib.import_module(MODULE_COMMANDS[name][1])
+    return module.add_arguments, module.main
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI parser. With ``command`` (what main() passes), only that command's module is imported,
+    so `specdec distill` needs neither grpc nor ray and a service process imports only its own
+    server; without it, every command is complete."""
     parser = argparse.ArgumentParser(prog="specdec", description="Exact, distributed speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -174,33 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
 
-    from . import bench
-
-    p = sub.add_parser("bench", help="measure speculative vs target-only vs transformers, in one run")
-    bench.add_arguments(p)
-    p.set_defaults(func=bench.main)
-
-    from . import distill
-
-    p = sub.add_parser("distill", help="train a small draft for a target by knowledge distillation")
-    distill.add_arguments(p)
-    p.set_defaults(func=distill.main)
-
-    from coordinator import server as coordinator_server
-    from draft_service import server as draft_server
-    from target_service import server as target_server
-
-    p = sub.add_parser("draft", help="run the draft gRPC service")
-    draft_server.add_arguments(p)
-    p.set_defaults(func=draft_server.main)
-
-    p = sub.add_parser("target", help="run the target gRPC service")
-    target_server.add_arguments(p)
-    p.set_defaults(func=target_server.main)
-
-    p = sub.add_parser("coordinator", help="run the coordinator (public gRPC API) on Ray")
-    coordinator_server.add_arguments(p)
-    p.set_defaults(func=coordinator_server.main)
+    for name, (help_text, _) in MODULE_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if command is None or name == command:  # a named command imports only its own module
+            add_arguments, run = _module_command(name)
+            add_arguments(p)
+            p.set_defaults(func=run)
     return parser
 
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         from .selftest import main as selftest_main
 
         return selftest_main(argv[1:])
-    parser = build_parser()
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     from .errors import SpecdecError
 

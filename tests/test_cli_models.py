@@ -147,3 +147,19 @@ def test_local_stack_gives_the_draft_one_thread_unless_told_otherwise():
     assert draft_flags(None) == ["--threads", "1"]
     assert draft_flags(["--device", "cpu"]) == ["--device", "cpu", "--threads", "1"]
     assert draft_flags(["--threads", "2"]) == ["--threads", "2"]
+
+
+def test_a_command_imports_only_its_own_module():
+    """`specdec distill` must work where only torch and transformers are installed (a GPU box),
+    and a service process should not import the other services (ray for a draft replica)."""
+    probe = ("import sys; from specdec.cli import build_parser; "
+             "args = build_parser('distill').parse_args(['distill', '--target', 't', '--out', 'o']); "
+             "print(args.func.__module__, 'ray' in sys.modules, 'grpc' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["specdec.distill", "False", "False"]
+    # Without a command every subcommand is complete (`specdec --help`, the deploy tests).
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(["target", "--port", "5"])
+    assert args.port == 5 and args.func.__module__ == "target_service.server"

@@ -24,17 +24,19 @@ def _peer_error(who: str, exc: grpc.aio.AioRpcError) -> PeerError:
     return PeerError(exc.code().name, f"{who}: {exc.code().name}: {exc.details()}")
 
 
-def _start_request(session_id: str, prompt: Sequence[int], params: SamplingParams):
+def _start_request(session_id: str, prompt: Sequence[int], params: SamplingParams, **extra):
     return engine_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=list(prompt),
-                                          sampling=wire.sampling_to_proto(params))
+                                          sampling=wire.sampling_to_proto(params), **extra)
 
 
 class GrpcDraft:
-    def __init__(self, address: str, timeout: float = 5.0, channel: grpc.aio.Channel | None = None):
+    def __init__(self, address: str, timeout: float = 5.0, channel: grpc.aio.Channel | None = None,
+                 draft_kind: str = "model"):
         self.address = address
         self.timeout = timeout
         self.channel = channel or insecure_channel(address)
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
+        self.wants_features = draft_kind == "feature"  # it drafts from the target's features
 
     async def info(self) -> engine_pb2.EngineInfo:
         try:
@@ -42,9 +44,10 @@ class GrpcDraft:
         except grpc.aio.AioRpcError as exc:
             raise _peer_error(f"draft {self.address}", exc) from None
 
-    async def start(self, session_id, prompt, params):
+    async def start(self, session_id, prompt, params, features=None):
+        request = _start_request(session_id, prompt, params, features=wire.features_to_proto(features))
         try:
-            await self.stub.StartSession(_start_request(session_id, prompt, params), timeout=self.timeout * 4)
+            await self.stub.StartSession(request, timeout=self.timeout * 4)
         except grpc.aio.AioRpcError as exc:
             raise _peer_error(f"draft {self.address}", exc) from None
 
@@ -82,16 +85,21 @@ class GrpcTarget:
         self.context_length = info.context_length
         return info
 
-    async def start(self, session_id, prompt, params):
+    async def start(self, session_id, prompt, params, return_features: bool = False):
+        """Prefill; with ``return_features`` returns the prompt's features (for a feature draft)."""
         try:
-            await self.stub.StartSession(_start_request(session_id, prompt, params), timeout=self.timeout)
+            reply = await self.stub.StartSession(_start_request(session_id, prompt, params,
+                                                                return_features=return_features), timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise _peer_error(f"target {self.address}", exc) from None
+        return wire.features_from_proto(reply.features) if reply.HasField("features") else None
 
-    async def verify(self, session_id: str, step: int, proposal: DraftProposal, commit: Commit | None) -> TargetVerdict:
+    async def verify(self, session_id: str, step: int, proposal: DraftProposal, commit: Commit | None,
+                     return_features: bool = False) -> TargetVerdict:
         async def chunks():
             # The header, then the block streamed one proposal (token + its q) per message.
-            yield target_pb2.VerifyChunk(session_id=session_id, step=step, commit=wire.commit_to_proto(commit))
+            yield target_pb2.VerifyChunk(session_id=session_id, step=step, commit=wire.commit_to_proto(commit),
+                                         return_features=return_features)
             for token in wire.proposed_tokens_to_proto(proposal):
                 yield target_pb2.VerifyChunk(proposals=[token])
 

@@ -36,10 +36,12 @@ class PeerPool:
             self._targets[address].context_length = self.context_length
         return self._targets[address]
 
-    def draft_peer(self, address: str) -> GrpcDraft:
+    def draft_peer(self, address: str, draft_kind: str = "model") -> GrpcDraft:
         if address not in self._drafts:
             self._drafts[address] = GrpcDraft(address, timeout=self.draft_timeout)
-        return self._drafts[address]
+        peer = self._drafts[address]
+        peer.wants_features = draft_kind == "feature"  # as the registry describes the replica now
+        return peer
 
     async def discover_static(self) -> None:
         """Describe statically configured replicas (no registry) from their Info."""
@@ -55,7 +57,8 @@ class PeerPool:
                     info = None
                 self.static[address] = Replica(kind, f"static-{address}", address,
                                                info.model_id if info else "", info.tokenizer_fingerprint if info else "",
-                                               info.draft_kind if info else "model", info.vocab_size if info else 0)
+                                               info.draft_kind if info else "model", info.vocab_size if info else 0,
+                                               feature_size=info.feature_size if info else 0)
 
     async def replicas(self, kind: str) -> list[Replica]:
         found: list[Replica] = []
@@ -125,7 +128,7 @@ class SessionRouting:
         if draft is None:
             return None
         self.tried_drafts.add(draft.replica_id)
-        return self.pool.draft_peer(draft.address)
+        return self.pool.draft_peer(draft.address, draft.draft_kind)
 
     async def replace_draft(self, failed) -> GrpcDraft | None:
         return await self.first_draft()

@@ -35,6 +35,11 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             span.set_attribute("specdec.proposed", len(proposal))
         return wire.proposal_to_proto(proposal)
 
+    def prefill_arguments(self, request) -> tuple:
+        if self.engine.kind != "feature":
+            return ()
+        return (wire.features_from_proto(request.features) if request.HasField("features") else None,)
+
     @grpc_method
     async def Info(self, request, context):
         stats = self.engine.stats()
@@ -44,7 +49,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             tokenizer_fingerprint=self.fingerprint, live_sessions=stats["live_sessions"],
             kv_bytes=stats["kv_bytes"], sessions_started=stats.get("sessions_started", 0),
             draining=self.draining, kv_bytes_per_token=stats.get("kv_bytes_per_token", 0),
-            draft_kind=self.engine.kind,
+            draft_kind=self.engine.kind, feature_size=getattr(self.engine, "feature_size", 0),
         )
 
 
@@ -59,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args):
-    from draft_service.engine import DraftEngine
+    from draft_service.engine import draft_engine_for
     from draft_service.ngram import NgramDraft
 
     if args.model == "ngram":
@@ -73,7 +78,7 @@ def build_engine(args):
     device = args.device or default_device()
     model = load_model(args.model, device, parse_dtype(args.dtype, device))
     limits = CacheLimits(args.max_sessions, args.max_session_kv_bytes, args.max_kv_bytes)
-    return DraftEngine(model, limits, top_m=args.top_m, eps=args.eps)
+    return draft_engine_for(model, limits, top_m=args.top_m, eps=args.eps)
 
 
 def main(args) -> int:
@@ -91,7 +96,8 @@ def main(args) -> int:
         def describe(address: str, draining: bool) -> Replica:
             return Replica("draft", replica_id, address, args.model, fingerprint, engine.kind,
                            args.vocab_size if args.model == "ngram" else engine.vocab_size,
-                           engine.stats()["live_sessions"], args.max_sessions, draining)
+                           engine.stats()["live_sessions"], args.max_sessions, draining,
+                           feature_size=getattr(engine, "feature_size", 0))
 
         return ServiceSpec("draft", SERVICE, draft_pb2_grpc.add_DraftServicer_to_server, servicer, engine,
                            args.host, args.port, args.session_ttl, redis_url=args.redis or os.environ.get("REDIS_URL"),

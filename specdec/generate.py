@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
+import torch
+
 from .errors import InvalidArgumentError, MalformedProposalError, PeerError
 from .kv import Commit
 from .proposal import DraftProposal
@@ -105,7 +107,12 @@ class TextStream:
 
 # -- peers -----------------------------------------------------------------------------------
 class DraftPeer(Protocol):
-    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None: ...
+    # A feature draft reads the target's hidden states: ``start`` then gets the prompt's
+    # (``features``, [len(prompt) - 1, H]) and every commit the feature before each new token.
+    wants_features: bool
+
+    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
+                    features: torch.Tensor | None = None) -> None: ...
     async def propose(self, session_id: str, step: int, k: int, commit: Commit | None) -> DraftProposal: ...
     async def release(self, session_id: str) -> None: ...
 
@@ -113,9 +120,10 @@ class DraftPeer(Protocol):
 class TargetPeer(Protocol):
     context_length: int
 
-    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None: ...
+    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
+                    return_features: bool = False) -> torch.Tensor | None: ...
     async def verify(self, session_id: str, step: int, proposal: DraftProposal,
-                     commit: Commit | None) -> TargetVerdict: ...
+                     commit: Commit | None, return_features: bool = False) -> TargetVerdict: ...
     async def release(self, session_id: str) -> None: ...
 
 
@@ -136,9 +144,13 @@ class LocalDraft:
 
     def __init__(self, engine):
         self.engine = engine
+        self.wants_features = getattr(engine, "kind", "") == "feature"
 
-    async def start(self, session_id, prompt, params):
-        self.engine.prefill(session_id, prompt, params)
+    async def start(self, session_id, prompt, params, features=None):
+        if self.wants_features:
+            self.engine.prefill(session_id, prompt, params, features)
+        else:
+            self.engine.prefill(session_id, prompt, params)
 
     async def propose(self, session_id, step, k, commit):
         await asyncio.sleep(0)
@@ -153,12 +165,12 @@ class LocalTarget:
         self.engine = engine
         self.context_length = engine.context_length
 
-    async def start(self, session_id, prompt, params):
-        self.engine.prefill(session_id, prompt, params)
+    async def start(self, session_id, prompt, params, return_features=False):
+        return self.engine.prefill(session_id, prompt, params, return_features)
 
-    async def verify(self, session_id, step, proposal, commit):
+    async def verify(self, session_id, step, proposal, commit, return_features=False):
         await asyncio.sleep(0)
-        return self.engine.verify(session_id, step, proposal.tokens, proposal.q, commit)
+        return self.engine.verify(session_id, step, proposal.tokens, proposal.q, commit, return_features)
 
     async def release(self, session_id):
         self.engine.release(session_id)
@@ -209,6 +221,24 @@ class SpeculativeRun:
         self.failover = failover
         self.sequence = self.prompt + [int(t) for t in committed]  # prompt + committed tokens
         self.target_len = self.draft_len = len(self.sequence)  # what each peer was told is committed
+        # For a feature draft: the target's hidden state after each committed token but the last,
+        # [len(sequence) - 1, H] (row t precedes token t + 1); None when no draft needs them.
+        self.features: torch.Tensor | None = None
+
+    @property
+    def wants_features(self) -> bool:
+        return self.draft is not None and bool(getattr(self.draft, "wants_features", False))
+
+    async def _start_target(self, target: TargetPeer) -> None:
+        features = await target.start(self.session_id, self.sequence, self.params, self.wants_features)
+        if self.wants_features:
+            self.features = features
+
+    async def _start_draft(self, draft: DraftPeer) -> None:
+        if getattr(draft, "wants_features", False):
+            await draft.start(self.session_id, self.sequence, self.params, self.features)
+        else:
+            await draft.start(self.session_id, self.sequence, self.params)
 
     async def _drop_draft(self, why: str) -> None:
         """The draft failed: move the session to another draft replica (re-prefilled from the
@@ -221,7 +251,7 @@ class SpeculativeRun:
                 break
             self.stats.draft_failovers += 1
             try:
-                await replacement.start(self.session_id, self.sequence, self.params)
+                await self._start_draft(replacement)
             except Exception as exc:  # noqa: BLE001
                 why, failed = f"{why}; replacement failed too: {exc}", replacement
                 continue
@@ -243,7 +273,7 @@ class SpeculativeRun:
             raise exc
         self.stats.target_failovers += 1
         log.warning("session %s: target failed (%s); moving to another replica", self.session_id, exc)
-        await replacement.start(self.session_id, self.sequence, self.params)
+        await self._start_target(replacement)
         self.target, self.target_len = replacement, len(self.sequence)
 
     async def steps(self) -> AsyncIterator[list[int]]:
@@ -251,12 +281,12 @@ class SpeculativeRun:
         sid = self.session_id
         try:
             try:
-                await self.target.start(sid, self.sequence, self.params)
+                await self._start_target(self.target)
             except PeerError as exc:
                 await self._replace_target(exc)
             if self.draft is not None:
                 try:
-                    await self.draft.start(sid, self.sequence, self.params)
+                    await self._start_draft(self.draft)
                 except Exception as exc:  # noqa: BLE001 - the draft may fail, the request may not
                     await self._drop_draft(f"start: {exc}")
             while not self.stopper.finished:
@@ -274,6 +304,7 @@ class SpeculativeRun:
                                       len(self.sequence))
                     self.stats.record(decision, len(proposal))
                     emitted = self.stopper.feed(decision.tokens)
+                    self._keep_features(verdict, len(emitted))
                     self.sequence.extend(emitted)
                     span.set_attribute("specdec.k", len(proposal))
                     span.set_attribute("specdec.accepted", decision.num_accepted)
@@ -291,7 +322,8 @@ class SpeculativeRun:
         # would have (same draws), or the tokens would differ from an undisturbed run.
         while self.draft is not None and k > 0:
             try:
-                proposal = await self.draft.propose(sid, step, k, self._commit(self.draft_len))
+                commit = self._commit(self.draft_len, with_features=self.wants_features)
+                proposal = await self.draft.propose(sid, step, k, commit)
                 self.draft_len = len(self.sequence)
                 if len(proposal) > k:
                     raise MalformedProposalError("proposals", f"{len(proposal)} tokens for k={k}")
@@ -304,7 +336,7 @@ class SpeculativeRun:
         while True:
             commit = self._commit(self.target_len)
             try:
-                verdict = await self.target.verify(sid, step, proposal, commit)
+                verdict = await self.target.verify(sid, step, proposal, commit, self.wants_features)
                 break
             except MalformedProposalError as exc:
                 if not proposal.tokens:
@@ -318,11 +350,24 @@ class SpeculativeRun:
         self.stats.verify_seconds += time.perf_counter() - t0
         return proposal, verdict
 
-    def _commit(self, peer_len: int) -> Commit | None:
-        """Everything committed since the peer last heard, as the previous step's commit."""
+    def _keep_features(self, verdict: TargetVerdict, emitted: int) -> None:
+        """Row i of the block's features precedes the i-th emitted token: keep one per token."""
+        if self.features is None or not emitted:
+            return
+        if verdict.features is None or verdict.features.shape[0] < emitted:
+            self.features = None  # incomplete from here on: a feature draft can no longer be fed
+            return
+        self.features = torch.cat((self.features, verdict.features[:emitted].to(self.features.dtype)))
+
+    def _commit(self, peer_len: int, with_features: bool = False) -> Commit | None:
+        """Everything committed since the peer last heard, as the previous step's commit (with
+        the target's feature before each of those tokens, for a feature draft)."""
         if peer_len >= len(self.sequence):
             return None
-        return Commit(self.step - 1, peer_len, tuple(self.sequence[peer_len:]))
+        features = None
+        if with_features and self.features is not None:
+            features = self.features[peer_len - 1:len(self.sequence) - 1]
+        return Commit(self.step - 1, peer_len, tuple(self.sequence[peer_len:]), features)
 
     async def _release_all(self) -> None:
         peers = [p for p in (self.target, self.draft) if p is not None]

@@ -58,11 +58,15 @@ def cache_nbytes(cache) -> int:
 
 @dataclass(frozen=True)
 class Commit:
-    """"The committed sequence was ``base_len`` tokens; append ``tokens``" for step ``step``."""
+    """"The committed sequence was ``base_len`` tokens; append ``tokens``" for step ``step``.
+
+    ``features`` (for a feature draft only): [len(tokens), H], the target's hidden state before
+    each new token. Not part of a commit's identity: a retried commit is the same commit."""
 
     step: int
     base_len: int
     tokens: tuple[int, ...]
+    features: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -77,6 +81,9 @@ class Session:
     committed_step: int = 0
     last_commit: Commit | None = None
     kv_bytes: int = 0
+    # feature drafts only: the target's feature before each committed token from ``features_from`` on
+    features: torch.Tensor | None = None
+    features_from: int = 0
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -177,6 +184,7 @@ class SessionStore:
         with session.lock:
             session.cache = None
             session.cached = []
+            session.features = None
             session.kv_bytes = 0
         return True
 
@@ -195,12 +203,17 @@ class SessionStore:
 
         return DynamicCache(config=self.model.config)
 
-    def _run(self, cache, feed: list[int], rows: int) -> torch.Tensor:
-        """Logits of the last ``rows`` of ``feed`` (appended to ``cache``), [rows, V]."""
+    def _run(self, cache, feed: list[int], rows: int, feature_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the last ``rows`` of ``feed`` (appended to ``cache``), [rows, V], and with
+        ``feature_rows`` the model's final hidden states (what its head reads) of the last
+        ``feature_rows`` positions, [feature_rows, H] (else None)."""
         input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)
         if self.runner is not None:
-            return self.runner.forward(input_ids[0], cache, rows)
-        return self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=rows).logits[0]
+            return self.runner.forward_with_features(input_ids[0], cache, rows, feature_rows)
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=rows,
+                         output_hidden_states=feature_rows > 0)
+        features = out.hidden_states[-1][0, len(feed) - feature_rows:] if feature_rows else None
+        return out.logits[0], features
 
     # -- caps ---------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
@@ -270,10 +283,16 @@ class SessionStore:
             del session.cached[keep:]
             session.kv_bytes = cache_nbytes(session.cache)
 
-    @torch.inference_mode()
     def forward(self, session: Session, extra: Sequence[int] = (), rows: int = 1) -> torch.Tensor:
         """Logits of the last ``rows`` positions of the sequence ``tokens + extra``, as float32 on
         the CPU, [rows, V]. Only the uncached part is fed; afterwards ``cached`` is that sequence."""
+        return self.forward_with_features(session, extra, rows, with_features=False)[0]
+
+    @torch.inference_mode()
+    def forward_with_features(self, session: Session, extra: Sequence[int] = (), rows: int = 1,
+                              with_features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`, and the final hidden states of the same ``rows`` positions (float32,
+        CPU, [rows, H]) when ``with_features``: what a feature draft reads."""
         extra = [int(t) for t in extra]
         if not 1 <= rows <= len(session.tokens) + len(extra):
             raise ValueError(f"cannot return {rows} rows")
@@ -285,20 +304,24 @@ class SessionStore:
                 "num_speculative_tokens", f"{total} tokens exceed the model context of {self.context_length}"
             )
         self._check_bytes(session, total)
-        logits = self._run(session.cache, feed, rows)
+        logits, features = self._run(session.cache, feed, rows, rows if with_features else 0)
         session.cached.extend(feed)
         session.kv_bytes = cache_nbytes(session.cache)
-        return logits[-rows:].to(device="cpu", dtype=torch.float32)
+        if features is not None:
+            features = features.to(device="cpu", dtype=torch.float32)
+        return logits[-rows:].to(device="cpu", dtype=torch.float32), features
 
     @torch.inference_mode()
-    def warm(self, session: Session) -> None:
-        """Prefill: cache every committed token but the last (whose logits start the first step)."""
+    def warm(self, session: Session, with_features: bool = False) -> torch.Tensor | None:
+        """Prefill: cache every committed token but the last (whose logits start the first step).
+        With ``with_features``: the final hidden states of the positions fed, [fed, H] float32."""
         feed = session.tokens[len(session.cached) : -1]
         if not feed:
-            return
-        self._run(session.cache, feed, 1)
+            return torch.zeros(0, int(self.model.config.hidden_size)) if with_features else None
+        _, features = self._run(session.cache, feed, 1, len(feed) if with_features else 0)
         session.cached.extend(feed)
         session.kv_bytes = cache_nbytes(session.cache)
+        return features.to(device="cpu", dtype=torch.float32) if features is not None else None
 
     def stats(self) -> dict:
         return {
@@ -324,11 +347,14 @@ class SessionEngine:
     def context_length(self) -> int:
         return self.store.context_length
 
-    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
+                return_features: bool = False) -> torch.Tensor | None:
+        """Start a session; with ``return_features`` return the model's final hidden states of
+        every prompt position but the last, [len(prompt) - 1, H] (what a feature draft reads)."""
         session = self.store.create(session_id, prompt, params)
         with session.lock:
             try:
-                self.store.warm(session)
+                return self.store.warm(session, with_features=return_features)
             except BaseException:
                 self.store.release(session_id)
                 raise

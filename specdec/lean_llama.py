@@ -160,6 +160,13 @@ class LeanLlama:
     def forward(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1) -> torch.Tensor:
         """Logits [rows, V] of the last ``logits_to_keep`` of ``input_ids`` (1-D), appending their
         keys/values to ``cache``."""
+        return self.forward_with_features(input_ids, cache, logits_to_keep)[0]
+
+    @torch.inference_mode()
+    def forward_with_features(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1,
+                              feature_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`, and the final normed hidden states (what the head reads) of the last
+        ``feature_rows`` positions, [feature_rows, H] (None for 0)."""
         n = int(input_ids.shape[-1])
         start = cache.length
         end = start + n
@@ -190,7 +197,10 @@ class LeanLlama:
             x = x + F.linear(F.silu(gate) * up, wdown)
         cache.length = end
         keep = min(logits_to_keep, n)
-        return self.head(self.norm(x[n - keep :]))
+        last = max(keep, feature_rows)  # the norm is per row: norm the rows either output needs once
+        normed = self.norm(x[n - last:])
+        features = normed[last - feature_rows:] if feature_rows else None
+        return self.head(normed[last - keep:]), features
 
 
 def lean_runner(model) -> LeanLlama | None:

@@ -23,6 +23,7 @@ import torch
 
 from .draft_head import apply_head_vocab, read_head_vocab
 from .errors import ModelLoadError
+from .feature_draft import FeatureDraft, is_feature_draft_dir
 from .gguf_cache import find_converted, write_converted
 
 DEFAULT_TARGET = "smollm2"
@@ -164,6 +165,16 @@ def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None =
         copy = f" from its converted copy {load_from.location}" if load_from is not source else ""
         print(f"[specdec] loading {source.describe()}{copy} on {device} ({str(dtype).replace('torch.', '')})...",
               file=sys.stderr, flush=True)
+    if not source.gguf_file and is_feature_draft_dir(source.location):
+        if tp_plan:
+            raise ModelLoadError(f"{source.describe()} is a feature draft: it cannot be tensor-parallel")
+        model = FeatureDraft.load(source.location, device, dtype)
+        if not quiet:
+            print(f"[specdec] loaded feature draft {source.describe()}: "
+                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, output head over "
+                  f"{model.config.head_vocab_size} tokens, reads {model.config.hidden_size}-wide features of "
+                  f"{model.config.target or 'its target'} in {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
+        return model
     try:
         extra = {"tp_plan": tp_plan} if tp_plan else {}
         model = AutoModelForCausalLM.from_pretrained(load_from.location, dtype=dtype, **load_from.kwargs(), **extra)

@@ -33,6 +33,7 @@ class Replica:
     load: int = 0  # live sessions
     capacity: int = 0  # max sessions (0 = unknown)
     draining: bool = False
+    feature_size: int = 0  # target: its hidden size; feature draft: the features it reads
 
     @property
     def key(self) -> str:
@@ -67,11 +68,13 @@ def _order(r: Replica, pending: dict[str, int] | None):
 def compatible_draft(draft: Replica, target: Replica) -> bool:
     """A draft may serve a target only if they produce the same token events: the n-gram draft
     works on token ids of the sequence itself; a model draft needs the target's vocabulary size and
-    tokenizer fingerprint."""
+    tokenizer fingerprint, and a feature draft also the target's hidden size."""
     if draft.draft_kind == "ngram":
         return True
     if draft.vocab_size != target.vocab_size:
         return False
+    if draft.draft_kind == "feature" and not (draft.feature_size and draft.feature_size == target.feature_size):
+        return False  # it reads the target's hidden states: their width must match
     return bool(draft.fingerprint) and draft.fingerprint == target.fingerprint
 
 

@@ -38,7 +38,7 @@ class Case:
     covers: str
     params: dict = field(default_factory=dict)  # SamplingParams fields (seed and length set per run)
     k: int = 3
-    draft: str = "model"  # model | same | negated | ngram
+    draft: str = "model"  # model | same | negated | ngram | subset | feature
     tokens: int = 3  # T: length of the enumerated joint law (also max_new_tokens)
     top_m: int = 0  # draft truncation (0 = off)
     prompt: tuple[int, ...] = (1, 2, 3)
@@ -67,6 +67,9 @@ CASES: tuple[Case, ...] = (
          draft="ngram", prompt=(4, 6, 4, 6, 4, 6, 4)),
     Case("reduced_head", "draft with a reduced-vocabulary head (10 of 16 tokens, as distilled drafts ship): "
          "q = 0 outside it, the residual supplies the rest", {"temperature": 1.0}, draft="subset"),
+    Case("feature_draft", "feature draft (EAGLE-style): proposals from the target's hidden states, then from its "
+         "own fed-back predictions, reduced head; k=2 over 4 tokens", {"temperature": 1.0}, k=2, draft="feature",
+         tokens=4),
 )
 SUBSET_HEAD = (0, 1, 2, 3, 5, 8, 9, 11, 12, 14)
 
@@ -103,6 +106,13 @@ def build_draft(kind: str, target, top_m: int):
 
     if kind == "ngram":
         return NgramDraft(VOCAB)
+    if kind == "feature":
+        from draft_service.engine import FeatureDraftEngine
+        from .distill_features import build_feature_draft
+
+        draft = build_feature_draft(target, list(SUBSET_HEAD), embed_size=8, heads=4, kv_heads=2, intermediate=64,
+                                    seed=DRAFT_SEED).eval().requires_grad_(False)
+        return FeatureDraftEngine(draft, top_m=top_m, eps=0.0)
     model = {
         "model": lambda: perturbed(target, scale=0.04, seed=DRAFT_SEED),
         "same": lambda: target,

@@ -69,11 +69,17 @@ class SessionServicer:
         if self.draining:
             raise DrainingError(f"{self.model_spec}: this {self.kind} replica is draining; start the session elsewhere")
         params = wire.sampling_from_proto(request.sampling)
+        extra = self.prefill_arguments(request)
         with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
-            await on_model_thread(self.engine.prefill, request.session_id, list(request.prompt_token_ids), params)
-        return engine_pb2.StartSessionResponse()
+            features = await on_model_thread(self.engine.prefill, request.session_id,
+                                             list(request.prompt_token_ids), params, *extra)
+        return engine_pb2.StartSessionResponse(features=wire.features_to_proto(features))
+
+    def prefill_arguments(self, request) -> tuple:
+        """What ``engine.prefill`` takes after (session, prompt, params), read from the request."""
+        return ()
 
     async def _commit(self, session_id: str, commit) -> None:
         with tracing.tracer().start_as_current_span(f"{self.kind}.commit") as span:

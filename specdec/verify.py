@@ -36,6 +36,9 @@ class TargetVerdict:
     p_proposed: list[float]  # p_i(y_i), i = 1..k
     recovered: list[int]  # r_i, i = 1..k
     bonus: int  # b ~ p_{k+1}
+    # When asked (a feature draft is in use): the target's final hidden states of the k + 1
+    # verified positions, [k + 1, H]; row i precedes the token emitted at block index i.
+    features: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import numpy as np
+import torch
 
 from .errors import InvalidArgumentError
 from .kv import Commit
@@ -82,23 +83,65 @@ def proposal_from_proto(tokens: Iterable[draft_pb2.ProposedToken]) -> DraftPropo
 
 
 def verdict_to_proto(verdict: TargetVerdict) -> target_pb2.VerifyResponse:
-    return target_pb2.VerifyResponse(p_proposed=verdict.p_proposed, recovered=verdict.recovered, bonus=verdict.bonus)
+    return target_pb2.VerifyResponse(p_proposed=verdict.p_proposed, recovered=verdict.recovered, bonus=verdict.bonus,
+                                     features=features_to_proto(verdict.features))
 
 
 def verdict_from_proto(msg: target_pb2.VerifyResponse) -> TargetVerdict:
-    return TargetVerdict([float(p) for p in msg.p_proposed], [int(r) for r in msg.recovered], int(msg.bonus))
+    features = features_from_proto(msg.features, "features") if msg.HasField("features") else None
+    return TargetVerdict([float(p) for p in msg.p_proposed], [int(r) for r in msg.recovered], int(msg.bonus),
+                         features)
+
+
+# -- target features (for feature drafts) ----------------------------------------------------
+FLOAT16_MAX = 65504.0
+_FEATURE_DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+def _wire_dtype(name: str) -> np.dtype:
+    return np.dtype(_FEATURE_DTYPES[name]).newbyteorder("<")  # little-endian on every host
+
+
+def features_to_proto(features: torch.Tensor | None) -> engine_pb2.Features | None:
+    """[rows, H] -> float16 bytes (half the wire of float32; a draft's input needs no more), or
+    float32 when a value lies outside float16's range."""
+    if features is None:
+        return None
+    array = features.detach().to(device="cpu", dtype=torch.float32).numpy()
+    dtype = "float16" if array.size == 0 or float(np.abs(array).max()) <= FLOAT16_MAX else "float32"
+    data = array.astype(_wire_dtype(dtype)).tobytes()
+    return engine_pb2.Features(rows=array.shape[0], dim=array.shape[1] if array.ndim == 2 else 0, dtype=dtype,
+                               data=data)
+
+
+def features_from_proto(msg: engine_pb2.Features, field_name: str = "features") -> torch.Tensor:
+    """Checked decoding: known dtype, a size that matches rows x dim, finite values -> float32 [rows, dim]."""
+    if msg.dtype not in _FEATURE_DTYPES:
+        raise InvalidArgumentError(field_name, f"dtype must be one of {sorted(_FEATURE_DTYPES)}, got {msg.dtype!r}")
+    if msg.rows < 0 or msg.dim < 0 or (msg.rows and not msg.dim):
+        raise InvalidArgumentError(field_name, f"bad shape [{msg.rows}, {msg.dim}]")
+    np_dtype = _wire_dtype(msg.dtype)
+    if len(msg.data) != msg.rows * msg.dim * np_dtype.itemsize:
+        raise InvalidArgumentError(field_name, f"{len(msg.data)} bytes do not hold [{msg.rows}, {msg.dim}] "
+                                               f"{msg.dtype} values")
+    array = np.frombuffer(msg.data, dtype=np_dtype).astype(np.float32).reshape(msg.rows, msg.dim)
+    if not np.isfinite(array).all():
+        raise InvalidArgumentError(field_name, "values must be finite")
+    return torch.from_numpy(array.copy())
 
 
 def commit_to_proto(commit: Commit | None) -> engine_pb2.Commit | None:
     if commit is None:
         return None
-    return engine_pb2.Commit(step=commit.step, base_len=commit.base_len, tokens=list(commit.tokens))
+    return engine_pb2.Commit(step=commit.step, base_len=commit.base_len, tokens=list(commit.tokens),
+                             features=features_to_proto(commit.features))
 
 
 def commit_from_proto(msg: engine_pb2.Commit | None) -> Commit | None:
     if msg is None:
         return None
-    return Commit(int(msg.step), int(msg.base_len), tuple(int(t) for t in msg.tokens))
+    features = features_from_proto(msg.features, "commit.features") if msg.HasField("features") else None
+    return Commit(int(msg.step), int(msg.base_len), tuple(int(t) for t in msg.tokens), features)
 
 
 def optional_commit(parent, field: str = "commit") -> Commit | None:

@@ -7,6 +7,7 @@ verifier (p_i(y_i), recovered draws, bonus draw). Dense p never leaves this obje
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from specdec.kv import CacheLimits, Commit, SessionEngine, SessionStore
@@ -23,16 +24,18 @@ class TargetEngine(SessionEngine):
         """p_1..p_{k+1} for a block (dense; for tests and introspection, not for the wire)."""
         session = self.store.get(session_id)
         with session.lock:
-            return self._probs(session, list(proposals))
+            return self._probs(session, list(proposals))[0]
 
-    def _probs(self, session, proposals: list[int]):
+    def _probs(self, session, proposals: list[int], with_features: bool = False):
+        """(p_1..p_{k+1} [k + 1, V], the same rows' final hidden states or None)."""
         rows = len(proposals) + 1
-        logits = self.store.forward(session, proposals, rows=rows)
+        logits, features = self.store.forward_with_features(session, proposals, rows, with_features)
         counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
-        return probs_from_logits(logits, session.params, counts)
+        return probs_from_logits(logits, session.params, counts), features
 
     def verify(self, session_id: str, step: int, proposals: Sequence[int], q_block: Sequence[SparseDist],
-               commit: Commit | None = None) -> TargetVerdict:
+               commit: Commit | None = None, return_features: bool = False) -> TargetVerdict:
+        """``return_features``: the verdict carries the block's features (for a feature draft)."""
         session = self.store.get(session_id)
         with session.lock:
             if commit is not None:
@@ -40,5 +43,6 @@ class TargetEngine(SessionEngine):
             self.store.check_step(session, step)
             proposals = [int(t) for t in proposals]
             validate_block(proposals, q_block, self.vocab_size)
-            p_rows = self._probs(session, proposals)
-            return target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
+            p_rows, features = self._probs(session, proposals, return_features)
+            verdict = target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
+            return replace(verdict, features=features) if features is not None else verdict

@@ -46,8 +46,12 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             span.set_attribute("specdec.session_id", header.session_id)
             span.set_attribute("specdec.step", header.step)
             span.set_attribute("specdec.k", len(block))
-            verdict = await on_model_thread(self.engine.verify, header.session_id, header.step, block.tokens, block.q)
+            verdict = await on_model_thread(self.engine.verify, header.session_id, header.step, block.tokens, block.q,
+                                            None, header.return_features)
         return wire.verdict_to_proto(verdict)
+
+    def prefill_arguments(self, request) -> tuple:
+        return (request.return_features,)
 
     @grpc_method
     async def Info(self, request, context):
@@ -66,6 +70,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             tokenizer_fingerprint=self.fingerprint, live_sessions=stats["live_sessions"],
             kv_bytes=stats["kv_bytes"], sessions_started=stats.get("sessions_started", 0),
             draining=self.draining, kv_bytes_per_token=stats["kv_bytes_per_token"],
+            feature_size=int(self.engine.store.model.config.hidden_size),
         )
 
 
@@ -130,7 +135,8 @@ def main(args) -> int:
 
         def describe(address: str, draining: bool) -> Replica:
             return Replica("target", replica_id, address, args.model, fingerprint, "", engine.vocab_size,
-                           engine.stats()["live_sessions"], args.max_sessions, draining)
+                           engine.stats()["live_sessions"], args.max_sessions, draining,
+                           feature_size=int(model.config.hidden_size))
 
         return ServiceSpec("target", SERVICE, target_pb2_grpc.add_TargetServicer_to_server, servicer, engine,
                            args.host, args.port, args.session_ttl, redis_url=args.redis or os.environ.get("REDIS_URL"),

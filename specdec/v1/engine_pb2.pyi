@@ -15,31 +15,51 @@ class SparseDistribution(_message.Message):
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class Features(_message.Message):
+    __slots__ = ("rows", "dim", "dtype", "data")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    dim: int
+    dtype: str
+    data: bytes
+    def __init__(self, rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class Commit(_message.Message):
-    __slots__ = ("step", "base_len", "tokens")
+    __slots__ = ("step", "base_len", "tokens", "features")
     STEP_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     step: int
     base_len: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., base_len: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    features: Features
+    def __init__(self, step: _Optional[int] = ..., base_len: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "traceparent")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "traceparent", "return_features", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _coordinator_pb2.SamplingParams
     traceparent: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_coordinator_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    return_features: bool
+    features: Features
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_coordinator_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., return_features: _Optional[bool] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("features",)
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    features: Features
+    def __init__(self, features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session_id", "commit")
@@ -70,7 +90,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind", "sessions_started", "replica_id", "draining", "tp_size", "rank_param_bytes", "rank_kv_bytes")
+    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind", "sessions_started", "replica_id", "draining", "tp_size", "rank_param_bytes", "rank_kv_bytes", "feature_size")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +107,7 @@ class EngineInfo(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     RANK_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     model_id: str
     vocab_size: int
@@ -103,4 +124,5 @@ class EngineInfo(_message.Message):
     tp_size: int
     rank_param_bytes: _containers.RepeatedScalarFieldContainer[int]
     rank_kv_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ..., sessions_started: _Optional[int] = ..., replica_id: _Optional[str] = ..., draining: _Optional[bool] = ..., tp_size: _Optional[int] = ..., rank_param_bytes: _Optional[_Iterable[int]] = ..., rank_kv_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    feature_size: int
+    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ..., sessions_started: _Optional[int] = ..., replica_id: _Optional[str] = ..., draining: _Optional[bool] = ..., tp_size: _Optional[int] = ..., rank_param_bytes: _Optional[_Iterable[int]] = ..., rank_kv_bytes: _Optional[_Iterable[int]] = ..., feature_size: _Optional[int] = ...) -> None: ...

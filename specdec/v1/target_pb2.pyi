@@ -9,23 +9,27 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyChunk(_message.Message):
-    __slots__ = ("session_id", "step", "commit", "proposals")
+    __slots__ = ("session_id", "step", "commit", "proposals", "return_features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     commit: _engine_pb2.Commit
     proposals: _containers.RepeatedCompositeFieldContainer[_draft_pb2.ProposedToken]
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., commit: _Optional[_Union[_engine_pb2.Commit, _Mapping]] = ..., proposals: _Optional[_Iterable[_Union[_draft_pb2.ProposedToken, _Mapping]]] = ...) -> None: ...
+    return_features: bool
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., commit: _Optional[_Union[_engine_pb2.Commit, _Mapping]] = ..., proposals: _Optional[_Iterable[_Union[_draft_pb2.ProposedToken, _Mapping]]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("p_proposed", "recovered", "bonus")
+    __slots__ = ("p_proposed", "recovered", "bonus", "features")
     P_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     p_proposed: _containers.RepeatedScalarFieldContainer[float]
     recovered: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
-    def __init__(self, p_proposed: _Optional[_Iterable[float]] = ..., recovered: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ...) -> None: ...
+    features: _engine_pb2.Features
+    def __init__(self, p_proposed: _Optional[_Iterable[float]] = ..., recovered: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_engine_pb2.Features, _Mapping]] = ...) -> None: ...

@@ -437,6 +437,17 @@ def check_arguments(args) -> torch.device:
         device = None
     if device is not None and device.type == "cuda" and not torch.cuda.is_available():
         problems.append(f"--device {args.device}: this torch build or machine has no CUDA GPU (use --device cpu)")
+    if args.kind == "feature":
+        if args.unroll < 1:
+            problems.append(f"--unroll must be >= 1 (got {args.unroll})")
+        if args.embed_size < 1:
+            problems.append(f"--embed-size must be >= 1 (got {args.embed_size})")
+        if args.corpus_batches < 0:
+            problems.append(f"--corpus-batches must be >= 0 (got {args.corpus_batches})")
+    else:  # the standalone draft's shape defaults (a feature draft takes the target's)
+        args.heads = 4 if args.heads is None else args.heads
+        args.kv_heads = 2 if args.kv_heads is None else args.kv_heads
+        args.intermediate = 768 if args.intermediate is None else args.intermediate
     if problems:
         raise SystemExit("specdec distill: " + "; ".join(problems))
     return device
@@ -473,6 +484,11 @@ def distill(args) -> dict:
             exclude |= {p["text"] for p in load_prompts(DEFAULT_PROMPTS)}  # never a bench prompt
         self_file = out / "corpus" / "self_prompts.jsonl"
         sources.append((self_file, write_self_prompts(target, tokenizer, args, self_file, exclude)))
+    if args.kind == "feature":
+        from .distill_features import distill_feature_draft
+
+        return distill_feature_draft(args, target, tokenizer, [p for _, prompts in sources for p in prompts],
+                                     out, command_started, deadline)
     train, held_out = [], []
     for prompt_file, prompts in sources:
         # one corpus per prompt file: adding a file generates answers for that file only
@@ -623,11 +639,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-temperature", type=float, default=0.7, help="temperature of the sampled answers")
     p.add_argument("--teacher-top", type=int, default=32, help="teacher log-probabilities kept per position")
     p.add_argument("--head-vocab", type=int, default=8192, help="output-head tokens (0 = full vocabulary)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--kind", choices=["model", "feature"], default="model",
+                   help="model: a standalone small LM; feature: a one-layer draft that reads the target's hidden "
+                        "states (EAGLE-style; needs the stack's feature support, far higher acceptance)")
+    p.add_argument("--layers", type=int, default=2, help="model kind: decoder layers")
+    p.add_argument("--hidden", type=int, default=256, help="model kind: width (a feature draft has the target's)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default: 4; feature kind: the target's)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: 2; feature kind: the target's)")
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="MLP width (default: 768; feature kind: the target's)")
+    p.add_argument("--embed-size", type=int, default=128, help="feature kind: width of the draft's token embedding")
+    p.add_argument("--unroll", type=int, default=3,
+                   help="feature kind: drafting steps trained per position (its own predictions fed back)")
+    p.add_argument("--unroll-decay", type=float, default=0.8, help="feature kind: loss weight ratio of step s+1 to s")
+    p.add_argument("--feature-loss", type=float, default=0.1,
+                   help="feature kind: weight of the smooth-L1 loss between predicted and target features")
+    p.add_argument("--corpus-batches", type=int, default=0,
+                   help="feature kind: answer only the first N batches of the (shuffled) prompts (0 = all)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=320)

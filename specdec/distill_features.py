@@ -88,6 +88,10 @@ class FeatureBatch:
     target: torch.Tensor     # [B, T, H]: the target's feature at each position
     weight: torch.Tensor     # [B, T]: 1 where position t predicts an answer token
 
+    def to(self, device) -> "FeatureBatch":
+        return FeatureBatch(*(t.to(device, non_blocking=True) for t in
+                              (self.tokens, self.preceding, self.target, self.weight)))
+
 
 def make_feature_batch(records: list[FeatureRecord], seq_len: int) -> FeatureBatch:
     width = min(seq_len, max(len(r.ids) for r in records))
@@ -111,19 +115,20 @@ def feature_loss(draft: FeatureDraft, batch: FeatureBatch, teacher_head: torch.T
                  decay: float, feature_weight: float):
     """(loss, top-1 agreements per step, positions). ``teacher_head``: [S, H] the target's head rows
     over the draft's head vocabulary (frozen)."""
+    batch = batch.to(teacher_head.device)
     mask = batch.weight > 0
     target = batch.target[mask]                                              # [N, H]
     with torch.no_grad():
         logp = torch.log_softmax(target @ teacher_head.T, dim=-1)            # [N, S]
         p = logp.exp()
         teacher_top = logp.argmax(-1)
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=teacher_head.device)
     agree = []
     for s, predicted in enumerate(draft.unrolled(batch.tokens, batch.preceding, steps)):
         h = predicted[mask]
         logq = torch.log_softmax(draft.head_logits(h).float(), dim=-1)
         kl = (p * (logp - logq)).sum(-1).mean()
-        reg = F.smooth_l1_loss(h.float(), target) if feature_weight else torch.zeros(())
+        reg = F.smooth_l1_loss(h.float(), target) if feature_weight else 0.0
         loss = loss + decay ** s * (kl + feature_weight * reg)
         agree.append(int((logq.argmax(-1) == teacher_top).sum()))
     return loss, agree, int(mask.sum())
@@ -222,3 +227,112 @@ def train_feature_draft(draft: FeatureDraft, teacher_head: torch.Tensor, train: 
     bar.close()
     return {"steps": step, "best": best, "history": history, "stopped_by": stopped_by,
             "train_seconds": time.monotonic() - started}
+
+
+# -- the command ---------------------------------------------------------------------------------
+def distill_feature_draft(args, target, tokenizer, prompts: list[dict], out: Path, command_started: float,
+                          deadline: float | None) -> dict:
+    """``specdec distill --kind feature``: corpus -> head vocabulary -> training -> export."""
+    import json
+
+    from .distill import split_records
+    from .feature_corpus import build_feature_corpus, corpus_plan
+    from .models import eos_token_ids, tokenizer_fingerprint
+
+    train, held_out = [], []
+    for sample in range(max(1, args.samples_per_prompt)):
+        greedy = sample == 0
+        plan = corpus_plan(prompts, args.target, args.gen_tokens, args.gen_batch_size, greedy, args.gen_temperature,
+                           args.seed + sample)
+        name = "features-greedy" if greedy else f"features-sampled-{sample}"
+        records = build_feature_corpus(target, tokenizer, prompts, out / "corpus" / name, plan,
+                                       args.corpus_batches or None)
+        part_train, part_held = split_records(records, args.eval_sequences)
+        train += part_train
+        held_out += part_held
+    answer_tokens = sum(len(r.ids) - r.start for r in train)
+    say(f"corpus ready after {(time.monotonic() - command_started) / 60:.1f} min: {len(train)} training + "
+        f"{len(held_out)} held-out sequences, {answer_tokens} answer tokens")
+    vocab_size = int(target.config.vocab_size)
+    head_ids = choose_feature_head_vocab(train, args.head_vocab or vocab_size, vocab_size,
+                                         eos_token_ids(target, tokenizer))
+    coverage = answer_coverage(held_out, head_ids, vocab_size)
+    say(f"head vocabulary: {len(head_ids)} tokens, covering {coverage:.1%} of held-out answer tokens")
+    tc = target.config
+    heads = args.heads or int(tc.num_attention_heads)
+    kv_heads = args.kv_heads or int(getattr(tc, "num_key_value_heads", None) or heads)
+    intermediate = args.intermediate or int(tc.intermediate_size)
+    if int(tc.hidden_size) % heads:
+        raise SystemExit(f"specdec distill: --heads {heads} does not divide the target's hidden size {tc.hidden_size}")
+    draft = build_feature_draft(target.cpu(), head_ids, args.embed_size, heads, kv_heads, intermediate, args.seed,
+                                args.target, tokenizer_fingerprint(tokenizer))
+    teacher_head = target.get_output_embeddings().weight.detach().float().cpu()[torch.tensor(head_ids)].clone()
+    del target  # the corpus holds everything training needs from the target
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    draft, teacher_head = draft.to(device), teacher_head.to(device)
+    before = evaluate_features(draft, held_out, teacher_head, args.unroll, args.seq_len)
+    train_seconds = None
+    if deadline:  # a tenth of the budget (at most a minute) stays for the final evaluation and export
+        train_seconds = deadline - min(60.0, 6.0 * args.time_budget_minutes) - time.monotonic()
+    result = train_feature_draft(draft, teacher_head, train, held_out, args, out / "checkpoint.pt", train_seconds)
+    after = evaluate_features(draft, held_out, teacher_head, args.unroll, args.seq_len)
+    exported_step = result["steps"]
+    best = result["best"]
+    if best is not None and expected_tokens_per_step(best["top1_by_step"], args.unroll) > \
+            expected_tokens_per_step(after["top1_by_step"], args.unroll):
+        draft.load_state_dict(best["state"])
+        after, exported_step = {k: best[k] for k in ("top1_by_step", "positions")}, best["step"]
+        say(f"exporting the step-{exported_step} weights (best held-out evaluation)")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.save_dtype]
+    draft.save(out, dtype)
+    tokenizer.save_pretrained(out)
+    report = {"kind": "feature", "target": args.target, "steps": result["steps"], "exported_step": exported_step,
+              "stopped_by": result["stopped_by"], "device": str(device), "train_sequences": len(train),
+              "held_out_sequences": len(held_out), "answer_tokens": answer_tokens,
+              "parameters": sum(p.numel() for p in draft.parameters()), "head_vocab": len(head_ids),
+              "head_coverage_held_out": coverage, "top1_by_step_start": before["top1_by_step"],
+              "top1_by_step_end": after["top1_by_step"],
+              "tokens_per_pass_end": {k: expected_tokens_per_step(after["top1_by_step"], k) for k in (1, 2, 3, 4)},
+              "history": [{k: h[k] for k in ("step", "top1_by_step")} for h in result["history"]],
+              "train_seconds": result["train_seconds"], "total_seconds": time.monotonic() - command_started,
+              "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    (out / "distill.json").write_text(json.dumps(report, indent=2))
+    write_feature_model_card(out, report)
+    say("held-out top-1 agreement by drafting step: " + " / ".join(f"{a:.3f}" for a in before["top1_by_step"])
+        + " -> " + " / ".join(f"{a:.3f}" for a in after["top1_by_step"])
+        + f"; {report['parameters'] / 1e6:.1f}M parameters saved to {out}")
+    return report
+
+
+def write_feature_model_card(out: Path, report: dict) -> None:
+    st = report["settings"]
+    size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
+    steps = " / ".join(f"{a:.3f}" for a in report["top1_by_step_end"])
+    per_k = ", ".join(f"k={k}: {v:.2f}" for k, v in report["tokens_per_pass_end"].items())
+    exported = ""
+    if report["exported_step"] != report["steps"]:
+        exported = f"; exported the step-{report['exported_step']} weights (best held-out evaluation)"
+    (out / "README.md").write_text(f"""# Feature draft for `{report['target']}` (made by `specdec distill --kind feature`)
+
+A speculative-decoding draft that reads the target's own hidden states (EAGLE-style): at each
+position it takes the token and the target's final hidden state before it, predicts the next
+hidden state with one decoder layer, and reads tokens off that with the target's output head
+(restricted to {report['head_vocab']} tokens; the others get q = 0, which keeps decoding exact). To
+draft more tokens it feeds its own predictions back. It only works with the target it was trained
+on, served by specdec (the target sends its features to the draft through the coordinator).
+
+- **Size**: {report['parameters'] / 1e6:.1f}M parameters, {size_mb:.1f} MB of {st['save_dtype']} safetensors
+  (token embedding {st['embed_size']} wide, one layer of the target's width, head over {report['head_vocab']} tokens).
+- **Data**: the target's greedy answers (up to {st['gen_tokens']} new tokens) to
+  {', '.join('`' + Path(f).name + '`' for f in st['prompts'].split(','))}, with its hidden state at every position:
+  {report['train_sequences']} training sequences ({report['answer_tokens']} answer tokens), {report['held_out_sequences']} held out.
+- **Training**: KL to the target's next-token distribution over the head vocabulary plus
+  {st['feature_loss']} x smooth-L1 to its features, at {st['unroll']} unrolled drafting steps (step s reads the draft's
+  own step-(s-1) predictions; weights {st['unroll_decay']}^(s-1)); {report['steps']} steps of batch {st['batch_size']},
+  AdamW lr {st['lr']} (cosine), seed {st['seed']}; {report['train_seconds'] / 60:.0f} min on {report['device']}{exported}.
+- **Held-out**: top-1 agreement with the target by drafting step {steps} (the greedy acceptance of
+  the s-th proposal of a block when the earlier ones were accepted); expected tokens per target pass
+  (greedy) {per_k}; the head vocabulary covers {report['head_coverage_held_out']:.1%} of held-out answer tokens.
+
+Reproduce: `specdec distill --kind feature --target {report['target']} --out DIR` with the settings in `distill.json`.
+""")

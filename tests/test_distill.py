@@ -88,3 +88,56 @@ def test_distill_self_prompts_and_time_budget(tmp_path):
     report = json.loads((out / "distill.json").read_text())
     assert report["stopped_by"] == "time budget" and 30 <= report["steps"] < 1_000_000
     assert load_model(str(out), "cpu", quiet=True).config.vocab_size == 32
+
+
+FEATURE = ["--kind", "feature", "--num-prompts", "6", "--samples-per-prompt", "2", "--gen-tokens", "24",
+           "--gen-batch-size", "4", "--head-vocab", "24", "--embed-size", "8", "--batch-size", "4", "--seq-len", "64",
+           "--lr", "1e-2", "--eval-every", "20", "--checkpoint-every", "20", "--eval-sequences", "3"]
+
+
+def test_distill_feature_draft_tiny_target(tmp_path):
+    """--kind feature: a corpus of answers with the target's hidden states (greedy + sampled), a
+    one-layer draft whose held-out agreement rises at every drafting step, resumable, loadable,
+    same tokenizer, bf16 weights, and a working draft: greedy output is the target's, and it is
+    accepted far more often than the untrained draft."""
+    from draft_service.engine import FeatureDraftEngine
+    from specdec.distill_features import build_feature_draft
+    from specdec.feature_draft import FeatureDraft
+
+    target = tiny_llama(32, seed=12, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    target.save_pretrained(tmp_path / "target")
+    word_tokenizer(32).save_pretrained(tmp_path / "target")
+    out = tmp_path / "draft"
+    base = [SPECDEC, "distill", "--target", str(tmp_path / "target"), "--out", str(out), *FEATURE]
+    first = subprocess.run([*base, "--steps", "40"], capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = subprocess.run([*base, "--steps", "80"], capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and "resuming from" in second.stderr and "at step 40" in second.stderr
+    assert "reusing" in second.stderr  # the corpus shards were not generated again
+    assert sorted(p.name for p in (out / "corpus").iterdir()) == ["features-greedy", "features-sampled-1"]
+    report = json.loads((out / "distill.json").read_text())
+    assert report["kind"] == "feature" and report["steps"] == 80 and len(report["top1_by_step_end"]) == 3
+    assert all(end > start + 0.2 for start, end in zip(report["top1_by_step_start"], report["top1_by_step_end"]))
+    assert "Feature draft" in (out / "README.md").read_text()
+    draft = load_model(str(out), "cpu", quiet=True)
+    assert isinstance(draft, FeatureDraft) and draft.config.hidden_size == 32 and len(draft.head_token_ids) == 24
+    assert tokenizer_fingerprint(load_tokenizer(str(out))) == tokenizer_fingerprint(load_tokenizer(str(tmp_path / "target")))
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(k).dtype for k in weights.keys() if k != "head_token_ids"} == {torch.bfloat16}
+    greedy = SamplingParams(temperature=0.0, seed=0, max_new_tokens=30, ignore_eos=True)
+    from specdec.distill import DEFAULT_DISTILL_PROMPTS
+    from specdec.models import encode_prompt
+
+    text = json.loads(Path(DEFAULT_DISTILL_PROMPTS.split(",")[0]).read_text().splitlines()[-1])["text"]
+    prompt = encode_prompt(load_tokenizer(str(out)), text, chat=True)  # like the corpus's (unseen) prompts
+    ids = torch.tensor([prompt])  # (token 0 is in the prompt: the mask must not treat it as padding)
+    expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30,
+                               min_new_tokens=30, pad_token_id=0)[0, len(prompt):].tolist()
+    trained = speculative_generate(TargetEngine(target), FeatureDraftEngine(draft.float()), prompt, greedy, 3)
+    assert trained.token_ids == expected
+    fresh = build_feature_draft(target, draft.head_token_ids.tolist(), 8, 4, 2, 64, seed=0).eval()
+    untrained = speculative_generate(TargetEngine(target), FeatureDraftEngine(fresh), prompt, greedy, 3)
+    assert untrained.token_ids == expected
+    assert trained.stats.acceptance_rate > untrained.stats.acceptance_rate + 0.3

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 REQUIRED = {"temperature_1", "temperature_0.7", "top_k", "top_p", "min_p", "penalties_and_bias", "greedy",
-            "k1", "k5_boundary", "disjoint_support_forced_rejection", "q_equals_p_bonus", "ngram"}
+            "k1", "k5_boundary", "disjoint_support_forced_rejection", "q_equals_p_bonus", "ngram", "reduced_head",
+            "feature_draft"}
 
 
 @pytest.mark.slow

@@ -8,7 +8,11 @@ One run, one stack, the same prompts, models and sampling settings for every mod
 - ``speculative-ngram``  through the full stack with n-gram (prompt lookup) drafts, for each k
 - ``hf-generate``        transformers ``generate()`` of the target alone, in this process
 - ``hf-assisted``        transformers assisted generation (the same draft model as
-                         ``assistant_model``, or prompt lookup for an n-gram draft): the peer
+                         ``assistant_model``, or prompt lookup for an n-gram draft): the peer.
+                         A feature draft cannot run there (transformers has no way to hand it
+                         the target's hidden states), so its peer is assisted generation with a
+                         standalone draft (``--assistant-model``; for the default target the
+                         shipped distilled one)
 
 Plus a concurrency sweep (aggregate tokens/s with 1, 4, 16 streams) and Leviathan et al.'s
 predicted speedup from the measured acceptance and step times, next to the achieved one.
@@ -193,12 +197,15 @@ def run(args) -> dict:
     if args.draft_model == "auto":
         args.draft_model = default_draft_for(args.target_model)
     draft_is_model = args.draft_model not in ("ngram", "none")
+    args.assistant_model = assistant_for(args)
     modes = [Mode("target-only", 0, "none")]
     if draft_is_model:
         modes += [Mode("speculative", k, "draft_model") for k in ks]
     ngram_ks = ks if args.ngram_ks is None else [int(k) for k in args.ngram_ks.split(",") if k]
     modes += [Mode("speculative-ngram", k, "ngram") for k in ngram_ks]
-    hf_modes = [] if args.no_hf else [Mode("hf-generate")] + [Mode("hf-assisted", k) for k in ks]
+    hf_modes = [] if args.no_hf else [Mode("hf-generate")]
+    if not args.no_hf and (args.assistant_model or not draft_is_model):  # else nothing can assist
+        hf_modes += [Mode("hf-assisted", k) for k in ks]
     say(f"{len(prompts)} prompts x {len(temperatures)} settings x {len(modes) + len(hf_modes)} modes x "
         f"{args.repeats} repeats, {args.max_new_tokens} new tokens each")
 
@@ -208,7 +215,9 @@ def run(args) -> dict:
         say("loading the target (and draft) in process for the transformers baselines...")
         # loaded on the thread that runs them (specdec/model_thread.py)
         hf_target = call_on_model_thread(load_model, args.target_model, "cpu", quiet=True)
-        hf_draft = call_on_model_thread(load_model, args.draft_model, "cpu", quiet=True) if draft_is_model else None
+        if args.assistant_model:
+            say(f"transformers assisted generation drafts with {args.assistant_model}")
+            hf_draft = call_on_model_thread(load_model, args.assistant_model, "cpu", quiet=True)
     prompt_ids = {p["id"]: encode_prompt(tokenizer, p["text"], chat=True) for p in prompts}
     results: dict[tuple, list[list[Sample]]] = {}
     with local_stack(args.target_model, args.draft_model if draft_is_model else "ngram",
@@ -256,6 +265,24 @@ def run(args) -> dict:
     return report(summaries, sweep, args)
 
 
+def assistant_for(args) -> str | None:
+    """The draft model transformers' assisted generation uses (None: prompt lookup for an n-gram
+    draft, or no assisted mode). 'auto': the stack's draft itself when it is a standalone model;
+    for a feature draft, which transformers cannot run, the standalone draft shipped for the
+    default target (if the target is that one)."""
+    from .feature_draft import is_feature_draft_dir
+    from .models import default_standalone_draft_for, resolve
+
+    if args.assistant_model not in (None, "auto"):
+        return None if args.assistant_model == "none" else args.assistant_model
+    if args.draft_model in ("ngram", "none"):
+        return None
+    location = resolve(args.draft_model).location
+    if not is_feature_draft_dir(location):
+        return args.draft_model
+    return default_standalone_draft_for(args.target_model)
+
+
 def _best(summaries: list[dict], temperature: float) -> Mode:
     spec = [s for s in summaries if s["mode"].startswith("speculative") and s["temperature"] == temperature]
     top = max(spec, key=lambda s: s["tokens_per_s"])
@@ -297,7 +324,8 @@ def report(summaries: list[dict], sweep: list[dict], args) -> dict:
     best_assisted = max(assisted, key=lambda s: s["tokens_per_s"]) if assisted else None
     split = (best or {}).get("time_split") or {}
     return {
-        "settings": {"target_model": args.target_model, "draft_model": args.draft_model, "ks": args.ks,
+        "settings": {"target_model": args.target_model, "draft_model": args.draft_model,
+                     "assistant_model": getattr(args, "assistant_model", None), "ks": args.ks,
                      "temperatures": args.temperatures, "max_new_tokens": args.max_new_tokens,
                      "repeats": args.repeats, "prompts": args.prompts, "num_prompts": args.num_prompts,
                      "headline_temperature": headline_t},
@@ -377,6 +405,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default="auto",
                    help="draft model spec, 'ngram', or 'auto' (the stack's default: the shipped distilled draft "
                         "for the default target, else n-gram)")
+    p.add_argument("--assistant-model", default="auto",
+                   help="the draft of transformers' assisted generation (the peer): 'auto' = the stack's draft, or "
+                        "for a feature draft the standalone distilled draft of the default target; 'none' = skip")
     p.add_argument("--ngram-ks", default=None, help="k sweep of the n-gram draft (default: --ks; '' = skip)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL file of {id, category, text}")
     p.add_argument("--split", default=None, help="only prompts with this split (e.g. heldout)")

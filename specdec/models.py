@@ -29,7 +29,8 @@ from .gguf_cache import find_converted, write_converted
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2", "default", "smollm2-135m-instruct"}
-SHIPPED_DRAFTS = {"smollm2-draft": "smollm2-draft"}  # alias -> folder under models/
+# alias -> folder under models/: the feature draft (the default) and the standalone distilled LM
+SHIPPED_DRAFTS = {"smollm2-feature-draft": "smollm2-feature-draft", "smollm2-draft": "smollm2-draft"}
 
 
 def shipped_models_dir() -> Path:
@@ -40,9 +41,15 @@ def shipped_models_dir() -> Path:
 
 
 def default_draft_for(target_spec: str) -> str:
-    """The draft to use when none is named: the shipped distilled draft for the default target,
+    """The draft to use when none is named: the shipped feature draft for the default target,
     prompt lookup (n-gram, works with any tokenizer) otherwise."""
     return "smollm2-draft" if target_spec.lower() in _ALIASES else "ngram"
+
+
+def default_standalone_draft_for(target_spec: str) -> str | None:
+    """A standalone draft model (one that runs without the target's features, e.g. as
+    transformers' assistant model) shipped for ``target_spec``, if any."""
+    return "smollm2-draft" if target_spec.lower() in _ALIASES else None
 
 
 @dataclass(frozen=True)

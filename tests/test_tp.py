@@ -91,6 +91,25 @@ def test_sharded_verifier_output_equals_unsharded(targets):
         assert a.recovered == b.recovered and a.bonus == b.bonus
 
 
+def test_sharded_target_returns_the_unsharded_features(targets):
+    """What a feature draft reads: the final hidden states, from a sharded target as from a whole one."""
+    async def features(address):
+        peer = GrpcTarget(address)
+        await peer.info()
+        prompt = await peer.start("f", [1, 2, 3, 4, 5], SamplingParams(temperature=1.0, seed=5), return_features=True)
+        verdict = await peer.verify("f", 1, DraftProposal([6, 7], [SparseDist.one_hot(6), SparseDist.one_hot(7)]),
+                                    None, return_features=True)
+        await peer.release("f")
+        await peer.close()
+        return prompt, verdict.features
+
+    sharded, plain = targets
+    (prompt_a, block_a), (prompt_b, block_b) = asyncio.run(features(sharded.address)), asyncio.run(features(plain.address))
+    assert prompt_a.shape == (4, 32) and block_a.shape == (3, 32)
+    torch.testing.assert_close(prompt_a, prompt_b, rtol=2e-3, atol=2e-3)  # float16 on the wire
+    torch.testing.assert_close(block_a, block_b, rtol=2e-3, atol=2e-3)
+
+
 def test_each_rank_holds_about_half(targets):
     from specdec.v1 import engine_pb2, target_pb2_grpc
 

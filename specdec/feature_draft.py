@@ -211,6 +211,7 @@ class FeatureDraft(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
                  for k, v in self.state_dict().items()}
+        state["head_token_ids"] = state["head_token_ids"].to(torch.int32)  # ids < 2^31: half the bytes
         save_file(state, directory / WEIGHTS_FILE, metadata={"format": "pt", "model_type": MODEL_TYPE})
         (directory / "config.json").write_text(self.config.to_json())
 
@@ -222,6 +223,7 @@ class FeatureDraft(nn.Module):
         config = FeatureDraftConfig.from_dict(json.loads((directory / "config.json").read_text()))
         config._name_or_path = str(directory)
         state = load_file(directory / WEIGHTS_FILE)
+        state["head_token_ids"] = state["head_token_ids"].long()
         model = cls(config, state["head_token_ids"])
         model.load_state_dict(state)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

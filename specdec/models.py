@@ -175,7 +175,10 @@ def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None =
     if not source.gguf_file and is_feature_draft_dir(source.location):
         if tp_plan:
             raise ModelLoadError(f"{source.describe()} is a feature draft: it cannot be tensor-parallel")
-        model = FeatureDraft.load(source.location, device, dtype)
+        try:
+            model = FeatureDraft.load(source.location, device, dtype)
+        except Exception as exc:  # noqa: BLE001 - missing, corrupt (safetensors' own error) or mismatched files
+            raise ModelLoadError(f"cannot load the feature draft in {source.describe()}: {exc}") from exc
         if not quiet:
             print(f"[specdec] loaded feature draft {source.describe()}: "
                   f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, output head over "

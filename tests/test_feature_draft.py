@@ -198,3 +198,15 @@ def test_greedy_with_a_feature_draft_is_the_targets_greedy(target_model, feature
     assert result.token_ids == expected
     assert result.stats.proposed_tokens > 0 and result.stats.draft_fallbacks == 0
     assert len(draft.store) == 0
+
+
+def test_a_broken_feature_draft_directory_is_a_clear_load_error(tmp_path, feature_model):
+    from specdec.errors import ModelLoadError
+
+    feature_model.save(tmp_path / "d")
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelLoadError, match="cannot load the feature draft in"):
+        load_model(str(tmp_path / "d"), "cpu", quiet=True)
+    (tmp_path / "d" / "config.json").write_text('{"model_type": "specdec_feature_draft", "vocab_size": 3}')
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        load_model(str(tmp_path / "d"), "cpu", quiet=True)

@@ -175,7 +175,10 @@ def train_feature_draft(draft: FeatureDraft, teacher_head: torch.Tensor, train: 
     from tqdm import tqdm
 
     rng = random.Random(args.seed)
-    params = [p for n, p in draft.named_parameters()]
+    frozen = set(getattr(args, "freeze", "").split(",")) - {""}
+    for name, p in draft.named_parameters():
+        p.requires_grad_(name.split(".")[0] not in frozen)
+    params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, best, history = 0, None, []
     if checkpoint.exists() and not args.restart:
@@ -203,6 +206,8 @@ def train_feature_draft(draft: FeatureDraft, teacher_head: torch.Tensor, train: 
         lr = lr_at(step, args.steps, args.lr, args.warmup, spent)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        if getattr(args, "feature_noise", 0.0):  # EAGLE's feature noise: robustness to imperfect inputs
+            batch.preceding += torch.randn_like(batch.preceding) * args.feature_noise * batch.preceding.std()
         loss, agree, n = feature_loss(draft, batch, teacher_head, args.unroll, args.unroll_decay, args.feature_loss)
         optimizer.zero_grad()
         loss.backward()

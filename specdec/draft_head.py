@@ -35,7 +35,9 @@ class SubsetHead(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        subset = hidden @ self.weight.T
+        from .lean_llama import product
+
+        subset = product(hidden.reshape(-1, hidden.shape[-1]), self.weight).view(*hidden.shape[:-1], -1)
         full = subset.new_full((*subset.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.token_ids, subset)
 

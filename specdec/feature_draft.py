@@ -73,6 +73,13 @@ def is_feature_draft_dir(path: str | Path) -> bool:
         return False
 
 
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(x)`` for x [..., in], through ``lean_llama.product`` (the fast few-row product on CPU)."""
+    from .lean_llama import product
+
+    return product(x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], layer.out_features)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (the rotate-half convention of Llama), x [..., T, D]."""
     half = x.shape[-1] // 2
@@ -115,31 +122,31 @@ class FeatureDraft(nn.Module):
 
     def inputs(self, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """[..., T] tokens and [..., T, H] preceding features -> the layer's input [..., T, H]."""
-        return self.fuse(torch.cat((self.embed(token_ids), features.to(self.fuse.weight.dtype)), dim=-1))
+        return linear(torch.cat((self.embed(token_ids), features.to(self.fuse.weight.dtype)), dim=-1), self.fuse)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries, keys, values of input rows x [B, T, H]: [B, heads, T, D] each (rotated)."""
         c = self.config
         b, t, _ = x.shape
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = self.qkv(self.attn_norm(x)).view(b, t, hq + 2 * hkv, d).transpose(1, 2)
+        qkv = linear(self.attn_norm(x), self.qkv).view(b, t, hq + 2 * hkv, d).transpose(1, 2)
         q, k, v = qkv.split([hq, hkv, hkv], dim=1)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Residual, output projection and MLP: x [B, T, H], attended [B, heads, T, D] -> [B, T, H]."""
         b, _, t, _ = attended.shape
-        x = x + self.o(attended.transpose(1, 2).reshape(b, t, -1))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + linear(attended.transpose(1, 2).reshape(b, t, -1), self.o)
+        gate, up = linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the head vocabulary only, [..., S] (training and the fast paths)."""
-        return self.head(hidden)
+        return linear(hidden, self.head)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary, -inf outside the head vocabulary, [..., V] float32."""
-        subset = self.head(hidden).float()
+        subset = linear(hidden, self.head).float()
         full = subset.new_full((*subset.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.head_token_ids, subset)
 

@@ -29,8 +29,7 @@ from .gguf_cache import find_converted, write_converted
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ALIASES = {"smollm2", "default", "smollm2-135m-instruct"}
-# alias -> folder under models/: the feature draft (the default) and the standalone distilled LM
-SHIPPED_DRAFTS = {"smollm2-feature-draft": "smollm2-feature-draft", "smollm2-draft": "smollm2-draft"}
+SHIPPED_DRAFTS = {"smollm2-draft": "smollm2-draft"}  # alias -> folder under models/
 
 
 def shipped_models_dir() -> Path:

@@ -93,8 +93,16 @@ def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or x.ndim != 2:
         return F.linear(x, weight)
     if x.shape[0] == 1:
-        return torch.mm(weight, x.repeat(2, 1).t())[:, :1].t().contiguous()
+        return torch.mm(weight, torch.cat((x, x)).t())[:, :1].t().contiguous()
     return torch.mm(weight, x.t()).t().contiguous()
+
+
+def rms_norm(x: torch.Tensor, module) -> torch.Tensor:
+    """The model's RMSNorm ``module`` (Llama's: weight * x / sqrt(mean(x^2) + eps), in float32)
+    as one fused op: the module's forward is five tensor operations, and a SmolLM2 pass calls 61."""
+    if x.dtype != torch.float32:
+        return module(x)
+    return torch.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
 
 def _supported(model) -> str | None:
@@ -197,7 +205,7 @@ class LeanLlama:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
         x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
         for index, (norm1, wqkv, wo, norm2, wgu, wdown) in enumerate(self.layers):
-            h = norm1(x)  # the model's own RMSNorm modules
+            h = rms_norm(x, norm1)
             qkv = product(h, wqkv)  # [n, (h_q + 2 h_kv) d]
             qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d).transpose(0, 1)  # [heads, n, d]
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
@@ -208,13 +216,13 @@ class LeanLlama:
                 qk[:h_q].unsqueeze(0), cache.keys[index, :, :end].unsqueeze(0),
                 cache.values[index, :, :end].unsqueeze(0), attn_mask=mask, scale=self.scaling, enable_gqa=True)
             x = x + product(attn[0].transpose(0, 1).reshape(n, h_q * d), wo)
-            h = norm2(x)
+            h = rms_norm(x, norm2)
             gate, up = product(h, wgu).chunk(2, dim=-1)
             x = x + product(F.silu(gate) * up, wdown)
         cache.length = end
         keep = min(logits_to_keep, n)
         last = max(keep, feature_rows)  # the norm is per row: norm the rows either output needs once
-        normed = self.norm(x[n - last:])
+        normed = rms_norm(x[n - last:], self.norm)
         features = normed[last - feature_rows:] if feature_rows else None
         return self._head(normed[last - keep:]), features
 

@@ -19,7 +19,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.kv import CacheLimits, Commit, Session, SessionEngine, SessionStore, cache_nbytes
 from specdec.proposal import DraftProposal
 from specdec.rng import Purpose, uniform
-from specdec.sampling import SamplingParams, probs_from_logits
+from specdec.sampling import SamplingParams, greedy_tokens, probs_from_logits
 from specdec.sparse import SparseDist, sample_sparse, truncate
 
 
@@ -34,9 +34,13 @@ class _Proposer(SessionEngine):
         self.eps = eps
 
     def _draw(self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int) -> tuple[int, SparseDist]:
-        probs = probs_from_logits(logits, session.params, counts)
-        q = truncate(probs, self.top_m, self.eps)
-        y = sample_sparse(q, uniform(session.seed, position, Purpose.DRAFT))
+        if session.params.greedy:  # q is the one-hot: skip building (and truncating) the dense row
+            y = int(greedy_tokens(logits, session.params, counts))
+            q = SparseDist.one_hot(y)
+        else:
+            probs = probs_from_logits(logits, session.params, counts)
+            q = truncate(probs, self.top_m, self.eps)
+            y = sample_sparse(q, uniform(session.seed, position, Purpose.DRAFT))
         counts[y] += 1.0
         return y, q
 

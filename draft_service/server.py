@@ -24,14 +24,14 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
 
     @grpc_method
     async def Propose(self, request, context):
-        commit = wire.optional_commit(request)
-        if commit is not None:  # the previous step's commit rode along: apply it first
-            await self._commit(request.session_id, commit)
+        commit = wire.optional_commit(request)  # the previous step's commit, applied first by the engine
         with tracing.tracer().start_as_current_span("draft.propose") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.step", request.step)
             span.set_attribute("specdec.k", request.k)
-            proposal = await on_model_thread(self.engine.propose, request.session_id, request.step, request.k)
+            span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
+            # one hop to the model thread for commit + proposal (each hop costs a thread hand-off)
+            proposal = await on_model_thread(self.engine.propose, request.session_id, request.step, request.k, commit)
             span.set_attribute("specdec.proposed", len(proposal))
         return wire.proposal_to_proto(proposal)
 

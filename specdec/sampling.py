@@ -263,6 +263,15 @@ def logprobs_from_logits(
     return logprobs
 
 
+def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """For greedy params: the token each row's one-hot puts its mass on (the argmax after logit
+    bias and penalties, ties toward the lowest id) -- exactly where :func:`probs_from_logits`
+    puts it, without building the dense one-hot rows. ``logits`` [..., V] -> ids [...]."""
+    if not params.greedy:
+        raise ValueError("greedy_tokens is for temperature 0")
+    return _biased_and_penalised(logits, params, counts, torch.float32).argmax(dim=-1)
+
+
 def probs_from_logits(
     logits: torch.Tensor,
     params: SamplingParams,

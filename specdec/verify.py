@@ -111,6 +111,19 @@ def target_verify(
     return TargetVerdict(p_proposed, recovered, bonus)
 
 
+def target_verify_greedy(argmax_rows: Sequence[int], proposals: Sequence[int]) -> TargetVerdict:
+    """:func:`target_verify` when every p_i is a one-hot (temperature 0), from the rows' argmaxes.
+
+    p_i(y_i) is 1 or 0; the residual max(0, p_i - q_i) has mass only at argmax p_i whatever q_i is
+    (or none, and then the fallback draws from p_i itself: the same token), so the recovered token
+    and the bonus are the argmaxes -- no dense row, no uniform needed."""
+    k = len(proposals)
+    if len(argmax_rows) != k + 1:
+        raise ValueError(f"need k + 1 = {k + 1} rows, got {len(argmax_rows)}")
+    rows = [int(a) for a in argmax_rows]
+    return TargetVerdict([1.0 if int(y) == a else 0.0 for y, a in zip(proposals, rows)], rows[:k], rows[k])
+
+
 def validate_block(proposals: Sequence[int], q_block: Sequence[SparseDist], vocab_size: int) -> None:
     """Every shipped q must be well formed and contain its proposal (design.md §3)."""
     from .errors import MalformedProposalError

@@ -11,9 +11,9 @@ from dataclasses import replace
 from typing import Sequence
 
 from specdec.kv import CacheLimits, Commit, SessionEngine, SessionStore
-from specdec.sampling import block_token_counts, probs_from_logits
+from specdec.sampling import block_token_counts, greedy_tokens, probs_from_logits
 from specdec.sparse import SparseDist
-from specdec.verify import TargetVerdict, target_verify, validate_block
+from specdec.verify import TargetVerdict, target_verify, target_verify_greedy, validate_block
 
 
 class TargetEngine(SessionEngine):
@@ -43,6 +43,12 @@ class TargetEngine(SessionEngine):
             self.store.check_step(session, step)
             proposals = [int(t) for t in proposals]
             validate_block(proposals, q_block, self.vocab_size)
-            p_rows, features = self._probs(session, proposals, return_features)
-            verdict = target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
+            if session.params.greedy:  # one-hot rows: their argmaxes are the whole verdict
+                logits, features = self.store.forward_with_features(session, proposals, len(proposals) + 1,
+                                                                    return_features)
+                counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
+                verdict = target_verify_greedy(greedy_tokens(logits, session.params, counts).tolist(), proposals)
+            else:
+                p_rows, features = self._probs(session, proposals, return_features)
+                verdict = target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
             return replace(verdict, features=features) if features is not None else verdict

@@ -39,15 +39,15 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
         if header is None or not header.session_id:
             raise InvalidArgumentError("session_id", "the Verify stream must start with a chunk naming the session")
         block = wire.proposal_from_proto(proposals)
-        commit = wire.optional_commit(header)
-        if commit is not None:  # the previous step's commit rode along: apply it first
-            await self._commit(header.session_id, commit)
+        commit = wire.optional_commit(header)  # the previous step's commit, applied first by the engine
         with tracing.tracer().start_as_current_span("target.verify") as span:
             span.set_attribute("specdec.session_id", header.session_id)
             span.set_attribute("specdec.step", header.step)
             span.set_attribute("specdec.k", len(block))
+            span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
+            # one hop to the model thread for commit + verify (each hop costs a thread hand-off)
             verdict = await on_model_thread(self.engine.verify, header.session_id, header.step, block.tokens, block.q,
-                                            None, header.return_features)
+                                            commit, header.return_features)
         return wire.verdict_to_proto(verdict)
 
     def prefill_arguments(self, request) -> tuple:

@@ -168,3 +168,31 @@ def test_probs_of_a_reduced_head_are_zero_outside_it_under_every_transform():
         probs = probs_from_logits(logits, params, counts)
         assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
         assert probs[1] == 0 and probs[3] == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_fast_paths_equal_the_general_ones(seed):
+    """The draft's greedy q and the target's greedy verdict, computed from argmaxes only, are what
+    the dense pipeline and the general verifier give -- with ties, bias and penalties, and any
+    q (one-hot or not, containing the argmax or not)."""
+    from specdec.sampling import greedy_tokens
+    from specdec.sparse import SparseDist, sample_sparse, truncate
+    from specdec.verify import target_verify, target_verify_greedy
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab, k = 40, 3
+    logits = torch.randint(-3, 4, (k + 1, vocab), generator=gen).float()  # integer logits: many ties
+    params = SamplingParams(temperature=0.0, seed=seed, logit_bias={5: 2.0, 7: -1.0}, repetition_penalty=1.3,
+                            presence_penalty=0.4)
+    proposals = torch.randint(0, vocab, (k,), generator=gen).tolist()
+    counts = block_token_counts(token_counts([5, 5, 9, 1], vocab), proposals)
+    argmax = greedy_tokens(logits, params, counts)
+    dense = probs_from_logits(logits, params, counts)
+    assert torch.equal(dense.argmax(-1), argmax) and torch.equal(dense.sum(-1), torch.ones(k + 1))
+    for row in range(k + 1):  # the draft's q: the one-hot the pipeline + truncation would ship
+        q = truncate(dense[row], 64, 1e-4)
+        assert q == SparseDist.one_hot(int(argmax[row])) and sample_sparse(q, 0.37) == int(argmax[row])
+    other = int(argmax[1]) if int(argmax[1]) != proposals[1] else (proposals[1] + 1) % vocab
+    qs = [SparseDist.one_hot(proposals[0]), SparseDist.of([proposals[1], other], [0.5, 0.5]),
+          SparseDist.of([proposals[2], (proposals[2] + 1) % vocab], [0.9, 0.1])]
+    assert target_verify(dense, proposals, qs, seed, 10) == target_verify_greedy(argmax.tolist(), proposals)

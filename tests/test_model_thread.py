@@ -25,12 +25,14 @@ class ThreadLog:
     def __init__(self, engine, names):
         self._engine = engine
         self.threads: list[tuple[str, int]] = []
+        self.calls: list[tuple[str, tuple]] = []
         for name in names:
             setattr(self, name, self._recorded(name, getattr(engine, name)))
 
     def _recorded(self, name, method):
         def call(*args, **kwargs):
             self.threads.append((name, threading.get_ident()))
+            self.calls.append((name, args))
             return method(*args, **kwargs)
         return call
 
@@ -93,6 +95,10 @@ def test_concurrent_sessions_run_every_engine_call_on_the_model_thread(target_mo
 
     loop_thread = asyncio.run(main())
     calls = target.threads + draft.threads
-    assert {name for name, _ in calls} >= {"prefill", "verify", "commit", "propose", "release"}
+    assert {name for name, _ in calls} >= {"prefill", "verify", "propose", "release"}
+    # a step's commit rides on the next Propose/Verify and is applied in that same model-thread hop
+    for log, method in ((draft, "propose"), (target, "verify")):
+        carried = [args for name, args in log.calls if name == method and any(isinstance(a, Commit) for a in args)]
+        assert len(carried) == 4 * 2, f"{method} calls carrying the previous step's commit: {len(carried)}"
     assert len({thread for _, thread in calls}) == 1, "engine calls ran on several threads"
     assert calls[0][1] != loop_thread, "engine calls must not block the event loop"

@@ -151,42 +151,60 @@ def corpus_settings(prompt_file: Path, args) -> dict:
             "gen_temperature": args.gen_temperature, "teacher_top": args.teacher_top, "seed": args.seed}
 
 
-def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path, settings: dict) -> list[Record]:
-    from tqdm import tqdm
-
-    from .models import encode_prompt, eos_token_ids
-
+def open_corpus_dir(corpus_dir: Path, settings: dict) -> None:
+    """Create ``corpus_dir`` for a corpus made with ``settings``; refuse one made with others, since
+    its shards would silently mix two corpora."""
     corpus_dir.mkdir(parents=True, exist_ok=True)
     plan_file = corpus_dir / "plan.json"
     if plan_file.exists() and json.loads(plan_file.read_text()) != settings:
         raise SystemExit(f"{corpus_dir} was generated with other settings ({plan_file}); use another --out "
                          "or delete that folder to regenerate it")
     plan_file.write_text(json.dumps(settings, indent=2))
+
+
+def sharded_records(corpus_dir: Path, batches: int, make_batch, record_type, tokens_of) -> list:
+    """The records of ``batches`` batches: batch ``b`` read back from ``shard-b.pt`` when a previous
+    run finished it, else made by ``make_batch(b)`` and saved (atomically: a shard exists only once it
+    is complete), so an interrupted corpus build resumes where it stopped."""
+    from tqdm import tqdm
+
+    done = sum(1 for b in range(batches) if (corpus_dir / f"shard-{b:05d}.pt").exists())
+    if done:
+        say(f"reusing {done}/{batches} finished corpus shards in {corpus_dir}")
+    records: list = []
+    bar = tqdm(total=batches, desc=f"target answers {corpus_dir.name} (batches)", file=sys.stderr)
+    for b in range(batches):
+        shard = corpus_dir / f"shard-{b:05d}.pt"
+        if shard.exists():
+            rows = [record_type(**r) for r in torch.load(shard)]
+        else:
+            rows = make_batch(b)
+            tmp = shard.with_suffix(".tmp")
+            torch.save([r.as_dict() for r in rows], tmp)
+            tmp.replace(shard)
+        records.extend(rows)
+        bar.update(1)
+        bar.set_postfix(tokens=sum(tokens_of(r) for r in records))
+    bar.close()
+    return records
+
+
+def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path, settings: dict) -> list[Record]:
+    from .models import encode_prompt, eos_token_ids
+
+    open_corpus_dir(corpus_dir, settings)
     encoded = [encode_prompt(tokenizer, p["text"], chat=True) for p in prompts]
     plan = plan_batches([len(e) for e in encoded], args.samples_per_prompt, args.gen_batch_size)
     eos_ids = eos_token_ids(target, tokenizer)
     pad_id = padding_id(tokenizer, eos_ids)
-    records: list[Record] = []
-    done = sum(1 for b in range(len(plan)) if (corpus_dir / f"shard-{b:05d}.pt").exists())
-    if done:
-        say(f"reusing {done}/{len(plan)} finished corpus shards in {corpus_dir}")
-    bar = tqdm(total=len(plan), desc=f"target answers {corpus_dir.name} (batches)", file=sys.stderr)
-    for b, batch in enumerate(plan):
-        shard = corpus_dir / f"shard-{b:05d}.pt"
-        if shard.exists():
-            rows = [Record(**r) for r in torch.load(shard)]
-        else:
-            rows = generate_batch(target, [encoded[job.prompt_index] for job in batch], batch[0].sample == 0,
-                                  args.gen_tokens, args.teacher_top, eos_ids, pad_id, args.gen_temperature,
-                                  args.seed * 100_003 + b)
-            tmp = shard.with_suffix(".tmp")
-            torch.save([r.as_dict() for r in rows], tmp)
-            tmp.replace(shard)  # a shard exists only once it is complete
-        records.extend(rows)
-        bar.update(1)
-        bar.set_postfix(tokens=sum(len(r.top_ids) for r in records))
-    bar.close()
-    return records
+
+    def make_batch(b: int) -> list[Record]:
+        batch = plan[b]
+        return generate_batch(target, [encoded[job.prompt_index] for job in batch], batch[0].sample == 0,
+                              args.gen_tokens, args.teacher_top, eos_ids, pad_id, args.gen_temperature,
+                              args.seed * 100_003 + b)
+
+    return sharded_records(corpus_dir, len(plan), make_batch, Record, lambda r: len(r.top_ids))
 
 
 # -- prompts the target writes itself ----------------------------------------------------------------

@@ -99,40 +99,19 @@ def build_feature_corpus(target, tokenizer, prompts: list[dict], corpus_dir: Pat
                          max_batches: int | None = None) -> list[FeatureRecord]:
     """Every batch of the plan, generated or read back from its shard (see the module docstring).
     ``max_batches``: stop after that many batches (a partial corpus is still a valid prefix)."""
-    from tqdm import tqdm
-
-    from .distill import padding_id
+    from .distill import open_corpus_dir, padding_id, sharded_records
     from .models import encode_prompt, eos_token_ids
 
-    corpus_dir.mkdir(parents=True, exist_ok=True)
-    plan_file = corpus_dir / "plan.json"
-    if plan_file.exists() and json.loads(plan_file.read_text()) != plan:
-        raise SystemExit(f"{corpus_dir} was generated with other settings ({plan_file}); use another --out "
-                         "or delete that folder to regenerate it")
-    plan_file.write_text(json.dumps(plan, indent=2))
+    open_corpus_dir(corpus_dir, plan)
     encoded = [encode_prompt(tokenizer, p["text"], chat=True) for p in prompts]
     batches = plan_feature_batches([len(e) for e in encoded], plan["batch_size"], plan["seed"])
     if max_batches is not None:
         batches = batches[:max_batches]
     eos_ids = eos_token_ids(target, tokenizer)
     pad_id = padding_id(tokenizer, eos_ids)
-    done = sum(1 for b in range(len(batches)) if (corpus_dir / f"shard-{b:05d}.pt").exists())
-    if done:
-        say(f"reusing {done}/{len(batches)} finished corpus shards in {corpus_dir}")
-    records: list[FeatureRecord] = []
-    bar = tqdm(total=len(batches), desc=f"target answers {corpus_dir.name} (batches)", file=sys.stderr)
-    for b, batch in enumerate(batches):
-        shard = corpus_dir / f"shard-{b:05d}.pt"
-        if shard.exists():
-            rows = [FeatureRecord(**r) for r in torch.load(shard)]
-        else:
-            rows = answer_with_features(target, [encoded[i] for i in batch], plan["new_tokens"], eos_ids, pad_id,
-                                        plan["greedy"], plan["temperature"] or 1.0, plan["seed"] * 100_003 + b)
-            tmp = shard.with_suffix(".tmp")
-            torch.save([r.as_dict() for r in rows], tmp)
-            tmp.replace(shard)  # a shard exists only once it is complete
-        records.extend(rows)
-        bar.update(1)
-        bar.set_postfix(tokens=sum(len(r.ids) for r in records))
-    bar.close()
-    return records
+
+    def make_batch(b: int) -> list[FeatureRecord]:
+        return answer_with_features(target, [encoded[i] for i in batches[b]], plan["new_tokens"], eos_ids, pad_id,
+                                    plan["greedy"], plan["temperature"] or 1.0, plan["seed"] * 100_003 + b)
+
+    return sharded_records(corpus_dir, len(batches), make_batch, FeatureRecord, lambda r: len(r.ids))

@@ -95,7 +95,10 @@ class Stack:  # noqa: D101
         return next(c for c in self.children if c.name == name)
 
     def start(self, name: str, args: list[str], address: str, log_dir: Path | None, env: dict | None = None) -> Child:
-        out = open(log_dir / f"{name}.log", "ab") if log_dir else None
+        out = None
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)  # --log-dir names a folder that may not exist yet
+            out = open(Path(log_dir) / f"{name}.log", "ab")
         with _signals_deferred():  # a child started but not recorded could never be stopped
             process = subprocess.Popen(specdec_command() + args, stdout=out or None,
                                        stderr=subprocess.STDOUT if out else None,

@@ -45,7 +45,7 @@ def collector():
 @pytest.fixture(scope="module")
 def stack(models, collector, tmp_path_factory):
     root, _ = models
-    logs = tmp_path_factory.mktemp("stack-logs")
+    logs = tmp_path_factory.mktemp("stack") / "logs"  # not there yet: the stack creates it
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector[1]}", "OTEL_BSP_SCHEDULE_DELAY": "200",
            "OTEL_BSP_MAX_QUEUE_SIZE": "200000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}
     from specdec.launcher import free_port
@@ -314,3 +314,9 @@ def test_metrics_counters_equal_the_returned_stats(stack):
         scraped = scrape(stack.metrics_ports[service])
         assert scraped["specdec_live_sessions"] == 0 and "specdec_kv_cache_bytes" in scraped
         assert any(k.startswith("specdec_rpc_seconds_count|method=") for k in scraped)
+
+
+def test_service_logs_go_to_the_log_dir_the_stack_created(stack):
+    names = sorted(p.name for p in stack.logs.glob("*.log"))
+    assert {"target-0.log", "draft-0.log", "coordinator.log"} <= set(names), names
+    assert (stack.logs / "target-0.log").stat().st_size > 0

@@ -90,10 +90,13 @@ def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     61/121/140/94 ms with ``F.linear``, 38/35/37/44 ms this way) -- and speculation lives on
     passes of a few rows. Written as weight @ x^T the long dimension is the weight's, which MKL
     streams at full speed. A single row is computed as two equal columns: the one-column product
-    (a matrix-vector kernel) was as slow as ``F.linear``. Same values up to float rounding."""
+    (a matrix-vector kernel) was as slow as ``F.linear``. Same values up to float rounding.
+
+    1-4 rows go to specdec/fewrow.py's kernel where it runs (MKL was slower again from 3 rows, and
+    on a draft's small matrices); the MKL forms above are the fallback and serve 5 rows or more."""
     if x.device.type != "cpu" or x.ndim != 2:
         return F.linear(x, weight)
-    if x.shape[0] in FEW_ROWS:  # 3-4 rows: MKL is ~45% slower here than for 2 (specdec/fewrow.py)
+    if x.shape[0] in FEW_ROWS:  # 1-4 rows: the kernel streams the weight once (specdec/fewrow.py)
         y = few_row_product(x, weight)
         if y is not None:
             return y

@@ -5,7 +5,8 @@
  * although both read the same weights from memory and the arithmetic is tiny. Here each thread
  * walks its share of w row by row as one sequential stream (the hardware prefetcher's best case,
  * helped by a software prefetch 4 KB ahead), and each 64-byte piece of a weight row, once loaded,
- * meets all n input rows (held in L1). Figures in specdec/fewrow.py, which compiles this on first use.
+ * meets all n input rows (held in L1). For 1-2 rows it matches MKL on the target's wide matrices and
+ * is 2-3x faster on a draft's small ones. Figures in specdec/fewrow.py, which compiles this on first use.
  */
 #include <immintrin.h>
 #include <stdint.h>

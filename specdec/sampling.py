@@ -163,11 +163,15 @@ def block_token_counts(
 # The pipeline
 # ------------------------------------------------------------------------------------------
 def _check_finite(logits: torch.Tensor) -> None:
-    # -inf is a legitimate "impossible token" (vocab padding); NaN and +inf are not.
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+    # -inf is a legitimate "impossible token" (vocab padding); NaN and +inf are not. One reduction
+    # answers all three cases: a row's max is NaN if the row holds a NaN (max propagates it), +inf
+    # if it holds +inf, -inf if every entry is -inf. (Five full-row ops took ~0.4 ms for 3 rows.)
+    top = logits.amax(dim=-1)
+    if bool(torch.isfinite(top).all()):
+        return
+    if bool((torch.isnan(top) | torch.isposinf(top)).any()):
         raise NonFiniteLogitsError("model produced NaN or +inf logits; refusing to sample from them")
-    if torch.isneginf(logits).all(dim=-1).any():
-        raise NonFiniteLogitsError("every logit in a row is -inf; the distribution is empty")
+    raise NonFiniteLogitsError("every logit in a row is -inf; the distribution is empty")
 
 
 def _apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor) -> torch.Tensor:

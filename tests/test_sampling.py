@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgumentError, NonFiniteLogitsError
-from specdec.sampling import SamplingParams, block_token_counts, probs_from_logits, token_counts
+from specdec.sampling import SamplingParams, block_token_counts, greedy_tokens, probs_from_logits, token_counts
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
 
@@ -120,6 +120,14 @@ def test_nan_or_inf_logits_raise_a_clear_error(bad):
         probs({}, torch.tensor([0.0, bad, 1.0]))
     with pytest.raises(NonFiniteLogitsError, match="empty"):
         probs({}, torch.full((3,), -math.inf))
+    # several rows: a bad value anywhere wins over an empty row, and greedy takes the same checks
+    rows = torch.tensor([[0.0, 1.0, 2.0], [-math.inf] * 3, [-math.inf, bad, 0.0]])
+    with pytest.raises(NonFiniteLogitsError, match="NaN or \\+inf"):
+        probs({}, rows)
+    with pytest.raises(NonFiniteLogitsError, match="NaN or \\+inf"):
+        greedy_tokens(rows, SamplingParams(temperature=0.0))
+    with pytest.raises(NonFiniteLogitsError, match="empty"):
+        greedy_tokens(rows[:2], SamplingParams(temperature=0.0))
 
 
 @pytest.mark.parametrize(

@@ -131,8 +131,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default="auto",
                    help="draft model spec, 'ngram', 'none' (no speculation), or 'auto' (default: the shipped "
                         "distilled draft 'smollm2-draft' for the default target, 'ngram' for any other)")
-    # 2: the best k of the held-out CPU bench with the shipped draft (README Performance): 1.26x / 1.28x
-    # in two runs vs 1.18x / 1.15x at k=1 (since 3-row verifies cost what 2-row ones do: specdec/fewrow.py)
+    # 2: the best k of the held-out CPU bench with the shipped draft (README Performance): 1.14x / 1.15x /
+    # 1.12x in three runs vs 1.10x / 1.14x / 1.10x at k=1 (3-row verifies are cheap: specdec/fewrow.py)
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=2)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")

@@ -105,6 +105,9 @@ def _function():
                     _state["function"] = _load()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     _state["reason"] = str(exc)
+                    if os.environ.get(SWITCH_ENV, "1") != "0":  # say once why passes run slower here
+                        print(f"[specdec] few-row product kernel unavailable ({exc}); using torch's product",
+                              file=sys.stderr, flush=True)
     return _state.get("function")
 
 

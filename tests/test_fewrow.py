@@ -82,3 +82,17 @@ def test_kernel_is_built_once_into_the_cache(tmp_path):
     stamp = built[0].stat().st_mtime_ns
     assert _probe({"SPECDEC_CACHE_DIR": str(tmp_path)}) == "None"  # the second process loads the same file
     assert built[0].stat().st_mtime_ns == stamp and list((tmp_path / "kernels").iterdir()) == built
+
+
+def test_without_a_compiler_it_says_so_once_and_products_fall_back(tmp_path):
+    code = ("import torch; from specdec import fewrow, lean_llama\n"
+            "x, w = torch.randn(3, 32), torch.randn(8, 32)\n"
+            "assert torch.allclose(lean_llama.product(x, w), x @ w.t(), atol=1e-5)\n"
+            "lean_llama.product(x, w)\n"
+            "print(fewrow.unavailable_reason())")
+    env = {**os.environ, "PATH": str(tmp_path), "CC": str(tmp_path / "no-cc"), "SPECDEC_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    # (on a CPU without AVX-512F that is the reason given first)
+    assert ("no C compiler" if fewrow._cpu_has_avx512f() else "AVX-512F") in result.stdout
+    assert result.stderr.count("few-row product kernel unavailable") == 1

@@ -80,8 +80,12 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def _switched_off() -> bool:
+    return os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def _load():
-    if os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if _switched_off():
         raise RuntimeError(f"turned off by {SWITCH_ENV}=0")
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}")
@@ -105,7 +109,7 @@ def _function():
                     _state["function"] = _load()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     _state["reason"] = str(exc)
-                    if os.environ.get(SWITCH_ENV, "1") != "0":  # say once why passes run slower here
+                    if not _switched_off():  # say once why passes run slower here (unless asked for)
                         print(f"[specdec] few-row product kernel unavailable ({exc}); using torch's product",
                               file=sys.stderr, flush=True)
     return _state.get("function")

@@ -26,11 +26,16 @@ class TargetEngine(SessionEngine):
         with session.lock:
             return self._probs(session, list(proposals))[0]
 
+    def _block_logits(self, session, proposals: list[int], with_features: bool = False):
+        """(logits of the block's k + 1 rows, the penalty counts each row sees or None, the same rows'
+        final hidden states or None): one pass over the uncached tokens and the proposals."""
+        logits, features = self.store.forward_with_features(session, proposals, len(proposals) + 1, with_features)
+        counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
+        return logits, counts, features
+
     def _probs(self, session, proposals: list[int], with_features: bool = False):
         """(p_1..p_{k+1} [k + 1, V], the same rows' final hidden states or None)."""
-        rows = len(proposals) + 1
-        logits, features = self.store.forward_with_features(session, proposals, rows, with_features)
-        counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
+        logits, counts, features = self._block_logits(session, proposals, with_features)
         return probs_from_logits(logits, session.params, counts), features
 
     def verify(self, session_id: str, step: int, proposals: Sequence[int], q_block: Sequence[SparseDist],
@@ -44,9 +49,7 @@ class TargetEngine(SessionEngine):
             proposals = [int(t) for t in proposals]
             validate_block(proposals, q_block, self.vocab_size)
             if session.params.greedy:  # one-hot rows: their argmaxes are the whole verdict
-                logits, features = self.store.forward_with_features(session, proposals, len(proposals) + 1,
-                                                                    return_features)
-                counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
+                logits, counts, features = self._block_logits(session, proposals, return_features)
                 verdict = target_verify_greedy(greedy_tokens(logits, session.params, counts).tolist(), proposals)
             else:
                 p_rows, features = self._probs(session, proposals, return_features)

@@ -18,6 +18,7 @@ from specdec import tracing, wire
 from specdec.errors import InvalidArgumentError, PeerError, ResourceExhaustedError, SessionNotFoundError
 from specdec.generate import LocalDraft, SpeculativeRun, TextStream
 from specdec.models import encode_prompt
+from specdec.policy import StepCost
 from specdec.rng import new_seed
 from specdec.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
 from specdec.v1 import coordinator_pb2
@@ -37,6 +38,8 @@ class CoordinatorConfig:
     tokenizer: str | None = None  # model spec to load the tokenizer from (default: the target's)
     default_k: int = 4
     max_k: int = 16
+    default_adaptive: bool = True  # requests that do not say: k per step from their own acceptance
+    step_cost: StepCost = StepCost()  # the adaptive policy's cost model (specdec.policy)
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096
     max_concurrent_requests: int = 64
@@ -46,6 +49,10 @@ class CoordinatorConfig:
     output_ttl_s: float = 3600.0
     startup_timeout_s: float = 120.0
 
+    def __post_init__(self):
+        if isinstance(self.step_cost, dict):  # back from dataclasses.asdict (how it travels to a Ray actor)
+            object.__setattr__(self, "step_cost", StepCost(**self.step_cost))
+
 
 @dataclass(frozen=True)
 class ParsedRequest:
@@ -54,15 +61,36 @@ class ParsedRequest:
     params: SamplingParams  # seed resolved
     k: int
     method: str
+    adaptive: bool
+
+    def resolved(self) -> coordinator_pb2.GenerateRequest:
+        """The server defaults this request was given (seed, k, method, adaptive), as request fields."""
+        out = coordinator_pb2.GenerateRequest()
+        out.sampling.seed = self.params.seed
+        out.speculation.num_speculative_tokens = self.k
+        out.speculation.method = self.method
+        out.speculation.adaptive = self.adaptive
+        return out
 
 
-def canonical(request: coordinator_pb2.GenerateRequest, request_id: str, seed: int) -> bytes:
-    """The request as stored in the session log: id and seed filled in, resume index cleared."""
+def canonical(request: coordinator_pb2.GenerateRequest, request_id: str,
+              defaults: coordinator_pb2.GenerateRequest) -> bytes:
+    """The request as stored in the session log: id filled in, resume index cleared, and every
+    field the client left to the server (seed, k, method, adaptive) taken from ``defaults``, so
+    that a coordinator taking over (whatever its own defaults) runs exactly the same request."""
     copy = coordinator_pb2.GenerateRequest()
     copy.CopyFrom(request)
     copy.request_id = request_id
     copy.resume_from_index = 0
-    copy.sampling.seed = seed
+    if not copy.sampling.HasField("seed"):
+        copy.sampling.seed = defaults.sampling.seed
+    spec, default_spec = copy.speculation, defaults.speculation
+    if not spec.HasField("num_speculative_tokens"):
+        spec.num_speculative_tokens = default_spec.num_speculative_tokens
+    if not spec.method:
+        spec.method = default_spec.method
+    if not spec.HasField("adaptive"):
+        spec.adaptive = default_spec.adaptive
     return copy.SerializeToString(deterministic=True)
 
 
@@ -164,9 +192,10 @@ class CoordinatorCore:
                                        f"must be in [0, {cfg.max_k}], got {k}")
         if method == "none":
             k = 0
+        adaptive = spec.adaptive if spec.HasField("adaptive") else cfg.default_adaptive
         if params.seed is None:
             params = params.with_seed(new_seed())
-        return ParsedRequest(request_id, prompt_ids, params, k, method)
+        return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive)
 
     async def generate_unary(self, request, trace_carrier: dict | None = None) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse()
@@ -187,7 +216,7 @@ class CoordinatorCore:
             if self.log is None:
                 if request.resume_from_index:
                     raise InvalidArgumentError("resume_from_index", "resuming needs the session log (set REDIS_URL)")
-                async for chunk in self._generate(self.parse(request, request_id), [], trace_carrier):
+                async for chunk in self._generate(self.parse(request, request_id), [], [], trace_carrier):
                     yield chunk
                 return
             meta = await self.log.meta(request_id) if request.request_id else None
@@ -195,8 +224,8 @@ class CoordinatorCore:
                 if request.resume_from_index:
                     raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
                 parsed = self.parse(request, request_id)
-                if await self.log.create(request_id, canonical(request, request_id, parsed.params.seed), self.owner):
-                    async for chunk in self._owned(parsed, [], 0, trace_carrier):
+                if await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner):
+                    async for chunk in self._owned(parsed, [], [], 0, trace_carrier):
                         yield chunk
                     return
                 meta = await self.log.meta(request_id)  # created concurrently by another call
@@ -206,13 +235,14 @@ class CoordinatorCore:
             raise PeerError("UNAVAILABLE", f"session log (Redis) unavailable: {exc}") from None
 
     # -- durable generation, resume, takeover --------------------------------------------------
-    async def _owned(self, parsed: ParsedRequest, committed: list[int], from_index: int,
-                     trace_carrier) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
-        """Generate while holding the lease: append each chunk to the log, then send it."""
+    async def _owned(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int],
+                     from_index: int, trace_carrier) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        """Generate while holding the lease: append each chunk (one step's tokens) to the log,
+        then send it."""
         keeper = asyncio.create_task(self.log.keep_lease(parsed.request_id, self.owner))
         tokens = list(committed)
         try:
-            async for chunk in self._generate(parsed, committed, trace_carrier):
+            async for chunk in self._generate(parsed, committed, committed_steps, trace_carrier):
                 start = len(tokens)
                 await self.log.append(parsed.request_id, start, chunk)
                 tokens.extend(chunk.token_ids)
@@ -228,12 +258,11 @@ class CoordinatorCore:
 
     async def _resume(self, request, request_id: str, meta: dict, trace_carrier):
         stored = coordinator_pb2.GenerateRequest.FromString(meta["request"])
-        mine = canonical(request, request_id, request.sampling.seed if request.sampling.HasField("seed")
-                         else stored.sampling.seed)
-        if mine != stored.SerializeToString(deterministic=True):
+        if canonical(request, request_id, stored) != stored.SerializeToString(deterministic=True):
             raise InvalidArgumentError("request_id", f"{request_id!r} is already used by a different request")
         from_index = request.resume_from_index
         tokens: list[int] = []
+        steps: list[int] = []  # tokens per log entry, i.e. per step of the runs that wrote them
         last, first = b"-", True
         while True:
             # First read everything there is; then block for new entries (1 s at a time).
@@ -242,6 +271,7 @@ class CoordinatorCore:
             for entry in entries:
                 last = entry.entry_id
                 tokens.extend(entry.chunk.token_ids)
+                steps.append(len(entry.chunk.token_ids))
                 out = self._trim(entry.chunk, entry.start, from_index, tokens)
                 if out is not None:
                     yield out
@@ -258,6 +288,7 @@ class CoordinatorCore:
                 for entry in await self.log.entries(request_id, last):  # appended before the lease lapsed
                     last = entry.entry_id
                     tokens.extend(entry.chunk.token_ids)
+                    steps.append(len(entry.chunk.token_ids))
                     out = self._trim(entry.chunk, entry.start, from_index, tokens)
                     if out is not None:
                         yield out
@@ -266,7 +297,7 @@ class CoordinatorCore:
                         return
                 log.info("request %s: taking over after %d committed tokens", request_id, len(tokens))
                 parsed = self.parse(stored, request_id)
-                async for chunk in self._owned(parsed, tokens, from_index, trace_carrier):
+                async for chunk in self._owned(parsed, tokens, steps, from_index, trace_carrier):
                     yield chunk
                 return
 
@@ -289,7 +320,7 @@ class CoordinatorCore:
         return out
 
     # -- one run of the loop -------------------------------------------------------------------
-    async def _generate(self, parsed: ParsedRequest, committed: list[int],
+    async def _generate(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int],
                         trace_carrier) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         if self.active >= self.config.max_concurrent_requests:
             raise ResourceExhaustedError(f"{self.active} requests in flight, the limit is "
@@ -297,11 +328,11 @@ class CoordinatorCore:
         self.active += 1
         span = tracing.start_span("specdec.request", trace_carrier, {
             "specdec.request_id": parsed.request_id, "specdec.method": parsed.method,
-            "specdec.k": parsed.k, "specdec.prompt_tokens": len(parsed.prompt_ids),
+            "specdec.k": parsed.k, "specdec.adaptive": parsed.adaptive, "specdec.prompt_tokens": len(parsed.prompt_ids),
             "specdec.resumed_from": len(committed)})
         steps = None
         try:
-            run = await self._run(parsed, committed)
+            run = await self._run(parsed, committed, committed_steps)
             steps = run.steps()
             text = TextStream()
             text.sent = run.stopper.text()  # a resumed run continues the text it already sent
@@ -335,7 +366,7 @@ class CoordinatorCore:
             span.end()
             self.active -= 1
 
-    async def _run(self, parsed: ParsedRequest, committed: list[int]) -> SpeculativeRun:
+    async def _run(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int]) -> SpeculativeRun:
         routing = SessionRouting(self.pool)
         target = await routing.first_target()
         draft, missing = None, False
@@ -346,7 +377,9 @@ class CoordinatorCore:
             else:
                 draft = LocalDraft(self.ngram)
         run = SpeculativeRun(target, draft, parsed.prompt_ids, parsed.params, parsed.k, self.eos_token_ids,
-                             self.tokenizer, session_id=parsed.request_id, failover=routing, committed=committed)
+                             self.tokenizer, session_id=parsed.request_id, failover=routing, committed=committed,
+                             committed_steps=committed_steps, adaptive=parsed.adaptive,
+                             step_cost=self.config.step_cost)
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)
             run.stats.draft_fallbacks += 1

@@ -31,10 +31,14 @@ from specdec import tracing
 from specdec.errors import SpecdecError
 from specdec.server import status_of
 
+from specdec.policy import StepCost
+
 from .core import CoordinatorConfig, CoordinatorCore
 
 CONFIG_ARGS = {
     "num_speculative_tokens": ("default_k", int),
+    "adaptive": ("default_adaptive", lambda v: _boolean("adaptive", v)),
+    "step_cost": ("step_cost", lambda v: StepCost.parse(str(v))),
     "max_speculative_tokens": ("max_k", int),
     "default_max_new_tokens": ("default_max_new_tokens", int),
     "max_new_tokens_limit": ("max_new_tokens_limit", int),
@@ -44,6 +48,18 @@ CONFIG_ARGS = {
     "output_ttl": ("output_ttl_s", float),
     "tokenizer": ("tokenizer", str),
 }
+
+
+def _boolean(name: str, value) -> bool:
+    """A YAML boolean, or its spelling as a string (bool("false") would be True)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(f"coordinator arg {name!r} must be true or false, got {value!r}")
 
 
 def config_from_args(args: dict) -> CoordinatorConfig:

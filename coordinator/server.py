@@ -15,6 +15,8 @@ from specdec import metrics
 from specdec.server import grpc_method, status_of
 from specdec.v1 import coordinator_pb2_grpc
 
+from specdec.policy import StepCost
+
 from .core import CoordinatorConfig, CoordinatorCore
 
 log = logging.getLogger("specdec.coordinator")
@@ -78,7 +80,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--tokenizer", default=None, help="tokenizer model spec (default: the target's model)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="default k")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="default k (with the adaptive policy: the most tokens one step proposes)")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="requests that do not say propose k tokens every step (default: adaptive, each step "
+                        "picks k in [0, k] from the request's acceptance so far; see specdec/policy.py)")
+    p.add_argument("--step-cost", default=None, metavar="FIXED,PER_TOKEN",
+                   help="the adaptive policy's cost of a step proposing k tokens, 1 + FIXED + PER_TOKEN * k "
+                        "target-only steps (default: 0.17,0.19, measured on a 2-core CPU)")
     p.add_argument("--max-speculative-tokens", type=int, default=16, help="largest k a request may ask for")
     p.add_argument("--default-max-new-tokens", type=int, default=128)
     p.add_argument("--max-new-tokens-limit", type=int, default=4096)
@@ -103,7 +112,8 @@ def config_from_args(args) -> CoordinatorConfig:
         default_k=args.num_speculative_tokens, max_k=args.max_speculative_tokens,
         default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
         max_concurrent_requests=args.max_concurrent_requests, draft_timeout_s=args.draft_timeout,
-        default_method=args.default_method,
+        default_method=args.default_method, default_adaptive=not args.fixed_k,
+        step_cost=StepCost.parse(args.step_cost) if args.step_cost else StepCost(),
     )
 
 

@@ -5,6 +5,9 @@ One run, one stack, the same prompts, models and sampling settings for every mod
 
 - ``target-only``        through the full stack with num_speculative_tokens = 0
 - ``speculative``        through the full stack with the draft model, for each k of the sweep
+- ``speculative-adaptive`` the same with the adaptive policy (blocks of k while they pay,
+                         target-only steps while they do not: specdec/policy.py), for each k
+                         of ``--adaptive-ks``; the fixed-k modes above say adaptive = false
 - ``speculative-ngram``  through the full stack with n-gram (prompt lookup) drafts, for each k
 - ``hf-generate``        transformers ``generate()`` of the target alone, in this process
 - ``hf-assisted``        transformers assisted generation (the same draft model as
@@ -53,6 +56,13 @@ class Mode:
     mode: str
     k: int = 0
     method: str = ""
+    adaptive: bool = False
+
+    @classmethod
+    def of_summary(cls, summary: dict) -> "Mode":
+        name = summary["mode"]
+        return cls(name, summary["k"], "ngram" if name == "speculative-ngram" else "draft_model",
+                   name == "speculative-adaptive")
 
 
 def load_prompts(path: Path, limit: int | None = None, split: str | None = None) -> list[dict]:
@@ -178,6 +188,7 @@ def build_request(prompt: dict, mode: Mode, temperature: float, max_new_tokens: 
     req.sampling.seed = seed
     req.speculation.num_speculative_tokens = mode.k
     req.speculation.method = mode.method
+    req.speculation.adaptive = mode.adaptive  # explicit: a fixed-k mode is fixed whatever the server default
     return req
 
 
@@ -201,7 +212,8 @@ def run(args) -> dict:
     modes = [Mode("target-only", 0, "none")]
     if draft_is_model:
         modes += [Mode("speculative", k, "draft_model") for k in ks]
-    ngram_ks = ks if args.ngram_ks is None else [int(k) for k in args.ngram_ks.split(",") if k]
+        modes += [Mode("speculative-adaptive", k, "draft_model", True) for k in _ks(args.adaptive_ks)]
+    ngram_ks = ks if args.ngram_ks is None else _ks(args.ngram_ks)
     modes += [Mode("speculative-ngram", k, "ngram") for k in ngram_ks]
     hf_modes = [] if args.no_hf else [Mode("hf-generate")]
     if not args.no_hf and (args.assistant_model or not draft_is_model):  # else nothing can assist
@@ -220,8 +232,9 @@ def run(args) -> dict:
             hf_draft = call_on_model_thread(load_model, args.assistant_model, "cpu", quiet=True)
     prompt_ids = {p["id"]: encode_prompt(tokenizer, p["text"], chat=True) for p in prompts}
     results: dict[tuple, list[list[Sample]]] = {}
+    largest = max(ks + ngram_ks + _ks(args.adaptive_ks))
     with local_stack(args.target_model, args.draft_model if draft_is_model else "ngram",
-                     num_speculative_tokens=max(ks), extra_coordinator=["--max-speculative-tokens", str(max(ks))],
+                     num_speculative_tokens=largest, extra_coordinator=["--max-speculative-tokens", str(largest)],
                      log_dir=Path(args.log_dir) if args.log_dir else None) as stack:
         async def measure():
             async with grpc.aio.insecure_channel(stack.coordinator_address) as channel:
@@ -283,10 +296,13 @@ def assistant_for(args) -> str | None:
     return default_standalone_draft_for(args.target_model)
 
 
+def _ks(text: str) -> list[int]:
+    return [int(k) for k in text.split(",") if k.strip()]
+
+
 def _best(summaries: list[dict], temperature: float) -> Mode:
     spec = [s for s in summaries if s["mode"].startswith("speculative") and s["temperature"] == temperature]
-    top = max(spec, key=lambda s: s["tokens_per_s"])
-    return Mode(top["mode"], top["k"], "draft_model" if top["mode"] == "speculative" else "ngram")
+    return Mode.of_summary(max(spec, key=lambda s: s["tokens_per_s"]))
 
 
 async def _concurrency(address, prompts, best: Mode, temperature, max_new_tokens, levels, say) -> list[dict]:
@@ -317,7 +333,9 @@ def report(summaries: list[dict], sweep: list[dict], args) -> dict:
     for s in summaries:
         b = by.get(("target-only", 0, s["temperature"]))
         s["speedup_vs_target_only"] = s["tokens_per_s"] / b["tokens_per_s"] if b and b["tokens_per_s"] else None
-        s["predicted_speedup"] = predicted_speedup(s, b) if b and s["mode"].startswith("speculative") else None
+        # Leviathan's model is for a fixed k: an adaptive run mixes blocks and target-only steps.
+        fixed = s["mode"] in ("speculative", "speculative-ngram")
+        s["predicted_speedup"] = predicted_speedup(s, b) if b and fixed else None
     spec = [s for s in summaries if s["mode"].startswith("speculative") and s["temperature"] == headline_t]
     best = max(spec, key=lambda s: s["tokens_per_s"]) if spec else None
     assisted = [s for s in summaries if s["mode"] == "hf-assisted" and s["temperature"] == headline_t]
@@ -347,12 +365,12 @@ def report(summaries: list[dict], sweep: list[dict], args) -> dict:
 
 def table(rep: dict) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    lines = [f"{'mode':<18} {'k':>2} {'T':>4} {'tok/s':>7} {'(min-max)':>13} {'x base':>6} {'pred':>5} "
+    lines = [f"{'mode':<20} {'k':>2} {'T':>4} {'tok/s':>7} {'(min-max)':>13} {'x base':>6} {'pred':>5} "
              f"{'accept':>6} {'len':>5} {'pass/tok':>8} {'ttft':>6} {'itl p50/p99':>13} {'draft/verify/other':>20}"]
     for s in sorted(rep["modes"], key=lambda s: (s["temperature"], s["mode"], s["k"])):
         split = s.get("time_split")
         lines.append(
-            f"{s['mode']:<18} {s['k']:>2} {s['temperature']:>4.1f} {s['tokens_per_s']:>7.1f} "
+            f"{s['mode']:<20} {s['k']:>2} {s['temperature']:>4.1f} {s['tokens_per_s']:>7.1f} "
             f"{fmt(s['tokens_per_s_min'], '.1f') + '-' + fmt(s['tokens_per_s_max'], '.1f'):>13} "
             f"{fmt(s.get('speedup_vs_target_only'), '.2f'):>6} {fmt(s.get('predicted_speedup'), '.2f'):>5} "
             f"{fmt(s.get('acceptance_rate'), '.2f'):>6} {fmt(s.get('mean_accepted_length'), '.2f'):>5} "
@@ -376,7 +394,7 @@ def plot(rep: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for s_mode in ("speculative", "speculative-ngram", "hf-assisted"):
+    for s_mode in ("speculative", "speculative-adaptive", "speculative-ngram", "hf-assisted"):
         for t in sorted({s["temperature"] for s in rep["modes"]}):
             pts = sorted((s["k"], s) for s in rep["modes"] if s["mode"] == s_mode and s["temperature"] == t)
             if not pts:
@@ -413,6 +431,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default=None, help="only prompts with this split (e.g. heldout)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="k sweep")
+    p.add_argument("--adaptive-ks", default="2", help="k of the adaptive-policy modes ('' = skip)")
     p.add_argument("--temperatures", default="0,0.7", help="sampling settings; the first is the headline")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)

@@ -42,7 +42,7 @@ def cmd_run(args) -> int:
     from .launcher import local_stack
 
     with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model,
-                     num_speculative_tokens=args.num_speculative_tokens,
+                     num_speculative_tokens=args.num_speculative_tokens, extra_coordinator=_policy_flags(args),
                      extra_target=_device_flags(args), extra_draft=_device_flags(args)) as stack:
         request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
                                 chat=not args.raw)
@@ -83,7 +83,7 @@ def cmd_serve(args) -> int:
     with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model, port=args.port,
                      num_speculative_tokens=args.num_speculative_tokens, host=args.host,
                      extra_target=_device_flags(args, "target") + ["--tp", str(args.target_tp)],
-                     extra_draft=_device_flags(args, "draft"),
+                     extra_draft=_device_flags(args, "draft"), extra_coordinator=_policy_flags(args),
                      draft_replicas=args.draft_replicas, target_replicas=args.target_replicas) as stack:
         print(f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)\n"
               f"  registry and session log: {stack.redis_url}"
@@ -107,7 +107,8 @@ def cmd_generate(args) -> int:
     from .client import build_request, stream_to, summary
 
     request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
-                            method=args.method, request_id=args.request_id, chat=not args.raw)
+                            method=args.method, request_id=args.request_id, chat=not args.raw,
+                            adaptive=args.adaptive)
     try:
         answer = stream_to(args.addr, request, timeout=args.timeout)
     except grpc.RpcError as exc:  # print the status, not a traceback
@@ -126,6 +127,10 @@ def _device_flags(args, role: str = "") -> list[str]:
     return flags
 
 
+def _policy_flags(args) -> list[str]:
+    return ["--fixed-k"] if args.fixed_k else []
+
+
 def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft-model", default="auto",
@@ -133,7 +138,11 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
                         "distilled draft 'smollm2-draft' for the default target, 'ngram' for any other)")
     # 2: the best k of the held-out CPU bench with the shipped draft (README Performance): 1.14x / 1.15x /
     # 1.12x in three runs vs 1.10x / 1.14x / 1.10x at k=1 (3-row verifies are cheap: specdec/fewrow.py)
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=2)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=2,
+                   help="tokens a draft block proposes (default 2)")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="a block every step (default: adaptive, target-only steps while blocks do not pay; "
+                        "specdec/policy.py)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
 
@@ -191,6 +200,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="default: the server's")
     p.add_argument("--method", default="", choices=["", "draft_model", "ngram", "none"])
+    policy = p.add_mutually_exclusive_group()
+    policy.add_argument("--adaptive", dest="adaptive", action="store_const", const=True, default=None,
+                        help="target-only steps while draft blocks do not pay (default: the server's choice)")
+    policy.add_argument("--fixed-k", dest="adaptive", action="store_const", const=False,
+                        help="a draft block every step")
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     add_sampling_flags(p)

@@ -11,7 +11,9 @@ from .v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 def build_request(prompt: str | None = None, prompt_token_ids=None, params=None, k: int | None = None,
-                  method: str = "", request_id: str = "", chat: bool = False) -> coordinator_pb2.GenerateRequest:
+                  method: str = "", request_id: str = "", chat: bool = False,
+                  adaptive: bool | None = None) -> coordinator_pb2.GenerateRequest:
+    """``adaptive``: None leaves the choice (adaptive or fixed k) to the server's default."""
     from .wire import sampling_to_proto
 
     request = coordinator_pb2.GenerateRequest(request_id=request_id)
@@ -25,6 +27,8 @@ def build_request(prompt: str | None = None, prompt_token_ids=None, params=None,
     if k is not None:
         request.speculation.num_speculative_tokens = k
     request.speculation.method = method
+    if adaptive is not None:
+        request.speculation.adaptive = adaptive
     return request
 
 
@@ -69,6 +73,7 @@ def summary(answer: StreamedAnswer) -> str:
     rate = len(answer.token_ids) / answer.seconds if answer.seconds else 0.0
     speculation = (f"acceptance rate {accept:.2f}, mean accepted length {mean_len:.2f}" if drafts
                    else "no speculation (target only)")
+    paused = f" ({passes - drafts} without a draft block)" if drafts and passes > drafts else ""
     return (f"[{len(answer.token_ids)} tokens, finish={answer.finish_reason}, seed={answer.seed}]\n"
-            f"{speculation}, {rate:.1f} tokens/s, {passes} target passes, "
+            f"{speculation}, {rate:.1f} tokens/s, {passes} target passes{paused}, "
             f"time to first token {answer.first_token_seconds or 0:.2f}s")

@@ -23,6 +23,7 @@ import torch
 
 from .errors import InvalidArgumentError, MalformedProposalError, PeerError
 from .kv import Commit
+from .policy import StepCost, make_policy
 from .proposal import DraftProposal
 from .rng import new_seed
 from .sampling import SamplingParams
@@ -202,16 +203,28 @@ class SpeculativeRun:
     def __init__(self, target: TargetPeer, draft: DraftPeer | None, prompt: Sequence[int], params: SamplingParams,
                  num_speculative_tokens: int, eos_token_ids: Sequence[int] = (), tokenizer=None,
                  session_id: str | None = None, failover: Failover | None = None,
-                 committed: Sequence[int] = ()):
+                 committed: Sequence[int] = (), committed_steps: Sequence[int] | None = None,
+                 adaptive: bool = False, step_cost: StepCost = StepCost()):
         """``committed``: tokens this request already committed in an earlier run (a resumed or
-        taken-over request continues from them, with the same seed, hence the same tokens)."""
+        taken-over request continues from them, with the same seed, hence the same tokens);
+        ``committed_steps``: how many of them each earlier step committed (an adaptive run
+        rebuilds its choice of k from them). ``adaptive``: ``num_speculative_tokens`` is the most
+        a step proposes; each step picks its k (specdec.policy)."""
         if num_speculative_tokens < 0:
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
+        if committed_steps is None:
+            if committed and adaptive:
+                raise ValueError("an adaptive run resumed from committed tokens needs committed_steps")
+            committed_steps = ()
+        elif sum(committed_steps) != len(committed):
+            raise ValueError(f"committed_steps add up to {sum(committed_steps)}, not {len(committed)} tokens")
         self.seed = params.seed if params.seed is not None else new_seed()
         self.params = params.with_seed(self.seed)
         self.target = target
         self.draft = draft if num_speculative_tokens > 0 else None
         self.k = num_speculative_tokens
+        self.policy = make_policy(num_speculative_tokens, adaptive, step_cost)
+        self.policy.replay(committed_steps)
         self.prompt = [int(t) for t in prompt]
         self.session_id = session_id or uuid.uuid4().hex
         self.stopper = StopChecker(self.params, eos_token_ids, tokenizer)
@@ -299,9 +312,13 @@ class SpeculativeRun:
                 with tracer().start_as_current_span("specdec.step") as span:
                     span.set_attribute("specdec.session_id", sid)
                     span.set_attribute("specdec.step", self.step)
-                    proposal, verdict = await self._propose_and_verify(min(self.k, room))
+                    k = self.policy.next_k()
+                    proposal, verdict = await self._propose_and_verify(min(k, room))
                     decision = decide(proposal.tokens, proposal.q_of_proposals(), verdict, self.seed,
                                       len(self.sequence))
+                    # What the policy chose, not what the draft managed: a replay from the
+                    # committed tokens (which cannot see a short or dropped block) agrees.
+                    self.policy.observe(k, decision.num_accepted)
                     self.stats.record(decision, len(proposal))
                     emitted = self.stopper.feed(decision.tokens)
                     self._keep_features(verdict, len(emitted))
@@ -387,8 +404,10 @@ class SpeculativeRun:
 async def generate_async(target: TargetPeer, draft: DraftPeer | None, prompt: Sequence[int],
                          params: SamplingParams, num_speculative_tokens: int = 4,
                          eos_token_ids: Sequence[int] = (), tokenizer=None,
-                         session_id: str | None = None) -> GenerationResult:
-    run = SpeculativeRun(target, draft, prompt, params, num_speculative_tokens, eos_token_ids, tokenizer, session_id)
+                         session_id: str | None = None, adaptive: bool = False,
+                         step_cost: StepCost = StepCost()) -> GenerationResult:
+    run = SpeculativeRun(target, draft, prompt, params, num_speculative_tokens, eos_token_ids, tokenizer, session_id,
+                         adaptive=adaptive, step_cost=step_cost)
     async for _ in run.steps():
         pass
     return run.result()
@@ -396,9 +415,10 @@ async def generate_async(target: TargetPeer, draft: DraftPeer | None, prompt: Se
 
 def speculative_generate(target, draft, prompt: Sequence[int], params: SamplingParams,
                          num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] = (), tokenizer=None,
-                         session_id: str | None = None) -> GenerationResult:
+                         session_id: str | None = None, adaptive: bool = False,
+                         step_cost: StepCost = StepCost()) -> GenerationResult:
     """In process, over engines: generate with speculative decoding; the law is the target's."""
     target_peer = LocalTarget(target)
     draft_peer = LocalDraft(draft) if draft is not None else None
     return asyncio.run(generate_async(target_peer, draft_peer, prompt, params, num_speculative_tokens,
-                                      eos_token_ids, tokenizer, session_id))
+                                      eos_token_ids, tokenizer, session_id, adaptive, step_cost))

@@ -43,6 +43,9 @@ class Case:
     top_m: int = 0  # draft truncation (0 = off)
     prompt: tuple[int, ...] = (1, 2, 3)
     expect_acceptance: float | None = None  # exact acceptance rate the case must show
+    # The adaptive policy with this (fixed, per_token) step cost: k then changes from step to step
+    # with the acceptance so far; None = every step proposes k.
+    adaptive_cost: tuple[float, float] | None = None
 
 
 CASES: tuple[Case, ...] = (
@@ -70,6 +73,9 @@ CASES: tuple[Case, ...] = (
     Case("feature_draft", "feature draft (EAGLE-style): proposals from the target's hidden states, then from its "
          "own fed-back predictions, reduced head; k=2 over 4 tokens", {"temperature": 1.0}, k=2, draft="feature",
          tokens=4),
+    Case("adaptive_k", "adaptive policy (block cost 1.5 + 0.3k): whether a step is a k=3 block or target-only "
+         "depends on the acceptance so far (k=3, 0, 3 ... over 4 tokens)", {"temperature": 1.0}, tokens=4,
+         adaptive_cost=(0.5, 0.3)),
 )
 SUBSET_HEAD = (0, 1, 2, 3, 5, 8, 9, 11, 12, 14)
 
@@ -199,6 +205,7 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     outcomes of seeded speculative runs through the real engines and loop."""
     from target_service.engine import TargetEngine
     from .generate import speculative_generate
+    from .policy import StepCost
 
     started = time.perf_counter()
     target = TargetEngine(target_model)
@@ -206,13 +213,17 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     law = exact_law(target_model, case.prompt, base, case.tokens)
     n = case_runs(case, runs)
     observed: Counter = Counter()
-    proposed = accepted = 0
+    proposed = accepted = target_only = 0
+    policy = {} if case.adaptive_cost is None else {"adaptive": True, "step_cost": StepCost(*case.adaptive_cost)}
     for i in range(n):
-        result = speculative_generate(target, draft, case.prompt, base.with_seed(BASE_SEED + i), case.k)
+        result = speculative_generate(target, draft, case.prompt, base.with_seed(BASE_SEED + i), case.k, **policy)
         observed[tuple(result.token_ids[: case.tokens])] += 1
         proposed += result.stats.proposed_tokens
         accepted += result.stats.accepted_tokens
+        target_only += result.stats.target_passes - result.stats.drafts
     verdict = judge(case, observed, law, n, proposed, accepted, time.perf_counter() - started)
+    if case.adaptive_cost is not None and verdict.passed and not target_only:
+        verdict.passed, verdict.detail = False, "the adaptive policy never chose k = 0: its path was not exercised"
     if len(draft.store if hasattr(draft, "store") else []) or len(target.store):
         verdict.passed, verdict.detail = False, "sessions left behind in an engine after the runs"
     return verdict

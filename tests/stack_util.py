@@ -9,7 +9,7 @@ from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_pb2_grpc
 
 
-def request(prompt_ids=None, prompt=None, k=None, method="", request_id="", resume_from_index=0,
+def request(prompt_ids=None, prompt=None, k=None, method="", request_id="", resume_from_index=0, adaptive=None,
             **sampling) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id, resume_from_index=resume_from_index)
     if prompt_ids is not None:
@@ -23,6 +23,8 @@ def request(prompt_ids=None, prompt=None, k=None, method="", request_id="", resu
     if k is not None:
         req.speculation.num_speculative_tokens = k
     req.speculation.method = method
+    if adaptive is not None:  # else the server's default
+        req.speculation.adaptive = adaptive
     return req
 
 

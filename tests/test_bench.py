@@ -35,6 +35,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     for k in (2, 4):
         for mode in ("speculative", "speculative-ngram", "hf-assisted"):
             assert (mode, k, 0.0) in modes
+    adaptive = next(m for m in report["modes"] if m["mode"] == "speculative-adaptive" and m["temperature"] == 0)
+    assert adaptive["k"] == 2 and adaptive["predicted_speedup"] is None  # Leviathan's model is for a fixed k
     assert all(m["tokens_per_s"] > 0 for m in report["modes"])
     spec = next(m for m in report["modes"] if m["mode"] == "speculative" and m["k"] == 2 and m["temperature"] == 0)
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1

@@ -23,6 +23,10 @@ from stack_util import request, stub
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LONG = 500  # tokens: long enough that a kill after the first chunk lands mid-stream
+# Every coordinator here prices a draft block so that this pair's blocks (~0.5 accepted per
+# position) hover around break-even: adaptive requests (the default) then mix blocks and
+# target-only steps, and a takeover must rebuild that policy's state exactly.
+STEP_COST = ["--step-cost", "0.4,0.2"]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,7 @@ def stack(tmp_path_factory):
     word_tokenizer(32).save_pretrained(root / "draft")
     with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=2,
                      log_dir=tmp_path_factory.mktemp("failover-logs"), draft_replicas=2, target_replicas=2,
+                     extra_coordinator=STEP_COST,
                      # sessions of a coordinator killed below are freed by the services' TTL
                      extra_target=["--threads", "1", "--session-ttl", "8"],
                      extra_draft=["--threads", "1", "--session-ttl", "8"]) as s:
@@ -149,7 +154,8 @@ def second_coordinator(stack, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("coord2") / "coordinator2.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "coordinator", "--redis", stack.redis_url,
-                                "--host", "127.0.0.1", "--port", str(port), "--num-speculative-tokens", "2"],
+                                "--host", "127.0.0.1", "--port", str(port), "--num-speculative-tokens", "2",
+                                *STEP_COST],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     from specdec.launcher import Child
 
@@ -165,7 +171,9 @@ def second_coordinator(stack, tmp_path_factory):
 def test_resume_after_the_client_lost_its_stream(stack, second_coordinator, where):
     rid = f"resume-{where}-{time.monotonic_ns()}"
     base = dict(k=3, temperature=0.9, seed=1234, max_new_tokens=120, ignore_eos=True)
-    undisturbed = list(stub(stack.coordinator_address).Generate(request([2, 7, 1, 8], **base)).token_ids)
+    reply = stub(stack.coordinator_address).Generate(request([2, 7, 1, 8], **base))
+    assert 0 < reply.stats.drafts < reply.stats.target_passes  # the policy paused and resumed along the way
+    undisturbed = list(reply.token_ids)
     first, _, error = stream(stack, request([2, 7, 1, 8], **base, request_id=rid), stop_after=10)
     assert error == "CANCELLED" and len(first) >= 10
     address = stack.coordinator_address if where == "same" else second_coordinator.address
@@ -181,7 +189,9 @@ def test_resume_after_the_client_lost_its_stream(stack, second_coordinator, wher
 def test_resume_after_the_coordinator_died(stack, second_coordinator):
     rid = f"coord-death-{time.monotonic_ns()}"
     base = dict(k=2, temperature=0.7, seed=77, max_new_tokens=LONG, ignore_eos=True)
-    undisturbed = list(stub(stack.coordinator_address).Generate(request([9, 9, 8], **base)).token_ids)
+    reply = stub(stack.coordinator_address).Generate(request([9, 9, 8], **base))
+    assert 0 < reply.stats.drafts < reply.stats.target_passes  # the policy paused and resumed along the way
+    undisturbed = list(reply.token_ids)
     kill = lambda: os.killpg(second_coordinator.process.pid, signal.SIGKILL)  # noqa: E731 - front and its Ray
     first, _, error = stream(second_coordinator.address, request([9, 9, 8], **base, request_id=rid), on_first=kill)
     assert error in ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL")

@@ -29,7 +29,7 @@ def test_public_api_names_are_pinned():
     assert fields("SamplingParams") >= {"temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                                         "presence_penalty", "frequency_penalty", "seed", "max_new_tokens", "stop",
                                         "ignore_eos"}
-    assert fields("SpeculationParams") == {"num_speculative_tokens", "method"}
+    assert fields("SpeculationParams") == {"num_speculative_tokens", "method", "adaptive"}
     assert fields("GenerateResponse") == {"request_id", "token_ids", "text", "finish_reason", "seed", "stats"}
     assert {"token_ids", "text", "finish_reason", "seed", "stats"} <= fields("GenerateChunk")
     assert {"target_passes", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_seconds",

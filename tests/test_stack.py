@@ -56,7 +56,9 @@ def stack(models, collector, tmp_path_factory):
                                    "--metrics-port", str(metrics_ports["target"])],
                      extra_draft=["--threads", "1", "--metrics-port", str(metrics_ports["draft"])],
                      extra_coordinator=["--max-speculative-tokens", "8",
-                                        "--metrics-port", str(metrics_ports["coordinator"])],
+                                        "--metrics-port", str(metrics_ports["coordinator"]),
+                                        # the adaptive_k case's block cost, for its requests through the stack
+                                        "--step-cost", ",".join(map(str, ADAPTIVE_CASE.adaptive_cost))],
                      env=env) as s:
         s.logs = logs
         s.metrics_ports = metrics_ports
@@ -90,6 +92,7 @@ def test_trace_spans_all_three_services(stack, collector):
 
 
 STACK_CASES = [c for c in CASES if c.draft in ("model", "ngram") and c.top_m == 0]
+ADAPTIVE_CASE = next(c for c in STACK_CASES if c.adaptive_cost is not None)
 
 
 @pytest.mark.statistical
@@ -102,7 +105,9 @@ def test_exactness_through_the_stack(stack, models, case):
     n = case_runs(case, STACK_RUNS)
     method = "ngram" if case.draft == "ngram" else "draft_model"
     sampling = dict(case.params, max_new_tokens=case.tokens, ignore_eos=True)
-    requests = [request(list(case.prompt), k=case.k, method=method, seed=BASE_SEED + i, **sampling) for i in range(n)]
+    adaptive = case.adaptive_cost is not None  # each case as the selftest runs it: fixed k unless it says
+    requests = [request(list(case.prompt), k=case.k, method=method, seed=BASE_SEED + i, adaptive=adaptive, **sampling)
+                for i in range(n)]
     replies = generate_many(stack.coordinator_address, requests)
     observed = Counter(tuple(r.token_ids) for r in replies)
     proposed = sum(r.stats.proposed_tokens for r in replies)
@@ -110,6 +115,8 @@ def test_exactness_through_the_stack(stack, models, case):
     verdict = judge(case, observed, law, n, proposed, accepted)
     assert verdict.passed, verdict
     assert all(r.stats.draft_fallbacks == 0 for r in replies)
+    if adaptive:  # its path was exercised: some steps were target-only
+        assert sum(r.stats.target_passes - r.stats.drafts for r in replies) > 0
 
 
 def hf_greedy(model, prompt, n):

@@ -1,0 +1,163 @@
+"""The adaptive speculation policy (specdec/policy.py): its choice of k, and that a run's state
+can be rebuilt from what it committed (what a coordinator taking over a request relies on)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdec.policy import AdaptiveK, FixedK, StepCost, make_policy
+
+
+def test_step_cost_parse_and_validation():
+    assert StepCost.parse("0.2,0.05") == StepCost(0.2, 0.05)
+    assert StepCost(0.2, 0.05).of(0) == 1.0 and StepCost(0.2, 0.05).of(2) == pytest.approx(1.3)
+    with pytest.raises(ValueError, match="FIXED,PER_TOKEN"):
+        StepCost.parse("0.2")
+    with pytest.raises(ValueError, match=">= 0"):
+        StepCost(-0.1, 0.1)
+    for bad in (dict(k=0), dict(k=2, decay=0.0), dict(k=2, max_probe_gap=0)):
+        with pytest.raises(ValueError):
+            AdaptiveK(**bad)
+
+
+def drive(policy, accepted_of, steps: int) -> list[int]:
+    """Run the policy ``steps`` steps; ``accepted_of(step, k)`` says how many of a block pass."""
+    ks = []
+    for step in range(steps):
+        k = policy.next_k()
+        policy.observe(k, min(k, accepted_of(step, k)) if k else 0)
+        ks.append(k)
+    return ks
+
+
+def test_blocks_that_pay_keep_the_requests_k():
+    # k=2 costs 1 + 0.17 + 0.38 = 1.55 target-only steps: blocks of 2 tokens (one accepted) pay
+    assert drive(AdaptiveK(2), lambda step, k: 1, 100) == [2] * 100
+    assert drive(AdaptiveK(5), lambda step, k: k, 100) == [5] * 100
+
+
+def test_blocks_below_break_even_pause_speculation_and_probes_back_off():
+    # alternately 0 and 1 accepted: 1.5 tokens per block, below the 1.55 a block costs
+    ks = drive(AdaptiveK(2), lambda step, k: step % 2, 300)
+    assert ks[0] == 2  # the optimistic start speculates (one block that fails is enough to pause)
+    blocks = [i for i, k in enumerate(ks) if k]
+    gaps = [b - a for a, b in zip(blocks, blocks[1:])]
+    assert 1 < max(gaps) and gaps[-5:] == [17] * 5  # backed off to 16 target-only steps between probes
+    assert len(blocks) < 40
+    assert set(ks) == {0, 2}  # a probe is a block of the request's k, nothing in between
+
+
+def test_speculation_resumes_when_the_draft_gets_good_again():
+    ks = drive(AdaptiveK(3), lambda step, k: 0 if step < 150 else k, 300)
+    assert ks[140:150].count(0) >= 9  # paused while the draft was useless
+    assert ks[-100:] == [3] * 100  # a probe found it right again: blocks every step
+
+
+def test_fixed_k_never_changes():
+    policy = make_policy(3, adaptive=False)
+    assert isinstance(policy, FixedK)
+    assert drive(policy, lambda step, k: 0, 20) == [3] * 20
+    assert isinstance(make_policy(0, adaptive=True), FixedK)  # k = 0 has nothing to adapt
+    assert isinstance(make_policy(2, adaptive=True), AdaptiveK)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_replay_from_committed_step_lengths_rebuilds_the_same_state(seed):
+    """A run's next choice is a function of the tokens each of its steps committed."""
+    rng = random.Random(seed)
+    live = AdaptiveK(4)
+    lengths, ks = [], []
+    for step in range(300):  # acceptance that drifts: the policy pauses and resumes
+        p = 0.85 if (step // 50) % 2 else 0.1
+        k = live.next_k()
+        accepted = 0
+        while accepted < k and rng.random() < p:
+            accepted += 1
+        live.observe(k, accepted)
+        ks.append(k)
+        lengths.append(accepted + 1)
+    assert ks.count(0) > 30 and ks.count(4) > 30  # the trace exercised both regimes
+    for cut in (0, 1, 7, 150, 299, 300):
+        replayed = AdaptiveK(4)
+        replayed.replay(lengths[:cut])
+        if cut < 300:
+            assert replayed.next_k() == ks[cut], cut
+    assert (replayed.emitted, replayed.weight, replayed.idle, replayed.probe_gap) == \
+        (live.emitted, live.weight, live.idle, live.probe_gap)
+
+
+# -- in the loop (tiny random Llamas, real engines) ------------------------------------------
+def run_steps(target, draft, params, committed=(), committed_steps=None, cost=StepCost(0.5, 0.3)):
+    """Every step's committed tokens, and the run's stats, of one adaptive run (k at most 3)."""
+    import asyncio
+
+    from specdec.generate import LocalDraft, LocalTarget, SpeculativeRun
+
+    run = SpeculativeRun(LocalTarget(target), LocalDraft(draft), [1, 2, 3, 4, 5], params, 3,
+                         committed=list(committed), committed_steps=committed_steps, adaptive=True, step_cost=cost)
+
+    async def collect():
+        return [tokens async for tokens in run.steps()]
+
+    return asyncio.run(collect()), run.stats
+
+
+def test_an_adaptive_run_is_exact_and_skips_a_useless_draft(target_model, draft_model):
+    from draft_service.engine import DraftEngine
+    from specdec.generate import speculative_generate
+    from specdec.sampling import SamplingParams
+    from specdec.tiny import negated_head
+    from target_service.engine import TargetEngine
+
+    target = TargetEngine(target_model)
+    greedy = SamplingParams(temperature=0.0, seed=1, max_new_tokens=40, ignore_eos=True)
+    alone = speculative_generate(target, None, [1, 2, 3, 4, 5], greedy, 0).token_ids
+    steps, stats = run_steps(target, DraftEngine(draft_model), greedy)
+    assert sum(steps, []) == alone  # any k sequence gives the target's own greedy tokens
+    _, useless = run_steps(target, DraftEngine(negated_head(target_model)), greedy, cost=StepCost())
+    assert useless.accepted_tokens == 0 and useless.drafts <= useless.target_passes // 3  # mostly target-only
+
+
+@pytest.mark.parametrize("cut", [1, 4, 9])
+def test_an_adaptive_run_resumed_from_its_committed_steps_continues_identically(target_model, draft_model, cut):
+    from draft_service.engine import DraftEngine
+    from specdec.sampling import SamplingParams
+    from target_service.engine import TargetEngine
+
+    target, draft = TargetEngine(target_model), DraftEngine(draft_model)
+    params = SamplingParams(temperature=1.0, seed=99, max_new_tokens=60, ignore_eos=True)
+    steps, stats = run_steps(target, draft, params)
+    assert 0 < stats.drafts < stats.target_passes  # k changed along the way: blocks and target-only steps
+    done = steps[:cut]
+    rest, _ = run_steps(target, draft, params, sum(done, []), [len(s) for s in done])
+    assert sum(done, []) + sum(rest, []) == sum(steps, [])
+    with pytest.raises(ValueError, match="committed_steps"):
+        run_steps(target, draft, params, sum(done, []), None)
+
+
+def test_the_stored_request_pins_the_defaults_it_was_given():
+    """A takeover re-parses the stored request: every server default it relied on must be in it."""
+    from coordinator.core import canonical
+    from specdec.v1 import coordinator_pb2 as pb
+
+    defaults = pb.GenerateRequest()
+    defaults.sampling.seed = 7
+    defaults.speculation.num_speculative_tokens = 2
+    defaults.speculation.method = "draft_model"
+    defaults.speculation.adaptive = True
+    bare = pb.GenerateRequest(prompt_token_ids=[1, 2, 3])
+    stored = pb.GenerateRequest.FromString(canonical(bare, "r1", defaults))
+    spec = stored.speculation
+    assert stored.request_id == "r1" and stored.sampling.seed == 7
+    assert spec.HasField("num_speculative_tokens") and spec.num_speculative_tokens == 2
+    assert spec.method == "draft_model" and spec.HasField("adaptive") and spec.adaptive
+    # resuming with the same fields left unset is the same request; asking for another policy is not
+    resume = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], request_id="r1", resume_from_index=5)
+    assert canonical(resume, "r1", stored) == stored.SerializeToString(deterministic=True)
+    fixed = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], request_id="r1")
+    fixed.speculation.adaptive = False
+    assert canonical(fixed, "r1", stored) != stored.SerializeToString(deterministic=True)
+    explicit = pb.GenerateRequest(prompt_token_ids=[1, 2, 3])
+    explicit.speculation.num_speculative_tokens = 0  # an explicit 0 is kept, not replaced by the default
+    assert pb.GenerateRequest.FromString(canonical(explicit, "r2", defaults)).speculation.num_speculative_tokens == 0

@@ -46,6 +46,8 @@ def cmd_run(args) -> int:
                      extra_target=_device_flags(args), extra_draft=_device_flags(args)) as stack:
         request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
                                 chat=not args.raw)
+        if args.compare:  # neither measured request should pay the stack's first-request costs
+            warm_up(stack.coordinator_address, args)
         print(f"\n> {args.prompt}\n", flush=True)
         answer = stream_to(stack.coordinator_address, request)
         print("\n\n" + summary(answer), flush=True)
@@ -54,18 +56,40 @@ def cmd_run(args) -> int:
     return 0
 
 
+def warm_up(address: str, args) -> None:
+    from dataclasses import replace
+
+    from .client import build_request, stream_to
+
+    params = replace(sampling_from_args(args), max_new_tokens=8)
+    for k, method in ((args.num_speculative_tokens, ""), (0, "none")):
+        stream_to(address, build_request(prompt=args.prompt, params=params, k=k, method=method, chat=not args.raw),
+                  out=None)
+
+
 def compare_without_speculation(address: str, args, answer) -> str:
-    """The same request (same seed) with speculation off, through the same stack: how much faster
-    the speculative answer was, and, for greedy decoding, that the tokens are identical."""
+    """The same request (same seed) without speculation, through the same stack, alternated with
+    the speculative one ``args.compare_runs`` times each (the answer is the first speculative run;
+    medians, since one run on a busy machine says little): how much faster speculation was, and,
+    for greedy decoding, that the tokens are identical."""
+    import statistics
+
     from .client import build_request, stream_to
 
     params = sampling_from_args(args).with_seed(answer.seed)
-    request = build_request(prompt=args.prompt, params=params, k=0, method="none", chat=not args.raw)
-    plain = stream_to(address, request, out=None)
-    fast = len(answer.token_ids) / answer.seconds if answer.seconds else 0.0
-    slow = len(plain.token_ids) / plain.seconds if plain.seconds else 0.0
-    line = (f"without speculation (target only, same stack): {slow:.1f} tokens/s -> speculation is "
-            f"{fast / slow if slow else float('nan'):.2f}x")
+    with_spec = build_request(prompt=args.prompt, params=params, k=args.num_speculative_tokens, chat=not args.raw)
+    without = build_request(prompt=args.prompt, params=params, k=0, method="none", chat=not args.raw)
+    rate = lambda a: len(a.token_ids) / a.seconds if a.seconds else 0.0  # noqa: E731
+    fast, slow, plain = [rate(answer)], [], None
+    for i in range(max(1, args.compare_runs)):
+        plain_i = stream_to(address, without, out=None)
+        plain = plain or plain_i
+        slow.append(rate(plain_i))
+        if len(fast) < args.compare_runs:
+            fast.append(rate(stream_to(address, with_spec, out=None)))
+    fast_m, slow_m = statistics.median(fast), statistics.median(slow)
+    line = (f"without speculation (target only, same stack): {slow_m:.1f} tokens/s, with: {fast_m:.1f} "
+            f"(medians of {len(slow)} runs each) -> speculation is {fast_m / slow_m if slow_m else float('nan'):.2f}x")
     if params.greedy:
         line += "; identical tokens: " + ("yes" if plain.token_ids == answer.token_ids else "NO (a bug: please report)")
     return line
@@ -180,6 +204,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     p.add_argument("--compare", action="store_true",
                    help="then run the same request without speculation and print the speed-up")
+    p.add_argument("--compare-runs", type=int, default=3,
+                   help="with --compare: runs of each, alternated (medians are compared)")
     _stack_flags(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_run)

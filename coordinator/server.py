@@ -71,6 +71,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             yield chunk
 
 
+def _step_cost(text: str) -> StepCost:
+    try:
+        return StepCost.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=None, help="Redis URL for the replica registry and the session log "
                                                  "(default: REDIS_URL)")
@@ -85,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-k", action="store_true",
                    help="requests that do not say propose k tokens every step (default: adaptive, each step "
                         "picks k in [0, k] from the request's acceptance so far; see specdec/policy.py)")
-    p.add_argument("--step-cost", default=None, metavar="FIXED,PER_TOKEN",
+    p.add_argument("--step-cost", default=None, metavar="FIXED,PER_TOKEN", type=_step_cost,
                    help="the adaptive policy's cost of a step proposing k tokens, 1 + FIXED + PER_TOKEN * k "
                         "target-only steps (default: 0.17,0.19, measured on a 2-core CPU)")
     p.add_argument("--max-speculative-tokens", type=int, default=16, help="largest k a request may ask for")
@@ -113,7 +120,7 @@ def config_from_args(args) -> CoordinatorConfig:
         default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
         max_concurrent_requests=args.max_concurrent_requests, draft_timeout_s=args.draft_timeout,
         default_method=args.default_method, default_adaptive=not args.fixed_k,
-        step_cost=StepCost.parse(args.step_cost) if args.step_cost else StepCost(),
+        step_cost=args.step_cost or StepCost(),
     )
 
 

@@ -161,3 +161,23 @@ def test_the_stored_request_pins_the_defaults_it_was_given():
     explicit = pb.GenerateRequest(prompt_token_ids=[1, 2, 3])
     explicit.speculation.num_speculative_tokens = 0  # an explicit 0 is kept, not replaced by the default
     assert pb.GenerateRequest.FromString(canonical(explicit, "r2", defaults)).speculation.num_speculative_tokens == 0
+
+
+def test_coordinator_flags_and_serve_app_args_select_the_policy():
+    import argparse
+
+    from coordinator import serve_app
+    from coordinator.server import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = config_from_args(parser.parse_args(["--target", "h:1"]))
+    assert default.default_adaptive and default.step_cost == StepCost()
+    fixed = config_from_args(parser.parse_args(["--target", "h:1", "--fixed-k", "--step-cost", "0.3,0.1"]))
+    assert not fixed.default_adaptive and fixed.step_cost == StepCost(0.3, 0.1)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--target", "h:1", "--step-cost", "0.3"])
+    app = serve_app.config_from_args({"adaptive": "false", "step_cost": "0.2,0.1", "redis_url": "redis://x:1/0"})
+    assert not app.default_adaptive and app.step_cost == StepCost(0.2, 0.1)
+    with pytest.raises(ValueError, match="adaptive"):
+        serve_app.config_from_args({"adaptive": "maybe", "redis_url": "redis://x:1/0"})

@@ -192,7 +192,9 @@ class CoordinatorCore:
                                        f"must be in [0, {cfg.max_k}], got {k}")
         if method == "none":
             k = 0
-        adaptive = spec.adaptive if spec.HasField("adaptive") else cfg.default_adaptive
+        # By default only for draft models: an n-gram lookup costs no call, and when it finds
+        # nothing the step is target-only anyway, so pausing it would only miss repetitions.
+        adaptive = spec.adaptive if spec.HasField("adaptive") else cfg.default_adaptive and method == "draft_model"
         if params.seed is None:
             params = params.with_seed(new_seed())
         return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive)

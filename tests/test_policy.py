@@ -181,3 +181,28 @@ def test_coordinator_flags_and_serve_app_args_select_the_policy():
     assert not app.default_adaptive and app.step_cost == StepCost(0.2, 0.1)
     with pytest.raises(ValueError, match="adaptive"):
         serve_app.config_from_args({"adaptive": "maybe", "redis_url": "redis://x:1/0"})
+
+
+def test_requests_get_the_adaptive_policy_by_default_only_with_a_draft_model():
+    from coordinator.core import CoordinatorConfig, CoordinatorCore
+    from specdec.v1 import coordinator_pb2 as pb
+
+    core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1", default_k=2))
+    core.vocab_size, core.context_length = 32, 64
+
+    def parsed(method="", adaptive=None, k=None):
+        request = pb.GenerateRequest(prompt_token_ids=[1, 2, 3])
+        request.speculation.method = method
+        if adaptive is not None:
+            request.speculation.adaptive = adaptive
+        if k is not None:
+            request.speculation.num_speculative_tokens = k
+        return core.parse(request, "r")
+
+    assert parsed().adaptive and parsed().k == 2 and parsed().method == "draft_model"
+    assert not parsed(adaptive=False).adaptive
+    assert not parsed("ngram").adaptive  # an empty lookup costs nothing: never paused by default
+    assert parsed("ngram", adaptive=True).adaptive  # unless the request asks
+    fixed = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1", default_adaptive=False))
+    fixed.vocab_size, fixed.context_length = 32, 64
+    assert not fixed.parse(pb.GenerateRequest(prompt_token_ids=[1]), "r").adaptive

@@ -21,7 +21,9 @@ Draft and target:
 
 PromQL: acceptance rate = rate(specdec_accepted_tokens_total[5m]) / rate(specdec_draft_tokens_total[5m]);
 mean accepted length per draft block (vLLM's count, including the recovered/bonus token) =
-(rate(specdec_accepted_tokens_total[5m]) + rate(specdec_drafts_total[5m])) / rate(specdec_drafts_total[5m]).
+(rate(specdec_accepted_tokens_total[5m]) + rate(specdec_drafts_total[5m])) / rate(specdec_drafts_total[5m]);
+share of passes without a draft block (the adaptive policy pausing, k = 0, empty n-gram lookups) =
+1 - rate(specdec_drafts_total[5m]) / rate(specdec_target_passes_total[5m]).
 """
 from __future__ import annotations
 

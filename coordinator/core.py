@@ -38,7 +38,7 @@ class CoordinatorConfig:
     tokenizer: str | None = None  # model spec to load the tokenizer from (default: the target's)
     default_k: int = 4
     max_k: int = 16
-    default_adaptive: bool = True  # requests that do not say: k per step from their own acceptance
+    default_adaptive: bool = True  # draft-model requests that do not say: pause blocks that do not pay
     step_cost: StepCost = StepCost()  # the adaptive policy's cost model (specdec.policy)
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096

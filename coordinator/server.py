@@ -88,10 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--tokenizer", default=None, help="tokenizer model spec (default: the target's model)")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="default k (with the adaptive policy: the most tokens one step proposes)")
+                   help="default k: the tokens a draft block proposes")
     p.add_argument("--fixed-k", action="store_true",
-                   help="requests that do not say propose k tokens every step (default: adaptive, each step "
-                        "picks k in [0, k] from the request's acceptance so far; see specdec/policy.py)")
+                   help="requests that do not say propose k tokens every step (default for draft models: "
+                        "adaptive, target-only steps while the request's blocks do not pay; see specdec/policy.py)")
     p.add_argument("--step-cost", default=None, metavar="FIXED,PER_TOKEN", type=_step_cost,
                    help="the adaptive policy's cost of a step proposing k tokens, 1 + FIXED + PER_TOKEN * k "
                         "target-only steps (default: 0.17,0.19, measured on a 2-core CPU)")

@@ -80,13 +80,12 @@ def compare_without_speculation(address: str, args, answer) -> str:
     with_spec = build_request(prompt=args.prompt, params=params, k=args.num_speculative_tokens, chat=not args.raw)
     without = build_request(prompt=args.prompt, params=params, k=0, method="none", chat=not args.raw)
     rate = lambda a: len(a.token_ids) / a.seconds if a.seconds else 0.0  # noqa: E731
-    fast, slow, plain = [rate(answer)], [], None
-    for i in range(max(1, args.compare_runs)):
-        plain_i = stream_to(address, without, out=None)
-        plain = plain or plain_i
-        slow.append(rate(plain_i))
-        if len(fast) < args.compare_runs:
+    plains, fast = [], [rate(answer)]
+    for i in range(args.compare_runs):
+        plains.append(stream_to(address, without, out=None))
+        if i + 1 < args.compare_runs:  # the answer was the first speculative run
             fast.append(rate(stream_to(address, with_spec, out=None)))
+    plain, slow = plains[0], [rate(p) for p in plains]
     fast_m, slow_m = statistics.median(fast), statistics.median(slow)
     line = (f"without speculation (target only, same stack): {slow_m:.1f} tokens/s, with: {fast_m:.1f} "
             f"(medians of {len(slow)} runs each) -> speculation is {fast_m / slow_m if slow_m else float('nan'):.2f}x")
@@ -151,6 +150,13 @@ def _device_flags(args, role: str = "") -> list[str]:
     return flags
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _policy_flags(args) -> list[str]:
     return ["--fixed-k"] if args.fixed_k else []
 
@@ -204,7 +210,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     p.add_argument("--compare", action="store_true",
                    help="then run the same request without speculation and print the speed-up")
-    p.add_argument("--compare-runs", type=int, default=3,
+    p.add_argument("--compare-runs", type=_positive_int, default=3,
                    help="with --compare: runs of each, alternated (medians are compared)")
     _stack_flags(p)
     add_sampling_flags(p)

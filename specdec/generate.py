@@ -208,8 +208,8 @@ class SpeculativeRun:
         """``committed``: tokens this request already committed in an earlier run (a resumed or
         taken-over request continues from them, with the same seed, hence the same tokens);
         ``committed_steps``: how many of them each earlier step committed (an adaptive run
-        rebuilds its choice of k from them). ``adaptive``: ``num_speculative_tokens`` is the most
-        a step proposes; each step picks its k (specdec.policy)."""
+        rebuilds its state from them). ``adaptive``: a step proposes ``num_speculative_tokens``
+        while the request's blocks pay for themselves, else none (specdec.policy)."""
         if num_speculative_tokens < 0:
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
         if committed_steps is None:
@@ -222,7 +222,6 @@ class SpeculativeRun:
         self.params = params.with_seed(self.seed)
         self.target = target
         self.draft = draft if num_speculative_tokens > 0 else None
-        self.k = num_speculative_tokens
         self.policy = make_policy(num_speculative_tokens, adaptive, step_cost)
         self.policy.replay(committed_steps)
         self.prompt = [int(t) for t in prompt]

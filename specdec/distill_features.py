@@ -112,9 +112,12 @@ def make_feature_batch(records: list[FeatureRecord], seq_len: int) -> FeatureBat
 
 
 def feature_loss(draft: FeatureDraft, batch: FeatureBatch, teacher_head: torch.Tensor, steps: int,
-                 decay: float, feature_weight: float):
+                 decay: float, feature_weight: float, bf16: bool = False):
     """(loss, top-1 agreements per step, positions). ``teacher_head``: [S, H] the target's head rows
-    over the draft's head vocabulary (frozen)."""
+    over the draft's head vocabulary (frozen). With ``bf16`` the draft's matrix products run in
+    bf16 autocast; the teacher, the softmaxes and the losses stay fp32."""
+    from .distill import quiet_mixed_norm, student_autocast
+
     batch = batch.to(teacher_head.device)
     mask = batch.weight > 0
     target = batch.target[mask]                                              # [N, H]
@@ -124,9 +127,13 @@ def feature_loss(draft: FeatureDraft, batch: FeatureBatch, teacher_head: torch.T
         teacher_top = logp.argmax(-1)
     loss = torch.zeros((), device=teacher_head.device)
     agree = []
-    for s, predicted in enumerate(draft.unrolled(batch.tokens, batch.preceding, steps)):
+    with student_autocast(teacher_head.device, bf16), quiet_mixed_norm():
+        unrolled = draft.unrolled(batch.tokens, batch.preceding, steps)
+    for s, predicted in enumerate(unrolled):
         h = predicted[mask]
-        logq = torch.log_softmax(draft.head_logits(h).float(), dim=-1)
+        with student_autocast(teacher_head.device, bf16):
+            logits = draft.head_logits(h)
+        logq = torch.log_softmax(logits.float(), dim=-1)
         kl = (p * (logp - logq)).sum(-1).mean()
         reg = F.smooth_l1_loss(h.float(), target) if feature_weight else 0.0
         loss = loss + decay ** s * (kl + feature_weight * reg)
@@ -208,7 +215,8 @@ def train_feature_draft(draft: FeatureDraft, teacher_head: torch.Tensor, train: 
             group["lr"] = lr
         if getattr(args, "feature_noise", 0.0):  # EAGLE's feature noise: robustness to imperfect inputs
             batch.preceding += torch.randn_like(batch.preceding) * args.feature_noise * batch.preceding.std()
-        loss, agree, n = feature_loss(draft, batch, teacher_head, args.unroll, args.unroll_decay, args.feature_loss)
+        loss, agree, n = feature_loss(draft, batch, teacher_head, args.unroll, args.unroll_decay, args.feature_loss,
+                                      getattr(args, "student_bf16", False))
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -63,3 +63,22 @@ def test_cuda_without_a_gpu_is_refused_clearly(monkeypatch):
     with pytest.raises(SystemExit, match="no CUDA GPU"):
         check_arguments(parser.parse_args(["--target", "t", "--out", "o", "--device", "cuda"]))
     assert check_arguments(parser.parse_args(["--target", "t", "--out", "o", "--device", "auto"])).type == "cpu"
+
+
+def test_precision_auto_is_bf16_only_where_the_device_has_it_natively():
+    import torch
+
+    from specdec.distill import student_bf16
+
+    cpu = torch.device("cpu")
+    assert student_bf16("auto", cpu, native=lambda d: True) is True
+    assert student_bf16("auto", cpu, native=lambda d: False) is False
+    assert student_bf16("bf16", cpu, native=lambda d: False) is True   # asked for: emulated, but done
+    assert student_bf16("fp32", cpu, native=lambda d: True) is False
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--target", "t", "--out", "o", "--device", "cpu", "--precision", "fp32"])
+    check_arguments(args)
+    assert args.student_bf16 is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--target", "t", "--out", "o", "--precision", "fp16"])

@@ -210,3 +210,30 @@ def test_a_broken_feature_draft_directory_is_a_clear_load_error(tmp_path, featur
     (tmp_path / "d" / "config.json").write_text('{"model_type": "specdec_feature_draft", "vocab_size": 3}')
     with pytest.raises(ModelLoadError, match="hidden_size"):
         load_model(str(tmp_path / "d"), "cpu", quiet=True)
+
+
+def test_feature_loss_in_bf16_autocast_matches_fp32_and_trains_fp32_weights(target_model):
+    """The bf16 path (``--precision``) changes the arithmetic of the draft's products only: the loss
+    is within bf16 rounding of the fp32 one, the weights and their gradients stay fp32, and both
+    paths agree on what the teacher's top token is."""
+    from specdec.distill_features import feature_loss, make_feature_batch
+    from specdec.feature_corpus import FeatureRecord
+
+    torch.manual_seed(1)
+    draft = build_feature_draft(target_model, list(range(VOCAB)), embed_size=8, heads=4, kv_heads=2,
+                                intermediate=48, seed=7).train()
+    ids = torch.randint(0, VOCAB, (14,)).tolist()
+    records = [FeatureRecord(ids, 5, final_hidden(target_model, ids)[:-1].half())]
+    batch = make_feature_batch(records, 64)
+    teacher = target_model.get_output_embeddings().weight.detach().float()
+    results = {}
+    for bf16 in (False, True):
+        draft.zero_grad()
+        loss, agree, n = feature_loss(draft, batch, teacher, 2, 0.8, 0.1, bf16=bf16)
+        loss.backward()
+        grad = next(draft.parameters()).grad
+        assert loss.dtype == torch.float32 and grad is not None and grad.dtype == torch.float32
+        assert torch.isfinite(loss) and n == len(ids) - 5
+        results[bf16] = float(loss)
+    assert results[True] == pytest.approx(results[False], rel=0.05)
+    assert all(p.dtype == torch.float32 for p in draft.parameters())

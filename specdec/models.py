@@ -40,7 +40,7 @@ def shipped_models_dir() -> Path:
 
 
 def default_draft_for(target_spec: str) -> str:
-    """The draft to use when none is named: the shipped feature draft for the default target,
+    """The draft to use when none is named: the shipped distilled draft for the default target,
     prompt lookup (n-gram, works with any tokenizer) otherwise."""
     return "smollm2-draft" if target_spec.lower() in _ALIASES else "ngram"
 

@@ -22,9 +22,10 @@
 
 Seeded and reproducible; progress bars; checkpoints every ``--checkpoint-every`` steps to
 ``OUT/checkpoint.pt`` and resumes from it. Runs on the CPU or a GPU (``--device``; the student
-trains in bf16 autocast where the device has native bf16, ``--precision``); ``--time-budget-minutes`` makes a run end on time (training stops
-early with its learning-rate schedule compressed to fit), and the draft exported is the one with
-the best held-out agreement seen at an evaluation.
+trains in bf16 autocast where the device has native bf16, ``--precision``);
+``--time-budget-minutes`` makes a run end on time (training stops early with its learning-rate
+schedule compressed to fit), and the draft exported is the one with the best held-out agreement
+seen at an evaluation.
 """
 from __future__ import annotations
 

@@ -128,11 +128,9 @@ def feature_loss(draft: FeatureDraft, batch: FeatureBatch, teacher_head: torch.T
     loss = torch.zeros((), device=teacher_head.device)
     agree = []
     with student_autocast(teacher_head.device, bf16), quiet_mixed_norm():
-        unrolled = draft.unrolled(batch.tokens, batch.preceding, steps)
-    for s, predicted in enumerate(unrolled):
-        h = predicted[mask]
-        with student_autocast(teacher_head.device, bf16):
-            logits = draft.head_logits(h)
+        drafted = [(h, draft.head_logits(h))
+                   for h in (predicted[mask] for predicted in draft.unrolled(batch.tokens, batch.preceding, steps))]
+    for s, (h, logits) in enumerate(drafted):
         logq = torch.log_softmax(logits.float(), dim=-1)
         kl = (p * (logp - logq)).sum(-1).mean()
         reg = F.smooth_l1_loss(h.float(), target) if feature_weight else 0.0

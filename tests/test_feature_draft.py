@@ -234,6 +234,6 @@ def test_feature_loss_in_bf16_autocast_matches_fp32_and_trains_fp32_weights(targ
         grad = next(draft.parameters()).grad
         assert loss.dtype == torch.float32 and grad is not None and grad.dtype == torch.float32
         assert torch.isfinite(loss) and n == len(ids) - 5
-        results[bf16] = float(loss)
+        results[bf16] = loss.item()
     assert results[True] == pytest.approx(results[False], rel=0.05)
     assert all(p.dtype == torch.float32 for p in draft.parameters())

@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .fewrow import ROWS as FEW_ROWS, few_row_product
+from .fewrow import ROWS as FEW_ROWS, LayerWeights, few_row_layers, few_row_product, layers_available
 from .models import context_length
 
 # Rotary types whose cos/sin depend on the position only (a table can hold them).
@@ -174,6 +174,29 @@ class LeanLlama:
         self.dtype, self.device = param.dtype, param.device
         self._cos = self._sin = None
         self._rotary = inner.rotary_emb
+        self.intermediate = int(config.intermediate_size)
+        self.eps = float(inner.layers[0].input_layernorm.variance_epsilon)
+        self._kernel_layers = self._layers_for_kernel(inner.layers)
+
+    def _layers_for_kernel(self, modules):
+        """The layers' weights as kernels/fewrow.c's ``fewrow_layers`` reads them, or None where it
+        cannot run this model (not float32 on the CPU, a width it does not cover, norms with
+        different epsilons): passes of 1-4 rows then stay in torch."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not layers_available():
+            return None
+        hidden = self.layers[0][1].shape[1]
+        if self.head_dim % 16 or hidden % 16 or self.intermediate % 16:
+            return None
+        array = (LayerWeights * len(self.layers))()
+        for slot, layer, (norm1, wqkv, wo, norm2, wgu, wdown) in zip(array, modules, self.layers):
+            tensors = (norm1.weight, wqkv, wo, norm2.weight, wgu, wdown)
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+                return None
+            if float(norm1.variance_epsilon) != self.eps or float(norm2.variance_epsilon) != self.eps:
+                return None
+            for name, t in zip(("norm1", "wqkv", "wo", "norm2", "wgu", "wdown"), tensors):
+                setattr(slot, name, t.data_ptr())
+        return array
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, self.max_length)
@@ -204,14 +227,29 @@ class LeanLlama:
         end = start + n
         cache.reserve(end)
         cos_table, sin_table = self._rope_table(end)
-        cos = cos_table[start:end].unsqueeze(0)  # [1, n, D]
-        sin = sin_table[start:end].unsqueeze(0)
+        cos, sin = cos_table[start:end], sin_table[start:end]  # [n, D]
+        x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
+        # 1-4 rows (decode steps, verify blocks): the layers in one kernel call (kernels/fewrow.c)
+        if not (self._kernel_layers is not None and n in FEW_ROWS and x.dtype == torch.float32 and x.is_contiguous()
+                and few_row_layers(x, self._kernel_layers, cache.keys, cache.values, start, cos, sin, self.heads,
+                                   self.kv_heads, self.head_dim, self.intermediate, self.eps, self.scaling)):
+            x = self._torch_layers(x, cache, start, end, cos.unsqueeze(0), sin.unsqueeze(0))
+        cache.length = end
+        keep = min(logits_to_keep, n)
+        last = max(keep, feature_rows)  # the norm is per row: norm the rows either output needs once
+        normed = rms_norm(x[n - last:], self.norm)
+        features = normed[last - feature_rows:] if feature_rows else None
+        return self._head(normed[last - keep:]), features
+
+    def _torch_layers(self, x: torch.Tensor, cache: LeanCache, start: int, end: int, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+        """The decoder layers over x [n, H] in torch operations (cos/sin: [1, n, D])."""
+        n = x.shape[0]
         half = self.head_dim // 2
         h_q, h_kv, d = self.heads, self.kv_heads, self.head_dim
         mask = None
         if n > 1:  # query i sees every cached position and itself: positions <= start + i
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(diagonal=start)
-        x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
         for index, (norm1, wqkv, wo, norm2, wgu, wdown) in enumerate(self.layers):
             h = rms_norm(x, norm1)
             qkv = product(h, wqkv)  # [n, (h_q + 2 h_kv) d]
@@ -227,12 +265,7 @@ class LeanLlama:
             h = rms_norm(x, norm2)
             gate, up = product(h, wgu).chunk(2, dim=-1)
             x = x + product(F.silu(gate) * up, wdown)
-        cache.length = end
-        keep = min(logits_to_keep, n)
-        last = max(keep, feature_rows)  # the norm is per row: norm the rows either output needs once
-        normed = rms_norm(x[n - last:], self.norm)
-        features = normed[last - feature_rows:] if feature_rows else None
-        return self._head(normed[last - keep:]), features
+        return x
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.head

@@ -96,3 +96,108 @@ def test_without_a_compiler_it_says_so_once_and_products_fall_back(tmp_path):
     # (on a CPU without AVX-512F that is the reason given first)
     assert ("no C compiler" if fewrow._cpu_has_avx512f() else "AVX-512F") in result.stdout
     assert result.stderr.count("few-row product kernel unavailable") == 1
+
+
+# -- the decoder layers in one call (fewrow_layers) ------------------------------------------------
+def kernel_llama(seed: int = 0, num_layers: int = 2):
+    """Grouped-query attention (4 query heads over 2 KV heads) with widths the layer kernel covers
+    (head_dim 16, hidden 64, MLP 128); 64 tokens."""
+    from specdec.tiny import tiny_llama
+
+    return tiny_llama(vocab_size=64, seed=seed, hidden_size=64, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+                      init_range=0.2, max_positions=512)
+
+
+needs_layers = pytest.mark.skipif(REASON is not None or not fewrow.layers_available(),
+                                  reason=f"layer kernel unavailable: {REASON or 'SPECDEC_FEWROW_LAYERS=0'}")
+
+
+@needs_layers
+def test_layer_kernel_equals_the_torch_layers_through_steps_and_rollbacks():
+    lean = lean_llama.LeanLlama(kernel_llama())
+    assert lean._kernel_layers is not None
+    generator = torch.Generator().manual_seed(5)
+    kernel_cache, torch_cache = lean.new_cache(), lean.new_cache()
+    prompt = torch.randint(0, 64, (70,), generator=generator)  # the prefill (70 rows) runs in torch
+    lean.forward(prompt, kernel_cache, 1)
+    lean.forward(prompt, torch_cache, 1)
+    saved = lean._kernel_layers
+    for step in range(80):  # rows 1..4, part of each block rolled back, the cache grows past 64 and 128
+        rows = 1 + step % 4
+        block = torch.randint(0, 64, (rows,), generator=generator)
+        fast = lean.forward(block, kernel_cache, rows)
+        lean._kernel_layers = None
+        try:
+            slow = lean.forward(block, torch_cache, rows)
+        finally:
+            lean._kernel_layers = saved
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+        length = kernel_cache.length
+        for name in ("keys", "values"):
+            torch.testing.assert_close(getattr(kernel_cache, name)[:, :, :length],
+                                       getattr(torch_cache, name)[:, :, :length], rtol=1e-5, atol=1e-5)
+        drop = step % rows
+        if drop:
+            kernel_cache.crop(-drop)
+            torch_cache.crop(-drop)
+    assert kernel_cache.length > 128
+
+
+@needs_layers
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_a_block_gives_bit_for_bit_what_one_row_passes_give(rows):
+    """Why it matters: the target's verdict on proposal i must not depend on k, so a greedy
+    speculative run emits exactly the target-only tokens, ties included."""
+    lean = lean_llama.LeanLlama(kernel_llama(seed=2))
+    prompt = torch.arange(3, 40)
+    block = torch.tensor([7, 11, 13, 17][:rows])
+    one_by_one, whole = lean.new_cache(), lean.new_cache()
+    lean.forward(prompt, one_by_one, 1)
+    lean.forward(prompt, whole, 1)
+    singles = torch.cat([lean.forward(block[i:i + 1], one_by_one, 1) for i in range(rows)])
+    assert torch.equal(lean.forward(block, whole, rows), singles)
+    assert torch.equal(whole.keys[:, :, :whole.length], one_by_one.keys[:, :, :one_by_one.length])
+    assert torch.equal(whole.values[:, :, :whole.length], one_by_one.values[:, :, :one_by_one.length])
+
+
+def test_layer_kernel_declines_what_it_does_not_cover(monkeypatch):
+    from specdec.tiny import tiny_llama
+
+    narrow = lean_llama.LeanLlama(tiny_llama(vocab_size=32, hidden_size=32, num_heads=4, num_kv_heads=2))
+    assert narrow._kernel_layers is None  # head_dim 8: not a multiple of 16
+    assert lean_llama.LeanLlama(kernel_llama().to(torch.float64))._kernel_layers is None
+    monkeypatch.setenv("SPECDEC_FEWROW_LAYERS", "0")
+    assert not fewrow.layers_available()
+    assert lean_llama.LeanLlama(kernel_llama())._kernel_layers is None
+
+
+@needs_layers
+def test_layer_kernel_refuses_five_rows_and_leaves_them_untouched():
+    lean = lean_llama.LeanLlama(kernel_llama())
+    cache = lean.new_cache()
+    cache.reserve(8)
+    x = torch.randn(5, 64)
+    before = x.clone()
+    cos, sin = lean._rope_table(8)
+    assert not fewrow.few_row_layers(x, lean._kernel_layers, cache.keys, cache.values, 0, cos[:5], sin[:5],
+                                     4, 2, 16, 128, lean.eps, lean.scaling)
+    assert torch.equal(x, before)
+
+
+@needs_layers
+@pytest.mark.statistical
+@pytest.mark.parametrize("params, k", [({"temperature": 1.0}, 3), ({"temperature": 0.7, "top_p": 0.9}, 2)])
+def test_statistical_exactness_through_the_layer_kernel(params, k):
+    """Speculative runs whose target and draft passes go through the layer kernel follow the law
+    transformers' forward gives (alpha = selftest.ALPHA = 1e-3, fixed seeds: deterministic)."""
+    from draft_service.engine import DraftEngine
+    from specdec import selftest
+    from specdec.tiny import perturbed
+
+    target = kernel_llama(seed=11, num_layers=1)
+    draft = DraftEngine(perturbed(target, scale=0.3, seed=23), top_m=0, eps=0.0)
+    assert draft.store.runner._kernel_layers is not None
+    case = selftest.Case("layer_kernel", "target and draft through fewrow_layers", params, k=k, tokens=2)
+    result = selftest.check_pair(case, target, draft, runs=600)
+    assert result.passed, f"p={result.p_value:.2e} tv={result.tv:.3f} {result.detail}"
+    assert 0.0 < result.acceptance_rate < 1.0

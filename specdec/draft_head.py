@@ -34,10 +34,11 @@ class SubsetHead(nn.Module):
         self.register_buffer("token_ids", token_ids.clone(), persistent=False)
         self.vocab_size = vocab_size
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, twin: torch.Tensor | None = None) -> torch.Tensor:
+        """``twin``: a bf16 copy of ``weight`` with the same values, read by the few-row kernel."""
         from .lean_llama import product
 
-        subset = product(hidden.reshape(-1, hidden.shape[-1]), self.weight).view(*hidden.shape[:-1], -1)
+        subset = product(hidden.reshape(-1, hidden.shape[-1]), self.weight, twin).view(*hidden.shape[:-1], -1)
         full = subset.new_full((*subset.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.token_ids, subset)
 

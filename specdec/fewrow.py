@@ -108,6 +108,10 @@ def _load():
     function = library.fewrow_mm
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     function.restype = ctypes.c_int
+    bf16 = library.fewrow_mm_bf16
+    bf16.argtypes = function.argtypes
+    bf16.restype = ctypes.c_int
+    _state["bf16"] = bf16
     layers = library.fewrow_layers
     layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -143,7 +147,22 @@ def unavailable_reason() -> str | None:
 class LayerWeights(ctypes.Structure):
     """One decoder layer's weights as the kernel reads them (kernels/fewrow.c: layer_weights)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "wqkv", "wo", "norm2", "wgu", "wdown")]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "wqkv", "wo", "norm2", "wgu", "wdown")] + [
+        ("bf16", ctypes.c_int32)]  # 1: the four matrices are bfloat16 twins (see lossless_bf16)
+
+
+def lossless_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 copy of a float32 ``weight`` whose every value is a bfloat16 value (a draft
+    shipped in bf16 and loaded as float32), else None. The kernel widens it back exactly, so
+    products from the twin equal those from ``weight`` bit for bit, reading half the bytes."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    flat = weight.reshape(-1)
+    head = flat[:4096]
+    if not torch.equal(head.bfloat16().float(), head):  # most float32 weights fail at once
+        return None
+    twin = weight.bfloat16()
+    return twin if torch.equal(twin.float(), weight) else None
 
 
 def layers_available() -> bool:
@@ -173,10 +192,11 @@ def few_row_layers(x: torch.Tensor, layers, keys: torch.Tensor, values: torch.Te
 
 
 def few_row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x @ weight.T`` as a new [n, out] tensor for 1 <= n <= 4 float32 rows on the CPU, or None
-    where the kernel does not cover the call (the caller then uses torch)."""
+    """``x @ weight.T`` as a new [n, out] tensor for 1 <= n <= 4 float32 rows on the CPU (``weight``
+    float32, or bfloat16: see :func:`lossless_bf16`), or None where the kernel does not cover the
+    call (the caller then uses torch)."""
     if (x.ndim != 2 or weight.ndim != 2 or not 1 <= x.shape[0] <= 4 or x.shape[1] != weight.shape[1]
-            or x.shape[1] % 16 or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or x.shape[1] % 16 or x.dtype != torch.float32 or weight.dtype not in (torch.float32, torch.bfloat16)
             or x.device.type != "cpu" or weight.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no autograd here
         return None
@@ -188,6 +208,8 @@ def few_row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
         return None
     n, width = x.shape
     y = torch.empty(n, weight.shape[0], dtype=torch.float32)
+    if weight.dtype == torch.bfloat16:
+        function = _state["bf16"]
     if function(weight.data_ptr(), x.data_ptr(), y.data_ptr(), weight.shape[0], width, n, torch.get_num_threads()):
         return None
     return y

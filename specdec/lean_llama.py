@@ -26,7 +26,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .fewrow import ROWS as FEW_ROWS, LayerWeights, few_row_layers, few_row_product, layers_available
+from .fewrow import (ROWS as FEW_ROWS, LayerWeights, few_row_layers, few_row_product, layers_available,
+                     lossless_bf16)
+from .draft_head import SubsetHead
 from .models import context_length
 
 # Rotary types whose cos/sin depend on the position only (a table can hold them).
@@ -82,7 +84,7 @@ class LeanCache:
         return 2 * layers * heads * self.length * dim * self.keys.element_size()
 
 
-def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def product(x: torch.Tensor, weight: torch.Tensor, twin: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` for x [n, in] and weight [out, in], computed as weight @ x^T.
 
     Why: on the CPU, MKL's product with few rows and a wide output runs far below the memory
@@ -93,11 +95,12 @@ def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (a matrix-vector kernel) was as slow as ``F.linear``. Same values up to float rounding.
 
     1-4 rows go to specdec/fewrow.py's kernel where it runs (MKL was slower again from 3 rows, and
-    on a draft's small matrices); the MKL forms above are the fallback and serve 5 rows or more."""
+    on a draft's small matrices); the MKL forms above are the fallback and serve 5 rows or more.
+    ``twin``: the weight's :func:`lossless_bf16` copy, which the kernel reads instead (same values)."""
     if x.device.type != "cpu" or x.ndim != 2:
         return F.linear(x, weight)
     if x.shape[0] in FEW_ROWS:  # 1-4 rows: the kernel streams the weight once (specdec/fewrow.py)
-        y = few_row_product(x, weight)
+        y = few_row_product(x, weight if twin is None else twin)
         if y is not None:
             return y
     if x.shape[0] == 1:
@@ -176,9 +179,12 @@ class LeanLlama:
         self._rotary = inner.rotary_emb
         self.intermediate = int(config.intermediate_size)
         self.eps = float(inner.layers[0].input_layernorm.variance_epsilon)
-        self._kernel_layers = self._layers_for_kernel(inner.layers)
+        self._twins: list[torch.Tensor] = []
+        self._kernel_layers = self._layers_for_kernel()
+        head_weight = getattr(self.head, "weight", None)
+        self._head_twin = lossless_bf16(head_weight) if self._twins and head_weight is not None else None
 
-    def _layers_for_kernel(self, modules):
+    def _layers_for_kernel(self):
         """The layers' weights as kernels/fewrow.c's ``fewrow_layers`` reads them, or None where it
         cannot run this model (not float32 on the CPU, a width it does not cover, norms with
         different epsilons): passes of 1-4 rows then stay in torch."""
@@ -188,12 +194,19 @@ class LeanLlama:
         if self.head_dim % 16 or hidden % 16 or self.intermediate % 16:
             return None
         array = (LayerWeights * len(self.layers))()
-        for slot, layer, (norm1, wqkv, wo, norm2, wgu, wdown) in zip(array, modules, self.layers):
+        for slot, (norm1, wqkv, wo, norm2, wgu, wdown) in zip(array, self.layers):
             tensors = (norm1.weight, wqkv, wo, norm2.weight, wgu, wdown)
             if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
                 return None
             if float(norm1.variance_epsilon) != self.eps or float(norm2.variance_epsilon) != self.eps:
                 return None
+            # A model whose weights are all bfloat16 values (a draft shipped in bf16) is read from
+            # bf16 twins: the same products at half the bytes (see fewrow.lossless_bf16).
+            twins = [lossless_bf16(t) for t in (wqkv, wo, wgu, wdown)]
+            if all(t is not None for t in twins):
+                self._twins.extend(twins)  # kept alive here: the array holds raw pointers
+                tensors = (norm1.weight, twins[0], twins[1], norm2.weight, twins[2], twins[3])
+                slot.bf16 = 1
             for name, t in zip(("norm1", "wqkv", "wo", "norm2", "wgu", "wdown"), tensors):
                 setattr(slot, name, t.data_ptr())
         return array
@@ -270,7 +283,9 @@ class LeanLlama:
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.head
         if type(head) is torch.nn.Linear and head.bias is None:
-            return product(hidden, head.weight)  # the widest product of the pass: see product()
+            return product(hidden, head.weight, self._head_twin)  # the widest product of the pass: see product()
+        if isinstance(head, SubsetHead):
+            return head(hidden, self._head_twin)
         return head(hidden)
 
 

@@ -5,6 +5,7 @@ need it are skipped with the reason, and the lean pass keeps torch's product (te
 """
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -201,3 +202,42 @@ def test_statistical_exactness_through_the_layer_kernel(params, k):
     result = selftest.check_pair(case, target, draft, runs=600)
     assert result.passed, f"p={result.p_value:.2e} tv={result.tv:.3f} {result.detail}"
     assert 0.0 < result.acceptance_rate < 1.0
+
+
+# -- bfloat16 twins of weights that are bf16 values (a draft shipped in bf16) -----------------------
+def test_only_weights_that_are_bf16_values_get_a_twin():
+    exact = torch.randn(64, 32).bfloat16().float()
+    twin = fewrow.lossless_bf16(exact)
+    assert twin is not None and twin.dtype == torch.bfloat16 and torch.equal(twin.float(), exact)
+    assert fewrow.lossless_bf16(torch.randn(64, 32)) is None  # float32 values: a twin would round them
+    late = exact.clone()
+    late[-1, -1] += 1e-4  # past the first 4096 values checked up front: the full check must catch it
+    assert fewrow.lossless_bf16(torch.cat([exact] * 3)) is not None and fewrow.lossless_bf16(torch.cat([exact] * 2 + [late])) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_a_bf16_twin_gives_the_float32_products_bit_for_bit(rows):
+    generator = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 576, generator=generator).bfloat16().float()
+    x = torch.randn(rows, 576, generator=generator)
+    assert torch.equal(fewrow.few_row_product(x, fewrow.lossless_bf16(w)), fewrow.few_row_product(x, w))
+
+
+@needs_layers
+def test_a_model_of_bf16_values_runs_its_layers_and_head_from_twins_with_the_same_logits():
+    model = kernel_llama(seed=4)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())
+    twinned, reference = lean_llama.LeanLlama(model), lean_llama.LeanLlama(copy.deepcopy(model))
+    assert all(slot.bf16 == 1 for slot in twinned._kernel_layers) and twinned._head_twin is not None
+    for slot, (_, wqkv, wo, _, wgu, wdown) in zip(reference._kernel_layers, reference.layers):
+        slot.bf16 = 0  # the reference reads the float32 weights
+        slot.wqkv, slot.wo, slot.wgu, slot.wdown = wqkv.data_ptr(), wo.data_ptr(), wgu.data_ptr(), wdown.data_ptr()
+    reference._head_twin = None
+    prompt, block = torch.arange(2, 30), torch.tensor([5, 9, 33])
+    for lean in (twinned, reference):
+        lean.cache = lean.new_cache()
+        lean.forward(prompt, lean.cache, 1)
+    assert torch.equal(twinned.forward(block, twinned.cache, 3), reference.forward(block, reference.cache, 3))

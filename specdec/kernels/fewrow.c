@@ -16,12 +16,21 @@
 
 #define PREFETCH_BYTES 4096 /* how far ahead of the loads the stream is prefetched */
 
+/* Weights stored as float32, or as bfloat16 (the upper half of a float32: widened exactly, so a
+ * float32 weight that is a bfloat16 value gives the same products from either copy at half the
+ * bytes read -- a distilled draft shipped in bf16 is, and its weights are re-read from memory after
+ * every target pass has flushed the caches). */
+static inline __m512 load_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* Two accumulators per input row (even and odd 16-float pieces) keep two FMA chains in flight. */
-#define KERNEL(N)                                                                                 \
-static void rows_##N(const float *w, const float *x, float *y, int64_t out, int64_t in,           \
-                     int64_t begin, int64_t end) {                                                \
+#define KERNEL(N, NAME, TYPE, LOAD)                                                               \
+static void NAME##_##N(const TYPE *w, const float *x, float *y, int64_t out, int64_t in,          \
+                       int64_t begin, int64_t end) {                                              \
     for (int64_t o = begin; o < end; o++) {                                                       \
-        const float *wr = w + o * in;                                                             \
+        const TYPE *wr = w + o * in;                                                              \
         __m512 acc[2][N];                                                                         \
         for (int u = 0; u < 2; u++)                                                               \
             for (int j = 0; j < N; j++) acc[u][j] = _mm512_setzero_ps();                          \
@@ -29,14 +38,14 @@ static void rows_##N(const float *w, const float *x, float *y, int64_t out, int6
         for (; i + 32 <= in; i += 32) {                                                           \
             _mm_prefetch((const char *)(wr + i) + PREFETCH_BYTES, _MM_HINT_T0);                   \
             _mm_prefetch((const char *)(wr + i) + PREFETCH_BYTES + 64, _MM_HINT_T0);              \
-            __m512 w0 = _mm512_loadu_ps(wr + i), w1 = _mm512_loadu_ps(wr + i + 16);               \
+            __m512 w0 = LOAD(wr + i), w1 = LOAD(wr + i + 16);                                     \
             for (int j = 0; j < N; j++) {                                                         \
                 acc[0][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * in + i), acc[0][j]);      \
                 acc[1][j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j * in + i + 16), acc[1][j]); \
             }                                                                                     \
         }                                                                                         \
         for (; i < in; i += 16) {                                                                 \
-            __m512 w0 = _mm512_loadu_ps(wr + i);                                                  \
+            __m512 w0 = LOAD(wr + i);                                                             \
             for (int j = 0; j < N; j++)                                                           \
                 acc[0][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * in + i), acc[0][j]);      \
         }                                                                                         \
@@ -44,13 +53,15 @@ static void rows_##N(const float *w, const float *x, float *y, int64_t out, int6
             y[j * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][j], acc[1][j]));           \
     }                                                                                             \
 }
-KERNEL(1)
-KERNEL(2)
-KERNEL(3)
-KERNEL(4)
+#define KERNELS(NAME, TYPE, LOAD) \
+    KERNEL(1, NAME, TYPE, LOAD) KERNEL(2, NAME, TYPE, LOAD) KERNEL(3, NAME, TYPE, LOAD) KERNEL(4, NAME, TYPE, LOAD)
+KERNELS(rows, float, load_f32)
+KERNELS(rows_bf16, uint16_t, load_bf16)
 
-/* 0 on success; -1 when the shape is not covered (n outside 1..4, in not a multiple of 16). */
-int fewrow_mm(const float *w, const float *x, float *y, int64_t out, int64_t in, int64_t n, int threads) {
+/* y = x @ w^T with w [out, in] as float32 (bf16 = 0) or bfloat16 (bf16 = 1). 0 on success; -1 when
+ * the shape is not covered (n outside 1..4, in not a multiple of 16). */
+static int product(const void *w, int bf16, const float *x, float *y, int64_t out, int64_t in, int64_t n,
+                   int threads) {
     if (n < 1 || n > 4 || in % 16 != 0 || threads < 1) return -1;
     #pragma omp parallel num_threads(threads)
     {
@@ -62,15 +73,34 @@ int fewrow_mm(const float *w, const float *x, float *y, int64_t out, int64_t in,
         int64_t share = (out + team - 1) / team; /* one contiguous run of output rows per thread */
         int64_t begin = t * share, end = begin + share < out ? begin + share : out;
         if (begin < end) {
-            switch (n) {
-                case 1: rows_1(w, x, y, out, in, begin, end); break;
-                case 2: rows_2(w, x, y, out, in, begin, end); break;
-                case 3: rows_3(w, x, y, out, in, begin, end); break;
-                default: rows_4(w, x, y, out, in, begin, end); break;
+            if (bf16) {
+                const uint16_t *wb = (const uint16_t *)w;
+                switch (n) {
+                    case 1: rows_bf16_1(wb, x, y, out, in, begin, end); break;
+                    case 2: rows_bf16_2(wb, x, y, out, in, begin, end); break;
+                    case 3: rows_bf16_3(wb, x, y, out, in, begin, end); break;
+                    default: rows_bf16_4(wb, x, y, out, in, begin, end); break;
+                }
+            } else {
+                const float *wf = (const float *)w;
+                switch (n) {
+                    case 1: rows_1(wf, x, y, out, in, begin, end); break;
+                    case 2: rows_2(wf, x, y, out, in, begin, end); break;
+                    case 3: rows_3(wf, x, y, out, in, begin, end); break;
+                    default: rows_4(wf, x, y, out, in, begin, end); break;
+                }
             }
         }
     }
     return 0;
+}
+
+int fewrow_mm(const float *w, const float *x, float *y, int64_t out, int64_t in, int64_t n, int threads) {
+    return product(w, 0, x, y, out, in, n, threads);
+}
+
+int fewrow_mm_bf16(const uint16_t *w, const float *x, float *y, int64_t out, int64_t in, int64_t n, int threads) {
+    return product(w, 1, x, y, out, in, n, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -90,7 +120,11 @@ int fewrow_mm(const float *w, const float *x, float *y, int64_t out, int64_t in,
 #include <math.h>
 
 typedef struct {
-    const float *norm1, *wqkv, *wo, *norm2, *wgu, *wdown;
+    const float *norm1;
+    const void *wqkv, *wo;  /* float32, or bfloat16 where bf16 is 1 (all four matrices alike) */
+    const float *norm2;
+    const void *wgu, *wdown;
+    int32_t bf16;
 } layer_weights;
 
 /* e^x for 16 lanes: x = m ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative
@@ -198,7 +232,7 @@ int fewrow_layers(float *x, int64_t n, int64_t hidden, const layer_weights *laye
         const layer_weights *w = layers + l;
         float *layer_keys = keys + l * hkv * capacity * d, *layer_values = values + l * hkv * capacity * d;
         rms_norm_rows(x, w->norm1, h, n, hidden, eps);
-        fewrow_mm(w->wqkv, h, qkv, width, hidden, n, threads);
+        product(w->wqkv, w->bf16, h, qkv, width, hidden, n, threads);
         for (int64_t i = 0; i < n; i++) {
             float *row = qkv + i * width;
             for (int64_t j = 0; j < hq + hkv; j++) rotate(row + j * d, cos + i * d, sin + i * d, d);
@@ -216,12 +250,12 @@ int fewrow_layers(float *x, int64_t n, int64_t hidden, const layer_weights *laye
             attend(qkv + i * width + head * d, layer_keys + kv * capacity * d, layer_values + kv * capacity * d,
                    attn + i * hq * d + head * d, scores + job * end, start + i + 1, d, scale);
         }
-        fewrow_mm(w->wo, attn, h, hidden, hq * d, n, threads);
+        product(w->wo, w->bf16, attn, h, hidden, hq * d, n, threads);
         for (int64_t c = 0; c < n * hidden; c++) x[c] += h[c];
         rms_norm_rows(x, w->norm2, h, n, hidden, eps);
-        fewrow_mm(w->wgu, h, gu, 2 * inter, hidden, n, threads);
+        product(w->wgu, w->bf16, h, gu, 2 * inter, hidden, n, threads);
         for (int64_t i = 0; i < n; i++) silu_mul(gu + i * 2 * inter, gu + i * 2 * inter + inter, act + i * inter, inter);
-        fewrow_mm(w->wdown, act, h, hidden, inter, n, threads);
+        product(w->wdown, w->bf16, act, h, hidden, inter, n, threads);
         for (int64_t c = 0; c < n * hidden; c++) x[c] += h[c];
     }
     return 0;

@@ -39,24 +39,6 @@ DEFAULT_DRAFT = "auto"  # the shipped distilled draft for the default target, el
 DRAFT_THREADS = "1"
 
 
-# After a parallel region, libgomp's idle threads spin ~300k iterations before sleeping: ~9 ms of a
-# core on this CPU after every target pass, just when the coordinator and the draft (sharing those
-# cores in the local stack) need it. Measured through the stack (bench, held-out, k=2, 3 repeats,
-# two runs each): speculative 39.2-42.2 -> 41.1-44.6 tokens/s, 1.12x / 1.14x -> 1.18x / 1.20x over
-# target-only, target-only unchanged (35.1-37.5 vs 35.4-37.2). On its own a pass in process is
-# ~5% slower (regions wake sleeping threads), so this is for the shared-core local stack only; a
-# caller's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
-LOCAL_SPIN_COUNT = "3000"
-
-
-def replica_env(environ=None) -> dict[str, str]:
-    """Environment additions for a replica of the local stack (see LOCAL_SPIN_COUNT)."""
-    environ = os.environ if environ is None else environ
-    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
-        return {}
-    return {"GOMP_SPINCOUNT": LOCAL_SPIN_COUNT}
-
-
 def draft_flags(extra: list[str] | None) -> list[str]:
     """The draft service's flags in the local stack: the caller's, with one CPU thread unless
     they chose a thread count (see DRAFT_THREADS)."""
@@ -100,8 +82,7 @@ class Stack:  # noqa: D101
         address = f"{self.host}:{free_port()}"
         args = [kind, "--model", model, "--host", self.host, "--port", address.rsplit(":", 1)[1],
                 "--redis", self.redis_url, "--replica-id", name, *extra]
-        env = {"OTEL_SERVICE_NAME": f"specdec-{kind}", **replica_env({**os.environ, **self.env}), **self.env}
-        return self.start(name, args, address, self.log_dir, env)
+        return self.start(name, args, address, self.log_dir, {"OTEL_SERVICE_NAME": f"specdec-{kind}", **self.env})
 
     def add_replica(self, kind: str, name: str, timeout: float = 120.0) -> Child:
         """Scale a pool out at run time (a new replica registers itself; no restart needed)."""

@@ -149,14 +149,6 @@ def test_local_stack_gives_the_draft_one_thread_unless_told_otherwise():
     assert draft_flags(["--threads", "2"]) == ["--threads", "2"]
 
 
-def test_local_replicas_spin_briefly_unless_the_caller_chose():
-    from specdec.launcher import LOCAL_SPIN_COUNT, replica_env
-
-    assert replica_env({}) == {"GOMP_SPINCOUNT": LOCAL_SPIN_COUNT}
-    assert replica_env({"GOMP_SPINCOUNT": "infinite"}) == {}
-    assert replica_env({"OMP_WAIT_POLICY": "active"}) == {}
-
-
 def test_a_command_imports_only_its_own_module():
     """`specdec distill` must work where only torch and transformers are installed (a GPU box),
     and a service process should not import the other services (ray for a draft replica)."""

@@ -179,11 +179,18 @@ def few_row_layers(x: torch.Tensor, layers, keys: torch.Tensor, values: torch.Te
     decoder layers described by ``layers`` (a ctypes array of :class:`LayerWeights`), writing
     their keys/values at [start, start + n) of ``keys`` / ``values`` ([layers, kv_heads, capacity,
     head_dim]); ``cos`` / ``sin``: [n, head_dim]. False where the kernel declines (nothing was
-    touched then): the caller runs its torch layers."""
-    if not layers_available():
+    touched then): the caller runs its torch layers. The kernel writes through raw pointers, so
+    every shape and layout is checked here first."""
+    if _function() is None or "layers" not in _state:
+        return False
+    n, hidden = x.shape if x.ndim == 2 else (0, 0)
+    cache_shape = (len(layers), kv_heads, keys.shape[2] if keys.ndim == 4 else 0, head_dim)
+    if (not 1 <= n <= 4 or keys.shape != cache_shape or values.shape != cache_shape or start + n > cache_shape[2]
+            or cos.shape != (n, head_dim) or sin.shape != (n, head_dim)
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                   for t in (x, keys, values, cos, sin))):
         return False
     run, scratch_floats = _state["layers"]
-    n, hidden = x.shape
     scratch = torch.empty(scratch_floats(n, hidden, start, heads, kv_heads, head_dim, intermediate), dtype=torch.float32)
     status = run(x.data_ptr(), n, hidden, ctypes.addressof(layers), len(layers), keys.data_ptr(), values.data_ptr(),
                  keys.shape[2], start, cos.data_ptr(), sin.data_ptr(), heads, kv_heads, head_dim, intermediate,

@@ -187,7 +187,8 @@ class LeanLlama:
     def _layers_for_kernel(self):
         """The layers' weights as kernels/fewrow.c's ``fewrow_layers`` reads them, or None where it
         cannot run this model (not float32 on the CPU, a width it does not cover, norms with
-        different epsilons): passes of 1-4 rows then stay in torch."""
+        different epsilons): passes of 1-4 rows then stay in torch. A snapshot: it holds raw
+        pointers (and bf16 copies) of the weights, which the engines never change after loading."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not layers_available():
             return None
         hidden = self.layers[0][1].shape[1]
@@ -243,7 +244,7 @@ class LeanLlama:
         cos, sin = cos_table[start:end], sin_table[start:end]  # [n, D]
         x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
         # 1-4 rows (decode steps, verify blocks): the layers in one kernel call (kernels/fewrow.c)
-        if not (self._kernel_layers is not None and n in FEW_ROWS and x.dtype == torch.float32 and x.is_contiguous()
+        if not (self._kernel_layers is not None and n in FEW_ROWS
                 and few_row_layers(x, self._kernel_layers, cache.keys, cache.values, start, cos, sin, self.heads,
                                    self.kv_heads, self.head_dim, self.intermediate, self.eps, self.scaling)):
             x = self._torch_layers(x, cache, start, end, cos.unsqueeze(0), sin.unsqueeze(0))

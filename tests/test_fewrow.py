@@ -173,16 +173,30 @@ def test_layer_kernel_declines_what_it_does_not_cover(monkeypatch):
 
 
 @needs_layers
-def test_layer_kernel_refuses_five_rows_and_leaves_them_untouched():
+def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
+    """It writes through raw pointers: a shape or layout it was not given must be refused."""
     lean = lean_llama.LeanLlama(kernel_llama())
     cache = lean.new_cache()
     cache.reserve(8)
-    x = torch.randn(5, 64)
-    before = x.clone()
     cos, sin = lean._rope_table(8)
-    assert not fewrow.few_row_layers(x, lean._kernel_layers, cache.keys, cache.values, 0, cos[:5], sin[:5],
-                                     4, 2, 16, 128, lean.eps, lean.scaling)
-    assert torch.equal(x, before)
+    keys_before = cache.keys.clone()
+
+    def refused(x, start=0, keys=cache.keys, rows_cos=None):
+        before = x.clone()
+        rows = x.shape[0]
+        rows_cos = cos[start:start + rows] if rows_cos is None else rows_cos
+        declined = not fewrow.few_row_layers(x, lean._kernel_layers, keys, cache.values, start, rows_cos,
+                                             sin[start:start + rows], 4, 2, 16, 128, lean.eps, lean.scaling)
+        return declined and torch.equal(x, before)
+
+    assert refused(torch.randn(5, 64))  # more than 4 rows
+    assert refused(torch.randn(3, 64), start=cache.capacity - 2)  # past the cache's capacity
+    assert refused(torch.randn(3, 64), rows_cos=cos[:2])  # rotary rows for another block
+    assert refused(torch.randn(3, 64), keys=cache.keys.transpose(2, 3))  # not the cache layout
+    assert refused(torch.randn(64, 3).t())  # non-contiguous rows
+    assert torch.equal(cache.keys, keys_before)
+    assert fewrow.few_row_layers(torch.randn(3, 64), lean._kernel_layers, cache.keys, cache.values, 0, cos[:3],
+                                 sin[:3], 4, 2, 16, 128, lean.eps, lean.scaling)  # the same call, well formed
 
 
 @needs_layers

@@ -73,23 +73,15 @@ static int product(const void *w, int bf16, const float *x, float *y, int64_t ou
         int64_t share = (out + team - 1) / team; /* one contiguous run of output rows per thread */
         int64_t begin = t * share, end = begin + share < out ? begin + share : out;
         if (begin < end) {
-            if (bf16) {
-                const uint16_t *wb = (const uint16_t *)w;
-                switch (n) {
-                    case 1: rows_bf16_1(wb, x, y, out, in, begin, end); break;
-                    case 2: rows_bf16_2(wb, x, y, out, in, begin, end); break;
-                    case 3: rows_bf16_3(wb, x, y, out, in, begin, end); break;
-                    default: rows_bf16_4(wb, x, y, out, in, begin, end); break;
-                }
-            } else {
-                const float *wf = (const float *)w;
-                switch (n) {
-                    case 1: rows_1(wf, x, y, out, in, begin, end); break;
-                    case 2: rows_2(wf, x, y, out, in, begin, end); break;
-                    case 3: rows_3(wf, x, y, out, in, begin, end); break;
-                    default: rows_4(wf, x, y, out, in, begin, end); break;
-                }
+            /* one kernel per (weight type, row count) */
+#define ROWS_CALL(NAME, TYPE) switch (n) {                                                          \
+                case 1: NAME##_1((const TYPE *)w, x, y, out, in, begin, end); break;                \
+                case 2: NAME##_2((const TYPE *)w, x, y, out, in, begin, end); break;                \
+                case 3: NAME##_3((const TYPE *)w, x, y, out, in, begin, end); break;                \
+                default: NAME##_4((const TYPE *)w, x, y, out, in, begin, end); break;               \
             }
+            if (bf16) ROWS_CALL(rows_bf16, uint16_t) else ROWS_CALL(rows, float)
+#undef ROWS_CALL
         }
     }
     return 0;

@@ -471,6 +471,28 @@ def split_records(records: list[Record], eval_sequences: int) -> tuple[list[Reco
     return [r for i, r in enumerate(records) if i not in held], [records[i] for i in sorted(held)]
 
 
+def training_data(head_ids: list[int], train: list, held_out: list) -> dict:
+    """What a checkpoint's weights were trained against: its head vocabulary and its split. A
+    corpus that grew (more batches generated since) or other --head-vocab / --eval-sequences
+    settings change these, and resuming would then train head rows that stood for other tokens
+    and score against another held-out set."""
+    import hashlib
+
+    digest = hashlib.sha256(torch.tensor(head_ids, dtype=torch.int64).numpy().tobytes()).hexdigest()[:16]
+    return {"head_vocab": f"{len(head_ids)} tokens, sha256 {digest}", "train_sequences": len(train),
+            "held_out_sequences": len(held_out)}
+
+
+def check_resumable(checkpoint: Path, saved: dict | None, now: dict) -> None:
+    """Refuses to resume a checkpoint written for other data (``training_data``); a checkpoint
+    from before this check (``saved`` None) resumes as it always did."""
+    if saved is None or saved == now:
+        return
+    changed = "; ".join(f"{k}: {saved.get(k)} then, {v} now" for k, v in now.items() if saved.get(k) != v)
+    raise SystemExit(f"specdec distill: {checkpoint} was trained on other data ({changed}); pass --restart "
+                     f"to train from scratch, or --out another folder")
+
+
 def check_arguments(args) -> torch.device:
     """Refuse settings that cannot work before the target is loaded; returns the device to use."""
     from .models import default_device
@@ -571,8 +593,10 @@ def distill(args) -> dict:
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
     step, before, best = 0, None, None
     ckpt = out / "checkpoint.pt"
+    data = training_data(head_ids, train, held_out)
     if ckpt.exists() and not args.restart:
         state = torch.load(ckpt, weights_only=False, map_location=device)
+        check_resumable(ckpt, state.get("data"), data)
         student.load_state_dict(state["student"])
         optimizer.load_state_dict(state["optimizer"])
         step, before, best = state["step"], state["before"], state.get("best")
@@ -613,7 +637,7 @@ def distill(args) -> dict:
                         "student": {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}}
         if step % args.checkpoint_every == 0 or step == args.steps:
             torch.save({"student": student.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "before": before, "best": best, "rng": rng.getstate()}, ckpt)
+                        "before": before, "best": best, "rng": rng.getstate(), "data": data}, ckpt)
     progress.close()
     after = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
     exported_step = step

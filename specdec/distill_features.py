@@ -179,6 +179,8 @@ def train_feature_draft(draft: FeatureDraft, teacher_head: torch.Tensor, train: 
     weights of the best evaluation (mean tokens per pass at k = unroll) are kept in the result."""
     from tqdm import tqdm
 
+    from .distill import check_resumable, training_data
+
     rng = random.Random(args.seed)
     frozen = set(getattr(args, "freeze", "").split(",")) - {""}
     for name, p in draft.named_parameters():
@@ -186,8 +188,10 @@ def train_feature_draft(draft: FeatureDraft, teacher_head: torch.Tensor, train: 
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, best, history = 0, None, []
+    data = training_data(draft.head_token_ids.tolist(), train, held_out)
     if checkpoint.exists() and not args.restart:
         state = torch.load(checkpoint, weights_only=False)
+        check_resumable(checkpoint, state.get("data"), data)
         draft.load_state_dict(state["draft"])
         optimizer.load_state_dict(state["optimizer"])
         step, best, history = state["step"], state["best"], state["history"]
@@ -234,7 +238,7 @@ def train_feature_draft(draft: FeatureDraft, teacher_head: torch.Tensor, train: 
                 best = {"step": step, **ev, "state": {k: v.detach().clone() for k, v in draft.state_dict().items()}}
         if step % args.checkpoint_every == 0 or last:
             torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "best": best, "history": history, "rng": rng.getstate()}, checkpoint)
+                        "best": best, "history": history, "rng": rng.getstate(), "data": data}, checkpoint)
     bar.close()
     return {"steps": step, "best": best, "history": history, "stopped_by": stopped_by,
             "train_seconds": time.monotonic() - started}

@@ -43,6 +43,13 @@ def test_distill_tiny_target(tmp_path):
     third = subprocess.run([SPECDEC, "distill", "--target", str(tmp_path / "target"), "--out", str(out),
                             "--steps", "80", *changed], capture_output=True, text=True, timeout=600)
     assert third.returncode != 0 and "generated with other settings" in third.stderr
+    # the same corpus under another head vocabulary: the checkpoint's head rows meant other tokens
+    other_head = list(SMALL)
+    other_head[other_head.index("--head-vocab") + 1] = "20"
+    fourth = subprocess.run([SPECDEC, "distill", "--target", str(tmp_path / "target"), "--out", str(out),
+                             "--steps", "100", *other_head], capture_output=True, text=True, timeout=600)
+    assert fourth.returncode != 0 and "was trained on other data" in fourth.stderr and "--restart" in fourth.stderr
+    assert "head_vocab: 24 tokens" in fourth.stderr and "20 tokens" in fourth.stderr
     report = json.loads((out / "distill.json").read_text())
     assert report["steps"] == 80 and report["kl_end"] < report["kl_start"]
     assert report["top1_end"] >= report["top1_start"] and (out / "README.md").read_text().count("specdec distill")
@@ -114,6 +121,14 @@ def test_distill_feature_draft_tiny_target(tmp_path):
     second = subprocess.run([*base, "--steps", "80"], capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "resuming from" in second.stderr and "at step 40" in second.stderr
     assert "reusing" in second.stderr  # the corpus shards were not generated again
+    # another held-out split of the same corpus: resuming would score (and pick weights) on
+    # sequences the checkpoint trained on, so it is refused
+    split = list(FEATURE)
+    split[split.index("--eval-sequences") + 1] = "2"
+    third = subprocess.run([SPECDEC, "distill", "--target", str(tmp_path / "target"), "--out", str(out),
+                            *split, "--steps", "100"], capture_output=True, text=True, timeout=600)
+    assert third.returncode != 0 and "was trained on other data" in third.stderr
+    assert "held_out_sequences: 6 then, 4 now" in third.stderr  # 3 then 2 from each of its two corpora
     assert sorted(p.name for p in (out / "corpus").iterdir()) == ["features-greedy", "features-sampled-1"]
     report = json.loads((out / "distill.json").read_text())
     assert report["kind"] == "feature" and report["steps"] == 80 and len(report["top1_by_step_end"]) == 3

@@ -312,9 +312,7 @@ class CoordinatorCore:
             first = False
             for entry in entries:
                 last = entry.entry_id
-                tokens.extend(entry.chunk.token_ids)
-                steps.append(len(entry.chunk.token_ids))
-                out = self._trim(entry.chunk, entry.start, from_index, tokens)
+                out = self._absorb(entry, from_index, tokens, steps)
                 if out is not None:
                     yield out
                 if entry.chunk.finish_reason:
@@ -329,9 +327,7 @@ class CoordinatorCore:
             if await self.log.lease_holder(request_id) is None and await self.log.acquire_lease(request_id, self.owner):
                 for entry in await self.log.entries(request_id, last):  # appended before the lease lapsed
                     last = entry.entry_id
-                    tokens.extend(entry.chunk.token_ids)
-                    steps.append(len(entry.chunk.token_ids))
-                    out = self._trim(entry.chunk, entry.start, from_index, tokens)
+                    out = self._absorb(entry, from_index, tokens, steps)
                     if out is not None:
                         yield out
                     if entry.chunk.finish_reason:
@@ -342,6 +338,13 @@ class CoordinatorCore:
                 async for chunk in self._owned(parsed, tokens, steps, from_index, trace_carrier):
                     yield chunk
                 return
+
+    def _absorb(self, entry, from_index: int, tokens: list[int], steps: list[int]):
+        """Adds one log entry to what a resumed call has read (its tokens, and the step that wrote
+        them, for the policy's replay); returns the part of it the caller has not seen, or None."""
+        tokens.extend(entry.chunk.token_ids)
+        steps.append(len(entry.chunk.token_ids))
+        return self._trim(entry.chunk, entry.start, from_index, tokens)
 
     def _trim(self, chunk, start: int, from_index: int, tokens: list[int]):
         """The part of ``chunk`` (tokens [start, start+len)) at or after ``from_index``; None if

@@ -36,7 +36,7 @@ COPY coordinator ./coordinator
 COPY proto ./proto
 # the distilled draft for the default target (a few tens of MB); other models are mounted
 COPY models ./models
-# No C compiler in this slim image: the lean pass's few-row kernel (specdec/fewrow.py) is not built and
+# No C compiler in this slim image: the lean pass's few-row kernel (specdec/modeling/fewrow.py) is not built and
 # CPU products use torch's (the service logs why once); GPU passes never use it.
 RUN pip install . && python -c "import specdec.v1.coordinator_pb2, coordinator.serve_app"
 

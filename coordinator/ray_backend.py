@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from specdec.errors import PeerError, SpecdecError
 from specdec.v1 import coordinator_pb2
 
-from .core import CoordinatorConfig, CoordinatorCore
+from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -30,7 +30,7 @@ log = logging.getLogger("specdec.coordinator")
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class CoordinatorActor:
     def __init__(self, config: dict):
-        from specdec import tracing
+        from specdec.telemetry import tracing
 
         logging.basicConfig(level=logging.INFO, format="[specdec coordinator actor] %(levelname)s %(message)s")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -27,13 +27,13 @@ import os
 
 from ray import serve
 
-from specdec import tracing
+from specdec.telemetry import tracing
 from specdec.errors import SpecdecError
-from specdec.server import status_of
+from specdec.runtime.grpc_server import status_of
 
-from specdec.policy import StepCost
+from specdec.loop.policy import StepCost
 
-from .core import CoordinatorConfig, CoordinatorCore
+from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
 
 CONFIG_ARGS = {
     "num_speculative_tokens": ("default_k", int),

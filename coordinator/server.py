@@ -9,15 +9,16 @@ import asyncio
 import logging
 import sys
 
-from specdec import server as srv
-from specdec import tracing, wire
-from specdec import metrics
-from specdec.server import grpc_method, status_of
+from specdec.runtime import grpc_server as srv
+from specdec.telemetry import tracing
+from specdec.runtime import wire
+from specdec.telemetry import metrics
+from specdec.runtime.grpc_server import grpc_method, status_of
 from specdec.v1 import coordinator_pb2_grpc
 
-from specdec.policy import StepCost
+from specdec.loop.policy import StepCost
 
-from .core import CoordinatorConfig, CoordinatorCore
+from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
 
 log = logging.getLogger("specdec.coordinator")
 SERVICE = "specdec.v1.Coordinator"
@@ -91,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default k: the tokens a draft block proposes")
     p.add_argument("--fixed-k", action="store_true",
                    help="requests that do not say propose k tokens every step (default for draft models: "
-                        "adaptive, target-only steps while the request's blocks do not pay; see specdec/policy.py)")
+                        "adaptive, target-only steps while the request's blocks do not pay; see specdec/loop/policy.py)")
     p.add_argument("--step-cost", default=None, metavar="FIXED,PER_TOKEN", type=_step_cost,
                    help="the adaptive policy's cost of a step proposing k tokens, 1 + FIXED + PER_TOKEN * k "
                         "target-only steps (default: 0.17,0.19, measured on a 2-core CPU)")
@@ -129,7 +130,7 @@ async def serve(args) -> None:
     if args.no_ray:
         backend = LocalBackend(config)
     else:
-        from .ray_backend import RayBackend
+        from coordinator.ray_backend import RayBackend
 
         backend = RayBackend(config, replicas=args.replicas, address=args.ray_address)
     print("[specdec] coordinator: connecting to the target and draft...", file=sys.stderr, flush=True)

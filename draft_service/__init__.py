@@ -1,0 +1,1 @@
+"""The draft gRPC service: its servicer and entry point (``specdec draft``)."""

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from specdec import tracing, wire
-from specdec.kv import CacheLimits
-from specdec.model_thread import on_model_thread
-from specdec.server import grpc_method
-from specdec.service import ServiceSpec, SessionServicer, add_replica_arguments, main_async
+from specdec.telemetry import tracing
+from specdec.runtime import wire
+from specdec.engine.sessions import CacheLimits
+from specdec.runtime.model_thread import on_model_thread
+from specdec.runtime.grpc_server import grpc_method
+from specdec.runtime.servicer import ServiceSpec, SessionServicer, add_replica_arguments, main_async
 from specdec.v1 import draft_pb2_grpc, engine_pb2
 
 SERVICE = "specdec.v1.Draft"
@@ -64,14 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args):
-    from draft_service.engine import draft_engine_for
-    from draft_service.ngram import NgramDraft
+    from specdec.engine.draft import draft_engine_for
+    from specdec.engine.ngram import NgramDraft
 
     if args.model == "ngram":
         return NgramDraft(args.vocab_size or (1 << 31) - 1, max_sessions=args.max_sessions)
     import torch
 
-    from specdec.models import default_device, load_model, parse_dtype
+    from specdec.modeling.loading import default_device, load_model, parse_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,8 +85,8 @@ def build_engine(args):
 def main(args) -> int:
     import os
 
-    from specdec.models import tokenizer_fingerprint, try_load_tokenizer
-    from specdec.registry import Replica, new_replica_id
+    from specdec.modeling.loading import tokenizer_fingerprint, try_load_tokenizer
+    from specdec.runtime.registry import Replica, new_replica_id
 
     def spec() -> ServiceSpec:
         engine = build_engine(args)

@@ -1,0 +1,1 @@
+"""The target gRPC service: its servicer and entry point (``specdec target``, ``--tp N``)."""

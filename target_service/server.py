@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from specdec import tracing, wire
-from specdec.model_thread import on_model_thread
+from specdec.telemetry import tracing
+from specdec.runtime import wire
+from specdec.runtime.model_thread import on_model_thread
 from specdec.errors import InvalidArgumentError
-from specdec.kv import CacheLimits
-from specdec.server import grpc_method
-from specdec.service import ServiceSpec, SessionServicer, add_replica_arguments, main_async
+from specdec.engine.sessions import CacheLimits
+from specdec.runtime.grpc_server import grpc_method
+from specdec.runtime.servicer import ServiceSpec, SessionServicer, add_replica_arguments, main_async
 from specdec.v1 import engine_pb2, target_pb2_grpc
 
 SERVICE = "specdec.v1.Target"
@@ -59,7 +60,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
         if hasattr(self.engine, "rank_stats"):  # tensor parallel: every rank's own numbers
             ranks = await on_model_thread(self.engine.rank_stats)
         else:
-            from .tp import local_param_bytes
+            from specdec.engine.tensor_parallel import local_param_bytes
 
             ranks = [{"param_bytes": local_param_bytes(self.engine.store.model), "kv_bytes": stats["kv_bytes"]}]
         return engine_pb2.EngineInfo(
@@ -86,15 +87,15 @@ def main(args) -> int:
     import os
     import sys
 
-    from specdec.registry import Replica, new_replica_id
+    from specdec.runtime.registry import Replica, new_replica_id
 
     tp = args.tp
     if tp < 1:
         raise SystemExit("specdec target: --tp must be >= 1")
     if tp > 1 and not os.environ.get("SPECDEC_TP_RANK_PROCESS"):
-        from specdec.models import load_config
+        from specdec.modeling.loading import load_config
 
-        from .tp import check_divisible, supervise
+        from specdec.engine.tensor_parallel import check_divisible, supervise
 
         check_divisible(load_config(args.model), tp)  # fail before starting any rank
         return supervise(["target", *sys.argv[sys.argv.index("target") + 1:]], tp)
@@ -106,16 +107,16 @@ def main(args) -> int:
         nonlocal rank, on_stop
         import torch
 
-        from specdec.models import (default_device, eos_token_ids, load_model, parse_dtype, tokenizer_fingerprint,
+        from specdec.modeling.loading import (default_device, eos_token_ids, load_model, parse_dtype, tokenizer_fingerprint,
                                     try_load_tokenizer)
-        from target_service.engine import TargetEngine
+        from specdec.engine.target import TargetEngine
 
         if args.threads:
             torch.set_num_threads(args.threads)
         device = args.device or default_device()
         limits = CacheLimits(args.max_sessions, args.max_session_kv_bytes, args.max_kv_bytes)
         if tp > 1:
-            from .tp import DistributedTargetEngine, init_rank, worker_loop
+            from specdec.engine.tensor_parallel import DistributedTargetEngine, init_rank, worker_loop
 
             rank, _, device = init_rank(args.device)
             model = load_model(args.model, device, parse_dtype(args.dtype, device), quiet=rank != 0, tp_plan="auto")

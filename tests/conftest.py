@@ -6,7 +6,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from specdec.tiny import perturbed, tiny_llama  # noqa: E402
+from specdec.modeling.tiny import perturbed, tiny_llama  # noqa: E402
 
 VOCAB = 32
 
@@ -30,7 +30,7 @@ def other_draft_model():
 @pytest.fixture(scope="session")
 def smollm2():
     """The default target (SmolLM2-135M-Instruct GGUF), loaded once per test session."""
-    from specdec.models import load_model, load_tokenizer
+    from specdec.modeling.loading import load_model, load_tokenizer
 
     torch.manual_seed(0)
     return load_model("smollm2", "cpu", torch.float32, quiet=True), load_tokenizer("smollm2")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec.bench import predicted_speedup, summarize, Mode, Sample
-from specdec.tiny import perturbed, tiny_llama, word_tokenizer
+from specdec.apps.bench import predicted_speedup, summarize, Mode, Sample
+from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

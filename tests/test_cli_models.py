@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from specdec.errors import ModelLoadError
-from specdec.models import load_model, load_tokenizer, resolve
-from specdec.tiny import tiny_llama, word_tokenizer
+from specdec.modeling.loading import load_model, load_tokenizer, resolve
+from specdec.modeling.tiny import tiny_llama, word_tokenizer
 
 SPECDEC = str(Path(sys.executable).with_name("specdec"))
 
@@ -142,7 +142,7 @@ def test_an_invalid_head_vocabulary_is_a_clear_load_error(model_dirs, tmp_path):
 
 
 def test_local_stack_gives_the_draft_one_thread_unless_told_otherwise():
-    from specdec.launcher import draft_flags
+    from specdec.apps.launcher import draft_flags
 
     assert draft_flags(None) == ["--threads", "1"]
     assert draft_flags(["--device", "cpu"]) == ["--device", "cpu", "--threads", "1"]
@@ -152,14 +152,14 @@ def test_local_stack_gives_the_draft_one_thread_unless_told_otherwise():
 def test_a_command_imports_only_its_own_module():
     """`specdec distill` must work where only torch and transformers are installed (a GPU box),
     and a service process should not import the other services (ray for a draft replica)."""
-    probe = ("import sys; from specdec.cli import build_parser; "
+    probe = ("import sys; from specdec.apps.cli import build_parser; "
              "args = build_parser('distill').parse_args(['distill', '--target', 't', '--out', 'o']); "
              "print(args.func.__module__, 'ray' in sys.modules, 'grpc' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["specdec.distill", "False", "False"]
+    assert out.stdout.split() == ["specdec.training.distill", "False", "False"]
     # Without a command every subcommand is complete (`specdec --help`, the deploy tests).
-    from specdec.cli import build_parser
+    from specdec.apps.cli import build_parser
 
     args = build_parser().parse_args(["target", "--port", "5"])
     assert args.port == 5 and args.func.__module__ == "target_service.server"

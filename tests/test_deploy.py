@@ -150,7 +150,7 @@ def expand(arg: str, env: dict) -> str:
 def test_cli_flags_and_ports_agree_with_the_services(objects):
     """The container args parse with the real `specdec` CLI, and the port a service listens on is
     the containerPort, the probe port and the Service's target."""
-    from specdec.cli import build_parser
+    from specdec.apps.cli import build_parser
 
     _, objs = objects
     env = {**config(objs), "POD_IP": "10.0.0.1"}
@@ -199,7 +199,7 @@ def test_dockerfile_structure():
     entry = next(l for l in lines if l.startswith("ENTRYPOINT"))
     assert shlex.split(entry.replace("[", "").replace("]", "").replace(",", " "))[1:] == ["specdec"]
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'specdec = "specdec.cli:main"' in pyproject  # the entrypoint exists in the package
+    assert 'specdec = "specdec.apps.cli:main"' in pyproject  # the entrypoint exists in the package
     # target models are mounted, never baked in; the only model copied is the shipped distilled draft
     copies = [l.split()[1:] for l in lines if l.startswith("COPY")]
     assert "gguf" not in text.lower()

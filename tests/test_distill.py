@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_service.engine import DraftEngine
-from specdec.generate import speculative_generate
-from specdec.models import load_model, load_tokenizer, tokenizer_fingerprint
-from specdec.sampling import SamplingParams
-from specdec.tiny import tiny_llama, word_tokenizer
-from target_service.engine import TargetEngine
+from specdec.engine.draft import DraftEngine
+from specdec.loop.generate import speculative_generate
+from specdec.modeling.loading import load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.exact.sampling import SamplingParams
+from specdec.modeling.tiny import tiny_llama, word_tokenizer
+from specdec.engine.target import TargetEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -107,9 +107,9 @@ def test_distill_feature_draft_tiny_target(tmp_path):
     one-layer draft whose held-out agreement rises at every drafting step, resumable, loadable,
     same tokenizer, bf16 weights, and a working draft: greedy output is the target's, and it is
     accepted far more often than the untrained draft."""
-    from draft_service.engine import FeatureDraftEngine
-    from specdec.distill_features import build_feature_draft
-    from specdec.feature_draft import FeatureDraft
+    from specdec.engine.draft import FeatureDraftEngine
+    from specdec.training.distill_features import build_feature_draft
+    from specdec.modeling.feature_draft import FeatureDraft
 
     target = tiny_llama(32, seed=12, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
     target.save_pretrained(tmp_path / "target")
@@ -142,8 +142,8 @@ def test_distill_feature_draft_tiny_target(tmp_path):
     with safe_open(str(out / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(k).dtype for k in weights.keys() if k != "head_token_ids"} == {torch.bfloat16}
     greedy = SamplingParams(temperature=0.0, seed=0, max_new_tokens=30, ignore_eos=True)
-    from specdec.distill import DEFAULT_DISTILL_PROMPTS
-    from specdec.models import encode_prompt
+    from specdec.training.distill import DEFAULT_DISTILL_PROMPTS
+    from specdec.modeling.loading import encode_prompt
 
     text = json.loads(Path(DEFAULT_DISTILL_PROMPTS.split(",")[0]).read_text().splitlines()[-1])["text"]
     prompt = encode_prompt(load_tokenizer(str(out)), text, chat=True)  # like the corpus's (unseen) prompts

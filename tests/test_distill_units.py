@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-from specdec.distill import add_arguments, check_arguments, finished_messages, learning_rate, user_turn_opening
-from specdec.tiny import word_tokenizer
+from specdec.training.distill import add_arguments, check_arguments, finished_messages, user_turn_opening
+from specdec.training.trainer import warmup_cosine
+from specdec.modeling.tiny import word_tokenizer
 
 
 def test_finished_messages_cut_at_the_first_end_token_and_drop_unfinished_ones():
@@ -21,7 +22,7 @@ def test_user_turn_opening_of_a_plain_tokenizer_is_one_token():
 
 @pytest.mark.slow
 def test_user_turn_opening_is_the_chat_prefix_of_a_user_message(smollm2):
-    from specdec.models import encode_prompt
+    from specdec.modeling.loading import encode_prompt
 
     _, tokenizer = smollm2
     opening = user_turn_opening(tokenizer)
@@ -31,13 +32,17 @@ def test_user_turn_opening_is_the_chat_prefix_of_a_user_message(smollm2):
 
 
 def test_learning_rate_follows_steps_or_the_time_budget_whichever_is_further():
-    args = argparse.Namespace(lr=1.0, steps=1000, warmup=10)
-    assert learning_rate(args, 0, 0.0) == pytest.approx(0.1)  # warm-up
-    assert learning_rate(args, 10, 0.0) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.01)))
-    assert learning_rate(args, 500, 0.0) == pytest.approx(0.55)  # half way by steps
-    assert learning_rate(args, 100, 0.5) == pytest.approx(0.55)  # half way by time
-    assert learning_rate(args, 100, 1.0) == pytest.approx(0.1)   # budget spent: the floor
-    assert learning_rate(args, 2000, 0.0) == pytest.approx(0.1)  # never below it
+    def lr(step, spent, floor=0.1):
+        return warmup_cosine(step, steps=1000, lr=1.0, warmup=10, floor=floor, budget_fraction=spent)
+
+    assert lr(0, 0.0) == pytest.approx(0.1)  # warm-up
+    assert lr(10, 0.0) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.01)))
+    assert lr(500, 0.0) == pytest.approx(0.55)  # half way by steps
+    assert lr(100, 0.5) == pytest.approx(0.55)  # half way by time
+    assert lr(100, 1.0) == pytest.approx(0.1)   # budget spent: the floor
+    assert lr(2000, 0.0) == pytest.approx(0.1)  # never below it
+    assert lr(2000, 0.0, floor=0.05) == pytest.approx(0.05)  # the feature drafts' floor
+    assert lr(500, 0.0, floor=0.05) == pytest.approx(0.525)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -68,7 +73,7 @@ def test_cuda_without_a_gpu_is_refused_clearly(monkeypatch):
 def test_precision_auto_is_bf16_only_where_the_device_has_it_natively():
     import torch
 
-    from specdec.distill import student_bf16
+    from specdec.training.trainer import student_bf16
 
     cpu = torch.device("cpu")
     assert student_bf16("auto", cpu, native=lambda d: True) is True

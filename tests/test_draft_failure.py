@@ -7,8 +7,8 @@ import signal
 import pytest
 import torch
 
-from specdec.launcher import local_stack
-from specdec.tiny import perturbed, tiny_llama, word_tokenizer
+from specdec.apps.launcher import local_stack
+from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
 
 from stack_util import request, stub
 

@@ -4,8 +4,8 @@ import asyncio
 import pytest
 import torch
 
-from draft_service.engine import DraftEngine
-from draft_service.ngram import NgramDraft, ngram_lookup
+from specdec.engine.draft import DraftEngine
+from specdec.engine.ngram import NgramDraft, ngram_lookup
 from specdec.errors import (
     InvalidArgumentError,
     MalformedProposalError,
@@ -14,13 +14,13 @@ from specdec.errors import (
     SessionNotFoundError,
     StaleStepError,
 )
-from specdec.generate import LocalDraft, LocalTarget, SpeculativeRun, generate_async, speculative_generate
-from specdec.kv import CacheLimits, Commit
-from specdec.proposal import DraftProposal
-from specdec.sampling import SamplingParams, probs_from_logits
-from specdec.sparse import SparseDist
-from specdec.tiny import tiny_llama, word_tokenizer
-from target_service.engine import TargetEngine
+from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun, generate_async, speculative_generate
+from specdec.engine.sessions import CacheLimits, Commit
+from specdec.exact.proposal import DraftProposal
+from specdec.exact.sampling import SamplingParams, probs_from_logits
+from specdec.exact.sparse import SparseDist
+from specdec.modeling.tiny import tiny_llama, word_tokenizer
+from specdec.engine.target import TargetEngine
 
 from conftest import VOCAB
 
@@ -45,7 +45,7 @@ def target(target_model):
 
 def full_sequence_probs(model, tokens, params):
     """Reference: the target's distribution at the end of ``tokens``, no cache at all."""
-    from specdec.sampling import token_counts
+    from specdec.exact.sampling import token_counts
 
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]

@@ -14,8 +14,8 @@ import grpc
 import pytest
 import redis
 
-from specdec.launcher import Stack, free_port, local_stack
-from specdec.tiny import perturbed, tiny_llama, word_tokenizer
+from specdec.apps.launcher import Stack, free_port, local_stack
+from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_pb2_grpc
 
 from stack_util import request, stub
@@ -153,11 +153,11 @@ def test_target_replica_killed_mid_stream_completes_identically(stack):
 def second_coordinator(stack, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("coord2") / "coordinator2.log", "wb")
-    process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "coordinator", "--redis", stack.redis_url,
+    process = subprocess.Popen([sys.executable, "-m", "specdec", "coordinator", "--redis", stack.redis_url,
                                 "--host", "127.0.0.1", "--port", str(port), "--num-speculative-tokens", "2",
                                 *STEP_COST],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    from specdec.launcher import Child
+    from specdec.apps.launcher import Child
 
     child = Child("coordinator2", f"127.0.0.1:{port}", process)
     stack.wait_healthy(child, 180)

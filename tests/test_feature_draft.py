@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_service.engine import FeatureDraftEngine, draft_engine_for
-from specdec import wire
-from specdec.distill_features import build_feature_draft, expected_tokens_per_step
+from specdec.engine.draft import FeatureDraftEngine, draft_engine_for
+from specdec.runtime import wire
+from specdec.training.distill_features import build_feature_draft, expected_tokens_per_step
 from specdec.errors import InvalidArgumentError
-from specdec.feature_draft import FeatureDraft, FeatureDraftConfig
-from specdec.generate import speculative_generate
-from specdec.kv import Commit
-from specdec.models import load_model
-from specdec.registry import Replica, compatible_draft
-from specdec.sampling import SamplingParams
-from specdec.tiny import tiny_llama
-from target_service.engine import TargetEngine
+from specdec.modeling.feature_draft import FeatureDraft, FeatureDraftConfig
+from specdec.loop.generate import speculative_generate
+from specdec.engine.sessions import Commit
+from specdec.modeling.loading import load_model
+from specdec.runtime.registry import Replica, compatible_draft
+from specdec.exact.sampling import SamplingParams
+from specdec.modeling.tiny import tiny_llama
+from specdec.engine.target import TargetEngine
 
 VOCAB = 32
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -109,7 +109,7 @@ def test_target_features_are_its_final_hidden_states(target_model, monkeypatch, 
     expected = final_hidden(target_model, PROMPT + block)
     assert features.shape == (len(PROMPT) - 1, 32)
     assert torch.allclose(features, expected[: len(PROMPT) - 1], atol=1e-5)
-    from specdec.sparse import SparseDist
+    from specdec.exact.sparse import SparseDist
 
     verdict = engine.verify("s", 1, block, [SparseDist.one_hot(t) for t in block], None, True)
     assert torch.allclose(verdict.features, expected[len(PROMPT) - 1:], atol=1e-5)
@@ -216,8 +216,8 @@ def test_feature_loss_in_bf16_autocast_matches_fp32_and_trains_fp32_weights(targ
     """The bf16 path (``--precision``) changes the arithmetic of the draft's products only: the loss
     is within bf16 rounding of the fp32 one, the weights and their gradients stay fp32, and both
     paths agree on what the teacher's top token is."""
-    from specdec.distill_features import feature_loss, make_feature_batch
-    from specdec.feature_corpus import FeatureRecord
+    from specdec.training.distill_features import feature_loss, make_feature_batch
+    from specdec.training.feature_corpus import FeatureRecord
 
     torch.manual_seed(1)
     draft = build_feature_draft(target_model, list(range(VOCAB)), embed_size=8, heads=4, kv_heads=2,

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from specdec.launcher import local_stack
-from specdec.selftest import BASE_SEED, CASES, build_draft, build_target, case_params, case_runs, exact_law, judge
-from specdec.tiny import word_tokenizer
+from specdec.apps.launcher import local_stack
+from specdec.apps.selftest import BASE_SEED, CASES, build_draft, build_target, case_params, case_runs, exact_law, judge
+from specdec.modeling.tiny import word_tokenizer
 from specdec.v1 import draft_pb2_grpc, engine_pb2, target_pb2_grpc
 
 from stack_util import generate_many, live_sessions, request, stub

@@ -1,4 +1,4 @@
-"""The few-row product kernel (specdec/fewrow.py, specdec/kernels/fewrow.c) computes x @ w^T.
+"""The few-row product kernel (specdec/modeling/fewrow.py, specdec/modeling/kernels/fewrow.c) computes x @ w^T.
 
 It is compiled here on first use; where it cannot run (no AVX-512F, no C compiler) the tests that
 need it are skipped with the reason, and the lean pass keeps torch's product (tested as well).
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from specdec import fewrow, lean_llama
+from specdec.modeling import fewrow, lean_llama, ops
 
 REASON = fewrow.unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"few-row kernel unavailable: {REASON}")
@@ -57,16 +57,16 @@ def test_lean_product_sends_one_to_four_rows_to_the_kernel(monkeypatch):
         calls.append(x.shape[0])
         return None  # decline: product() must then fall back to torch and still be right
 
-    monkeypatch.setattr(lean_llama, "few_row_product", recorded)
+    monkeypatch.setattr(ops, "few_row_product", recorded)
     w = torch.randn(40, 32)
     for rows in (1, 2, 3, 4, 5):
         x = torch.randn(rows, 32)
-        torch.testing.assert_close(lean_llama.product(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ops.product(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
     assert calls == [1, 2, 3, 4]
 
 
 def _probe(env: dict) -> str:
-    code = "from specdec import fewrow; print(fewrow.unavailable_reason())"
+    code = "from specdec.modeling import fewrow; print(fewrow.unavailable_reason())"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, **env}).stdout.strip()
 
@@ -86,10 +86,10 @@ def test_kernel_is_built_once_into_the_cache(tmp_path):
 
 
 def test_without_a_compiler_it_says_so_once_and_products_fall_back(tmp_path):
-    code = ("import torch; from specdec import fewrow, lean_llama\n"
+    code = ("import torch; from specdec.modeling import fewrow, ops\n"
             "x, w = torch.randn(3, 32), torch.randn(8, 32)\n"
-            "assert torch.allclose(lean_llama.product(x, w), x @ w.t(), atol=1e-5)\n"
-            "lean_llama.product(x, w)\n"
+            "assert torch.allclose(ops.product(x, w), x @ w.t(), atol=1e-5)\n"
+            "ops.product(x, w)\n"
             "print(fewrow.unavailable_reason())")
     env = {**os.environ, "PATH": str(tmp_path), "CC": str(tmp_path / "no-cc"), "SPECDEC_CACHE_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -103,7 +103,7 @@ def test_without_a_compiler_it_says_so_once_and_products_fall_back(tmp_path):
 def kernel_llama(seed: int = 0, num_layers: int = 2):
     """Grouped-query attention (4 query heads over 2 KV heads) with widths the layer kernel covers
     (head_dim 16, hidden 64, MLP 128); 64 tokens."""
-    from specdec.tiny import tiny_llama
+    from specdec.modeling.tiny import tiny_llama
 
     return tiny_llama(vocab_size=64, seed=seed, hidden_size=64, num_layers=num_layers, num_heads=4, num_kv_heads=2,
                       init_range=0.2, max_positions=512)
@@ -162,7 +162,7 @@ def test_a_block_gives_bit_for_bit_what_one_row_passes_give(rows):
 
 
 def test_layer_kernel_declines_what_it_does_not_cover(monkeypatch):
-    from specdec.tiny import tiny_llama
+    from specdec.modeling.tiny import tiny_llama
 
     narrow = lean_llama.LeanLlama(tiny_llama(vocab_size=32, hidden_size=32, num_heads=4, num_kv_heads=2))
     assert narrow._kernel_layers is None  # head_dim 8: not a multiple of 16
@@ -205,9 +205,9 @@ def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
 def test_statistical_exactness_through_the_layer_kernel(params, k):
     """Speculative runs whose target and draft passes go through the layer kernel follow the law
     transformers' forward gives (alpha = selftest.ALPHA = 1e-3, fixed seeds: deterministic)."""
-    from draft_service.engine import DraftEngine
-    from specdec import selftest
-    from specdec.tiny import perturbed
+    from specdec.engine.draft import DraftEngine
+    from specdec.apps import selftest
+    from specdec.modeling.tiny import perturbed
 
     target = kernel_llama(seed=11, num_layers=1)
     draft = DraftEngine(perturbed(target, scale=0.3, seed=23), top_m=0, eps=0.0)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import gguf_cache
-from specdec.models import load_model, load_tokenizer, resolve, tokenizer_fingerprint
-from specdec.tiny import tiny_llama, word_tokenizer
+from specdec.modeling import gguf_cache
+from specdec.modeling.loading import load_model, load_tokenizer, resolve, tokenizer_fingerprint
+from specdec.modeling.tiny import tiny_llama, word_tokenizer
 
 
 def test_the_key_follows_the_file_and_the_switch_turns_the_cache_off(tmp_path, monkeypatch):
@@ -61,7 +61,7 @@ def test_default_target_first_load_writes_the_copy_and_the_next_load_reads_it(tm
     the copy's tokenizer is the GGUF's, and the second load says where it loaded from."""
     monkeypatch.setenv(gguf_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(gguf_cache.SWITCH_ENV, raising=False)
-    script = ("import sys, torch; from specdec.models import load_model; "
+    script = ("import sys, torch; from specdec.modeling.loading import load_model; "
               "m = load_model('smollm2', 'cpu', torch.float32); torch.save(m.state_dict(), sys.argv[1])")
     first = subprocess.run([sys.executable, "-c", script, str(tmp_path / "a.pt")], capture_output=True, text=True,
                            timeout=600)

@@ -1,4 +1,4 @@
-"""The lean Llama pass (specdec/lean_llama.py) computes what transformers computes.
+"""The lean Llama pass (specdec/modeling/lean_llama.py) computes what transformers computes.
 
 Logits are compared with transformers' own forward (same weights, its DynamicCache) through a
 prefill, single- and multi-row steps, rollbacks (crop) and the growth of the preallocated cache;
@@ -11,10 +11,12 @@ import copy
 import pytest
 import torch
 
-from specdec.kv import SessionStore, kv_bytes_per_token
-from specdec.lean_llama import LeanCache, LeanLlama, lean_runner
-from specdec.sampling import SamplingParams
-from specdec.tiny import tiny_llama
+from specdec.engine.sessions import SessionStore
+from specdec.modeling.dimensions import kv_bytes_per_token
+from specdec.modeling.cache import LeanCache
+from specdec.modeling.lean_llama import LeanLlama, lean_runner
+from specdec.exact.sampling import SamplingParams
+from specdec.modeling.tiny import tiny_llama
 
 
 def grouped_llama(seed: int = 0):

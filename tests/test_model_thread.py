@@ -1,21 +1,21 @@
 """Every model call of a draft/target service runs on the process's one model thread.
 
-Why it matters (specdec/model_thread.py): PyTorch's CPU kernels run on an OpenMP team owned by the
+Why it matters (specdec/runtime/model_thread.py): PyTorch's CPU kernels run on an OpenMP team owned by the
 calling thread; passes spread over a thread pool gave the target service one team per pool thread
 and made a SmolLM2 Verify 1.5-2.5x slower on the 2-core machine.
 """
 import asyncio
 import threading
 
-from coordinator.peers import GrpcDraft, GrpcTarget
-from draft_service.engine import DraftEngine
+from specdec.runtime.peers import GrpcDraft, GrpcTarget
+from specdec.engine.draft import DraftEngine
 from draft_service.server import DraftServicer
-from specdec import server as srv
-from specdec.kv import Commit
-from specdec.model_thread import on_model_thread
-from specdec.sampling import SamplingParams
+from specdec.runtime import grpc_server as srv
+from specdec.engine.sessions import Commit
+from specdec.runtime.model_thread import on_model_thread
+from specdec.exact.sampling import SamplingParams
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
-from target_service.engine import TargetEngine
+from specdec.engine.target import TargetEngine
 from target_service.server import TargetServicer
 
 

@@ -1,4 +1,4 @@
-"""The adaptive speculation policy (specdec/policy.py): its choice of k, and that a run's state
+"""The adaptive speculation policy (specdec/loop/policy.py): its choice of k, and that a run's state
 can be rebuilt from what it committed (what a coordinator taking over a request relies on)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specdec.policy import AdaptiveK, FixedK, StepCost, make_policy
+from specdec.loop.policy import AdaptiveK, FixedK, StepCost, make_policy
 
 
 def test_step_cost_parse_and_validation():
@@ -92,7 +92,7 @@ def run_steps(target, draft, params, committed=(), committed_steps=None, cost=St
     """Every step's committed tokens, and the run's stats, of one adaptive run (k at most 3)."""
     import asyncio
 
-    from specdec.generate import LocalDraft, LocalTarget, SpeculativeRun
+    from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun
 
     run = SpeculativeRun(LocalTarget(target), LocalDraft(draft), [1, 2, 3, 4, 5], params, 3,
                          committed=list(committed), committed_steps=committed_steps, adaptive=True, step_cost=cost)
@@ -104,11 +104,11 @@ def run_steps(target, draft, params, committed=(), committed_steps=None, cost=St
 
 
 def test_an_adaptive_run_is_exact_and_skips_a_useless_draft(target_model, draft_model):
-    from draft_service.engine import DraftEngine
-    from specdec.generate import speculative_generate
-    from specdec.sampling import SamplingParams
-    from specdec.tiny import negated_head
-    from target_service.engine import TargetEngine
+    from specdec.engine.draft import DraftEngine
+    from specdec.loop.generate import speculative_generate
+    from specdec.exact.sampling import SamplingParams
+    from specdec.modeling.tiny import negated_head
+    from specdec.engine.target import TargetEngine
 
     target = TargetEngine(target_model)
     greedy = SamplingParams(temperature=0.0, seed=1, max_new_tokens=40, ignore_eos=True)
@@ -121,9 +121,9 @@ def test_an_adaptive_run_is_exact_and_skips_a_useless_draft(target_model, draft_
 
 @pytest.mark.parametrize("cut", [1, 4, 9])
 def test_an_adaptive_run_resumed_from_its_committed_steps_continues_identically(target_model, draft_model, cut):
-    from draft_service.engine import DraftEngine
-    from specdec.sampling import SamplingParams
-    from target_service.engine import TargetEngine
+    from specdec.engine.draft import DraftEngine
+    from specdec.exact.sampling import SamplingParams
+    from specdec.engine.target import TargetEngine
 
     target, draft = TargetEngine(target_model), DraftEngine(draft_model)
     params = SamplingParams(temperature=1.0, seed=99, max_new_tokens=60, ignore_eos=True)
@@ -138,7 +138,7 @@ def test_an_adaptive_run_resumed_from_its_committed_steps_continues_identically(
 
 def test_the_stored_request_pins_the_defaults_it_was_given():
     """A takeover re-parses the stored request: every server default it relied on must be in it."""
-    from coordinator.core import canonical
+    from specdec.runtime.coordination import canonical
     from specdec.v1 import coordinator_pb2 as pb
 
     defaults = pb.GenerateRequest()
@@ -184,7 +184,7 @@ def test_coordinator_flags_and_serve_app_args_select_the_policy():
 
 
 def test_requests_get_the_adaptive_policy_by_default_only_with_a_draft_model():
-    from coordinator.core import CoordinatorConfig, CoordinatorCore
+    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
     from specdec.v1 import coordinator_pb2 as pb
 
     core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1", default_k=2))

@@ -1,7 +1,7 @@
 """The checked-in generated modules (specdec/v1) are exactly what the .proto files generate."""
 import filecmp
 
-from specdec.protogen import ROOT, generate, proto_files
+from specdec.apps.protogen import ROOT, generate, proto_files
 
 
 def test_generated_modules_are_up_to_date(tmp_path):
@@ -11,8 +11,8 @@ def test_generated_modules_are_up_to_date(tmp_path):
     for name in names:
         fresh = tmp_path / "specdec" / "v1" / name
         checked_in = ROOT / "specdec" / "v1" / name
-        assert checked_in.exists(), f"{name} is not checked in: run python -m specdec.protogen"
-        assert filecmp.cmp(fresh, checked_in, shallow=False), f"{name} is stale: run python -m specdec.protogen"
+        assert checked_in.exists(), f"{name} is not checked in: run python -m specdec.apps.protogen"
+        assert filecmp.cmp(fresh, checked_in, shallow=False), f"{name} is stale: run python -m specdec.apps.protogen"
 
 
 def test_public_api_names_are_pinned():

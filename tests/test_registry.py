@@ -3,8 +3,8 @@ import asyncio
 
 import pytest
 
-from specdec.redis_embedded import EmbeddedRedis
-from specdec.registry import Heartbeat, Registry, Replica, choose_draft, choose_target, compatible_draft
+from specdec.runtime.redis_embedded import EmbeddedRedis
+from specdec.runtime.registry import Heartbeat, Registry, Replica, choose_draft, choose_target, compatible_draft
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 import numpy as np
 from scipy.stats import kstest
 
-from specdec.rng import Purpose, new_seed, uniform
+from specdec.exact.rng import Purpose, new_seed, uniform
 
 
 def test_same_key_same_value_and_keys_are_independent():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgumentError, NonFiniteLogitsError
-from specdec.sampling import SamplingParams, block_token_counts, greedy_tokens, probs_from_logits, token_counts
+from specdec.exact.sampling import SamplingParams, block_token_counts, greedy_tokens, probs_from_logits, token_counts
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
 
@@ -87,7 +87,7 @@ def test_greedy_is_one_hot_with_ties_to_lowest_id():
 
 
 def test_greedy_probs_and_logprobs_agree_after_bias_and_penalties():
-    from specdec.sampling import logprobs_from_logits, probs_from_logits, token_counts
+    from specdec.exact.sampling import logprobs_from_logits, probs_from_logits, token_counts
 
     logits = torch.tensor([[1.0, 4.0, 3.9, 2.0, -1.0], [0.5, 0.5, 0.1, 0.2, 0.3]])
     counts = token_counts([1, 1], 5)
@@ -150,7 +150,7 @@ def test_logit_bias_outside_vocab_is_refused():
 
 
 def test_subset_head_is_the_full_head_on_its_tokens_and_minus_inf_elsewhere():
-    from specdec.draft_head import SubsetHead
+    from specdec.modeling.heads import SubsetHead
 
     torch.manual_seed(0)
     weight = torch.randn(10, 4)
@@ -183,9 +183,9 @@ def test_greedy_fast_paths_equal_the_general_ones(seed):
     """The draft's greedy q and the target's greedy verdict, computed from argmaxes only, are what
     the dense pipeline and the general verifier give -- with ties, bias and penalties, and any
     q (one-hot or not, containing the argmax or not)."""
-    from specdec.sampling import greedy_tokens
-    from specdec.sparse import SparseDist, sample_sparse, truncate
-    from specdec.verify import target_verify, target_verify_greedy
+    from specdec.exact.sampling import greedy_tokens
+    from specdec.exact.sparse import SparseDist, sample_sparse, truncate
+    from specdec.exact.verify import target_verify, target_verify_greedy
 
     gen = torch.Generator().manual_seed(seed)
     vocab, k = 40, 3

@@ -31,7 +31,7 @@ def test_selftest_fails_loudly_when_the_law_is_wrong():
     """The certificate can fail: a reference law that is not the target's is rejected."""
     from collections import Counter
 
-    from specdec.selftest import goodness_of_fit
+    from specdec.apps.selftest import goodness_of_fit
 
     law = {(0,): 0.5, (1,): 0.3, (2,): 0.2}
     honest = Counter({(0,): 500, (1,): 300, (2,): 200})

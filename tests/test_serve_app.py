@@ -5,9 +5,9 @@ import grpc
 import pytest
 import torch
 
-from specdec.launcher import Stack, free_port
-from specdec.redis_embedded import EmbeddedRedis
-from specdec.tiny import perturbed, tiny_llama, word_tokenizer
+from specdec.apps.launcher import Stack, free_port
+from specdec.runtime.redis_embedded import EmbeddedRedis
+from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
 
 from stack_util import request, stub
 

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from draft_service.engine import DraftEngine
-from specdec import selftest
-from specdec.draft_head import HEAD_VOCAB_FILE, SubsetHead
-from specdec.generate import speculative_generate
-from specdec.models import (default_draft_for, encode_prompt, load_model, load_tokenizer, resolve,
+from specdec.engine.draft import DraftEngine
+from specdec.apps import selftest
+from specdec.modeling.heads import HEAD_VOCAB_FILE, SubsetHead
+from specdec.loop.generate import speculative_generate
+from specdec.modeling.loading import (default_draft_for, encode_prompt, load_model, load_tokenizer, resolve,
                             shipped_models_dir, tokenizer_fingerprint)
-from specdec.sampling import SamplingParams
-from target_service.engine import TargetEngine
+from specdec.exact.sampling import SamplingParams
+from specdec.engine.target import TargetEngine
 
 FOLDER = shipped_models_dir() / "smollm2-draft"
 # Held-out bench prompts: never seen by the distillation (benchmarks/prompts.jsonl, split heldout).

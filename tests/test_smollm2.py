@@ -3,14 +3,14 @@ is token-for-token transformers' own greedy decoding."""
 import pytest
 import torch
 
-from draft_service.engine import DraftEngine
-from draft_service.ngram import NgramDraft
-from specdec.models import encode_prompt
-from specdec.generate import speculative_generate
-from specdec.models import eos_token_ids
-from specdec.sampling import SamplingParams
-from specdec.tiny import tiny_llama
-from target_service.engine import TargetEngine
+from specdec.engine.draft import DraftEngine
+from specdec.engine.ngram import NgramDraft
+from specdec.modeling.loading import encode_prompt
+from specdec.loop.generate import speculative_generate
+from specdec.modeling.loading import eos_token_ids
+from specdec.exact.sampling import SamplingParams
+from specdec.modeling.tiny import tiny_llama
+from specdec.engine.target import TargetEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from specdec.errors import MalformedProposalError
-from specdec.sparse import SparseDist, inverse_cdf, sample_dense, sample_sparse, truncate, validate_sparse
+from specdec.exact.sparse import SparseDist, inverse_cdf, sample_dense, sample_sparse, truncate, validate_sparse
 
 
 def test_truncate_top_m_keeps_largest_and_renormalises():

@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from specdec.launcher import local_stack
-from specdec.selftest import (BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, case_runs, exact_law,
+from specdec.apps.launcher import local_stack
+from specdec.apps.selftest import (BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, case_runs, exact_law,
                               judge)
-from specdec.tiny import perturbed, word_tokenizer
+from specdec.modeling.tiny import perturbed, word_tokenizer
 
 from otlp_collector import start_collector
 from stack_util import generate_many, live_sessions, request, stub
@@ -48,7 +48,7 @@ def stack(models, collector, tmp_path_factory):
     logs = tmp_path_factory.mktemp("stack") / "logs"  # not there yet: the stack creates it
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector[1]}", "OTEL_BSP_SCHEDULE_DELAY": "200",
            "OTEL_BSP_MAX_QUEUE_SIZE": "200000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}
-    from specdec.launcher import free_port
+    from specdec.apps.launcher import free_port
 
     metrics_ports = {name: free_port() for name in ("coordinator", "target", "draft")}
     with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=3, log_dir=logs,

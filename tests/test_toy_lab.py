@@ -9,8 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.errors import MalformedProposalError
-from specdec.sparse import SparseDist, validate_sparse
-from specdec.verify import decide, emission_law, target_verify
+from specdec.exact.sparse import SparseDist, validate_sparse
+from specdec.exact.verify import decide, emission_law, target_verify
 
 P = [0.50, 0.30, 0.20]
 Q = [0.20, 0.50, 0.30]
@@ -56,8 +56,8 @@ def _one_step_frequencies(p, q, n, seed_offset=0):
     """Empirical law of the first emitted token of a k=1 step (seeded, dense p and q)."""
     p_rows = torch.tensor([p, p], dtype=torch.float32)
     qd = SparseDist.of(range(len(q)), q)
-    from specdec.rng import Purpose, uniform
-    from specdec.sparse import sample_sparse
+    from specdec.exact.rng import Purpose, uniform
+    from specdec.exact.sparse import sample_sparse
 
     counts = Counter()
     for seed in range(seed_offset, seed_offset + n):

@@ -13,15 +13,15 @@ import grpc
 import pytest
 import torch
 
-from coordinator.peers import GrpcTarget
-from draft_service.engine import DraftEngine
-from specdec.generate import LocalDraft, generate_async
-from specdec.launcher import Child, Stack, free_port, local_stack
-from specdec.proposal import DraftProposal
-from specdec.sampling import SamplingParams
-from specdec.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, exact_law, judge
-from specdec.sparse import SparseDist
-from specdec.tiny import negated_head, perturbed, word_tokenizer
+from specdec.runtime.peers import GrpcTarget
+from specdec.engine.draft import DraftEngine
+from specdec.loop.generate import LocalDraft, generate_async
+from specdec.apps.launcher import Child, Stack, free_port, local_stack
+from specdec.exact.proposal import DraftProposal
+from specdec.exact.sampling import SamplingParams
+from specdec.apps.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, exact_law, judge
+from specdec.exact.sparse import SparseDist
+from specdec.modeling.tiny import negated_head, perturbed, word_tokenizer
 
 from stack_util import generate_many, request, stub
 
@@ -42,7 +42,7 @@ def models(tmp_path_factory):
 def start_target(model_dir, tp: int, logs, timeout: float = 300) -> Child:
     port = free_port()
     out = open(logs / f"target-tp{tp}-{port}.log", "wb")
-    process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "target", "--model", str(model_dir), "--tp",
+    process = subprocess.Popen([sys.executable, "-m", "specdec", "target", "--model", str(model_dir), "--tp",
                                 str(tp), "--host", "127.0.0.1", "--port", str(port), "--threads", "1"],
                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     child = Child(f"target-tp{tp}", f"127.0.0.1:{port}", process)
@@ -210,7 +210,7 @@ def test_exactness_through_the_stack_with_tp2(models, tp_stack, case):
 
 def test_default_smollm2_target_with_tp3_equals_transformers(smollm2, tmp_path_factory):
     """SmolLM2-135M has 9 heads / 3 KV heads: it splits 3 ways (not 2: see the next test)."""
-    from specdec.models import encode_prompt
+    from specdec.modeling.loading import encode_prompt
 
     model, tokenizer = smollm2
     ids = encode_prompt(tokenizer, "Explain why the sky is blue.", chat=True)
@@ -219,7 +219,7 @@ def test_default_smollm2_target_with_tp3_equals_transformers(smollm2, tmp_path_f
     group = start_target("smollm2", 3, tmp_path_factory.mktemp("tp3"))
     try:
         async def run():
-            from draft_service.ngram import NgramDraft
+            from specdec.engine.ngram import NgramDraft
 
             peer = GrpcTarget(group.address)
             info = await peer.info()
@@ -235,7 +235,7 @@ def test_default_smollm2_target_with_tp3_equals_transformers(smollm2, tmp_path_f
 
 
 def test_a_model_that_cannot_be_split_is_refused_clearly():
-    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "target", "--model", "smollm2", "--tp", "2"],
+    proc = subprocess.run([sys.executable, "-m", "specdec", "target", "--model", "smollm2", "--tp", "2"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "cannot be split 2 ways" in proc.stderr and "num_attention_heads=9" in proc.stderr

@@ -1,0 +1,451 @@
+"""``specdec bench``: does speculation pay on these models, by how much, and where does time go?
+
+One run, one stack, the same prompts, models and sampling settings for every mode, interleaved
+(each prompt runs every mode, in an order rotated per prompt) so machine drift hits all alike:
+
+- ``target-only``        through the full stack with num_speculative_tokens = 0
+- ``speculative``        through the full stack with the draft model, for each k of the sweep
+- ``speculative-adaptive`` the same with the adaptive policy (blocks of k while they pay,
+                         target-only steps while they do not: specdec/loop/policy.py), for each k
+                         of ``--adaptive-ks``; the fixed-k modes above say adaptive = false
+- ``speculative-ngram``  through the full stack with n-gram (prompt lookup) drafts, for each k
+- ``hf-generate``        transformers ``generate()`` of the target alone, in this process
+- ``hf-assisted``        transformers assisted generation (the same draft model as
+                         ``assistant_model``, or prompt lookup for an n-gram draft): the peer.
+                         A feature draft cannot run there (transformers has no way to hand it
+                         the target's hidden states), so its peer is assisted generation with a
+                         standalone draft (``--assistant-model``; for the default target the
+                         shipped distilled one)
+
+Plus a concurrency sweep (aggregate tokens/s with 1, 4, 16 streams) and Leviathan et al.'s
+predicted speedup from the measured acceptance and step times, next to the achieved one.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.training.prompts import BENCH_PROMPTS, load_prompts
+
+
+
+@dataclass
+class Sample:
+    tokens: int
+    seconds: float
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    passes: int = 0
+    drafts: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    per_position: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    server_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Mode:
+    mode: str
+    k: int = 0
+    method: str = ""
+    adaptive: bool = False
+
+    @classmethod
+    def of_summary(cls, summary: dict) -> "Mode":
+        name = summary["mode"]
+        return cls(name, summary["k"], "ngram" if name == "speculative-ngram" else "draft_model",
+                   name == "speculative-adaptive")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+# -- running one request -------------------------------------------------------------------
+async def stream_one(stub, request) -> Sample:
+    started = time.perf_counter()
+    last, tokens, sample = None, 0, Sample(0, 0.0)
+    async for chunk in stub.GenerateStream(request, timeout=600):
+        now = time.perf_counter()
+        n = len(chunk.token_ids)
+        if n:
+            if last is None:
+                sample.ttft = now - started
+            else:
+                sample.itl.extend([(now - last) / n] * n)
+            last = now
+            tokens += n
+        if chunk.finish_reason:
+            s = chunk.stats
+            sample.passes, sample.drafts, sample.proposed, sample.accepted = (
+                s.target_passes, s.drafts, s.proposed_tokens, s.accepted_tokens)
+            sample.per_position = list(s.accepted_per_position)
+            sample.draft_s, sample.verify_s, sample.server_s = s.draft_seconds, s.verify_seconds, s.total_seconds
+    sample.tokens, sample.seconds = tokens, time.perf_counter() - started
+    return sample
+
+
+def hf_one(model, prompt_ids, max_new_tokens, temperature, seed, assistant=None, k=0) -> Sample:
+    """transformers generate(); with ``assistant`` assisted generation drafting ``k`` tokens per
+    round (as the stack's k; transformers' own default is adaptive), else with ``k`` prompt lookup."""
+    import torch
+
+    kwargs = {"max_new_tokens": max_new_tokens, "pad_token_id": 0}
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0)
+        torch.manual_seed(seed)
+    else:
+        kwargs.update(do_sample=False)
+    if assistant is not None:
+        kwargs["assistant_model"] = assistant
+        if k:
+            kwargs.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+    elif k:
+        kwargs["prompt_lookup_num_tokens"] = k
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), **kwargs)
+    return Sample(int(out.shape[1]) - len(prompt_ids), time.perf_counter() - started)
+
+
+# -- aggregation ---------------------------------------------------------------------------
+def summarize(mode: Mode, temperature: float, runs: list[list[Sample]]) -> dict:
+    """``runs``: one list of samples (all prompts) per repeat."""
+    rates = [sum(s.tokens for s in rep) / sum(s.seconds for s in rep) for rep in runs if rep]
+    samples = [s for rep in runs for s in rep]
+    tokens = sum(s.tokens for s in samples)
+    passes = sum(s.passes for s in samples)
+    proposed, accepted = sum(s.proposed for s in samples), sum(s.accepted for s in samples)
+    drafts = sum(s.drafts for s in samples)
+    positions = max((len(s.per_position) for s in samples), default=0)
+    per_position = [sum(s.per_position[i] for s in samples if len(s.per_position) > i) for i in range(positions)]
+    server = sum(s.server_s for s in samples)
+    itl = [x for s in samples for x in s.itl]
+    out = {
+        "mode": mode.mode, "k": mode.k, "temperature": temperature,
+        "tokens_per_s": statistics.median(rates) if rates else 0.0,
+        "tokens_per_s_min": min(rates) if rates else 0.0, "tokens_per_s_max": max(rates) if rates else 0.0,
+        "repeats": len(rates), "tokens": tokens,
+        "ttft_s_median": statistics.median([s.ttft for s in samples if s.ttft is not None])
+        if any(s.ttft is not None for s in samples) else None,
+        "itl_s_p50": percentile(itl, 50), "itl_s_p90": percentile(itl, 90), "itl_s_p99": percentile(itl, 99),
+    }
+    if passes:
+        out.update({
+            "target_passes_per_token": passes / tokens if tokens else None,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            # vLLM's count: accepted proposals + the recovered/bonus token, per verified draft block
+            "mean_accepted_length": (accepted + drafts) / drafts if drafts else None,
+            "acceptance_per_position": [c / drafts for c in per_position] if drafts else [],
+            "time_split": {"draft": sum(s.draft_s for s in samples) / server,
+                           "verify": sum(s.verify_s for s in samples) / server,
+                           "coordination_network": max(0.0, 1 - (sum(s.draft_s + s.verify_s for s in samples)) / server)}
+            if server else None,
+            "draft_s_per_proposed_token": sum(s.draft_s for s in samples) / proposed if proposed else None,
+            "verify_s_per_pass": sum(s.verify_s for s in samples) / passes,
+        })
+    return out
+
+
+def predicted_speedup(spec: dict, baseline: dict) -> float | None:
+    """Leviathan et al. (2023): with acceptance a and k proposals, a pass yields
+    (1 - a^(k+1)) / (1 - a) tokens and costs k draft steps plus one verify; the target alone
+    yields 1 token per pass."""
+    a, k = spec.get("acceptance_rate"), spec["k"]
+    d, v, t0 = spec.get("draft_s_per_proposed_token"), spec.get("verify_s_per_pass"), baseline.get("verify_s_per_pass")
+    if a is None or d is None or not v or not t0:
+        return None
+    tokens_per_pass = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens_per_pass / ((k * d + v) / t0)
+
+
+# -- the run -------------------------------------------------------------------------------
+def build_request(prompt: dict, mode: Mode, temperature: float, max_new_tokens: int, seed: int):
+    from specdec.v1 import coordinator_pb2 as pb
+
+    req = pb.GenerateRequest(prompt=prompt["text"], apply_chat_template=True)
+    req.sampling.temperature = temperature
+    req.sampling.max_new_tokens = max_new_tokens
+    req.sampling.ignore_eos = True  # every mode generates the same number of tokens
+    req.sampling.seed = seed
+    req.speculation.num_speculative_tokens = mode.k
+    req.speculation.method = mode.method
+    req.speculation.adaptive = mode.adaptive  # explicit: a fixed-k mode is fixed whatever the server default
+    return req
+
+
+def run(args) -> dict:
+    import grpc
+
+    from specdec.apps.launcher import local_stack
+    from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
+    from specdec.modeling.loading import default_draft_for, encode_prompt, load_model, load_tokenizer
+    from specdec.v1 import coordinator_pb2_grpc
+
+    say = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    prompts = load_prompts(Path(args.prompts), args.num_prompts, args.split)
+    ks = [int(k) for k in args.ks.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    concurrency = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
+    if args.draft_model == "auto":
+        args.draft_model = default_draft_for(args.target_model)
+    draft_is_model = args.draft_model not in ("ngram", "none")
+    args.assistant_model = assistant_for(args)
+    modes = [Mode("target-only", 0, "none")]
+    if draft_is_model:
+        modes += [Mode("speculative", k, "draft_model") for k in ks]
+        modes += [Mode("speculative-adaptive", k, "draft_model", True) for k in _ks(args.adaptive_ks)]
+    ngram_ks = ks if args.ngram_ks is None else _ks(args.ngram_ks)
+    modes += [Mode("speculative-ngram", k, "ngram") for k in ngram_ks]
+    hf_modes = [] if args.no_hf else [Mode("hf-generate")]
+    if not args.no_hf and (args.assistant_model or not draft_is_model):  # else nothing can assist
+        hf_modes += [Mode("hf-assisted", k) for k in ks]
+    say(f"{len(prompts)} prompts x {len(temperatures)} settings x {len(modes) + len(hf_modes)} modes x "
+        f"{args.repeats} repeats, {args.max_new_tokens} new tokens each")
+
+    tokenizer = load_tokenizer(args.target_model)
+    hf_target = hf_draft = None
+    if hf_modes:
+        say("loading the target (and draft) in process for the transformers baselines...")
+        # loaded on the thread that runs them (specdec/runtime/model_thread.py)
+        hf_target = call_on_model_thread(load_model, args.target_model, "cpu", quiet=True)
+        if args.assistant_model:
+            say(f"transformers assisted generation drafts with {args.assistant_model}")
+            hf_draft = call_on_model_thread(load_model, args.assistant_model, "cpu", quiet=True)
+    prompt_ids = {p["id"]: encode_prompt(tokenizer, p["text"], chat=True) for p in prompts}
+    results: dict[tuple, list[list[Sample]]] = {}
+    largest = max(ks + ngram_ks + _ks(args.adaptive_ks))
+    with local_stack(args.target_model, args.draft_model if draft_is_model else "ngram",
+                     num_speculative_tokens=largest, extra_coordinator=["--max-speculative-tokens", str(largest)],
+                     log_dir=Path(args.log_dir) if args.log_dir else None) as stack:
+        async def measure():
+            async with grpc.aio.insecure_channel(stack.coordinator_address) as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                await stream_one(stub, build_request(prompts[0], modes[0], 0.0, 4, 0))  # warm-up
+                total = args.repeats * len(prompts) * len(temperatures) * (len(modes) + len(hf_modes))
+                done = 0
+                for rep in range(args.repeats):
+                    for pi, prompt in enumerate(prompts):
+                        for temperature in temperatures:
+                            ordered = (modes + hf_modes)[pi % 3:] + (modes + hf_modes)[: pi % 3]  # interleave
+                            for mode in ordered:
+                                seed = 1000 * rep + pi
+                                if mode.mode.startswith("hf"):
+                                    assistant = hf_draft if mode.mode == "hf-assisted" else None
+                                    lookup = mode.k if mode.mode == "hf-assisted" else 0
+                                    # The model thread, as in the services: passes spread over a pool's
+                                    # threads run slower on CPU (specdec/runtime/model_thread.py).
+                                    sample = await on_model_thread(hf_one, hf_target, prompt_ids[prompt["id"]],
+                                                                   args.max_new_tokens, temperature, seed,
+                                                                   assistant, lookup)
+                                else:
+                                    sample = await stream_one(stub, build_request(prompt, mode, temperature,
+                                                                                  args.max_new_tokens, seed))
+                                runs = results.setdefault((mode, temperature), [])
+                                while len(runs) <= rep:
+                                    runs.append([])
+                                runs[rep].append(sample)
+                                done += 1
+                                if done % max(1, total // 20) == 0 or done == total:
+                                    say(f"{done}/{total} requests")
+                return stub
+
+        asyncio.run(measure())
+        summaries = [summarize(mode, t, runs) for (mode, t), runs in results.items()]
+        sweep = []
+        if concurrency:
+            best = _best(summaries, temperatures[0])
+            sweep = asyncio.run(_concurrency(stack.coordinator_address, prompts, best, temperatures[0],
+                                             args.max_new_tokens, concurrency, say))
+    return report(summaries, sweep, args)
+
+
+def assistant_for(args) -> str | None:
+    """The draft model transformers' assisted generation uses (None: prompt lookup for an n-gram
+    draft, or no assisted mode). 'auto': the stack's draft itself when it is a standalone model;
+    for a feature draft, which transformers cannot run, the standalone draft shipped for the
+    default target (if the target is that one)."""
+    from specdec.modeling.feature_draft import is_feature_draft_dir
+    from specdec.modeling.loading import default_standalone_draft_for, resolve
+
+    if args.assistant_model not in (None, "auto"):
+        return None if args.assistant_model == "none" else args.assistant_model
+    if args.draft_model in ("ngram", "none"):
+        return None
+    location = resolve(args.draft_model).location
+    if not is_feature_draft_dir(location):
+        return args.draft_model
+    return default_standalone_draft_for(args.target_model)
+
+
+def _ks(text: str) -> list[int]:
+    return [int(k) for k in text.split(",") if k.strip()]
+
+
+def _best(summaries: list[dict], temperature: float) -> Mode:
+    spec = [s for s in summaries if s["mode"].startswith("speculative") and s["temperature"] == temperature]
+    return Mode.of_summary(max(spec, key=lambda s: s["tokens_per_s"]))
+
+
+async def _concurrency(address, prompts, best: Mode, temperature, max_new_tokens, levels, say) -> list[dict]:
+    import grpc
+
+    from specdec.v1 import coordinator_pb2_grpc
+
+    out = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        for level in levels:
+            for mode in (Mode("target-only", 0, "none"), best):
+                reqs = [build_request(prompts[i % len(prompts)], mode, temperature, max_new_tokens, i)
+                        for i in range(level)]
+                started = time.perf_counter()
+                samples = await asyncio.gather(*(stream_one(stub, r) for r in reqs))
+                wall = time.perf_counter() - started
+                out.append({"concurrency": level, "mode": mode.mode, "k": mode.k,
+                            "aggregate_tokens_per_s": sum(s.tokens for s in samples) / wall})
+                say(f"concurrency {level} {mode.mode} k={mode.k}: {out[-1]['aggregate_tokens_per_s']:.1f} tokens/s")
+    return out
+
+
+def report(summaries: list[dict], sweep: list[dict], args) -> dict:
+    by = {(s["mode"], s["k"], s["temperature"]): s for s in summaries}
+    headline_t = float(args.temperatures.split(",")[0])
+    base = by.get(("target-only", 0, headline_t))
+    for s in summaries:
+        b = by.get(("target-only", 0, s["temperature"]))
+        s["speedup_vs_target_only"] = s["tokens_per_s"] / b["tokens_per_s"] if b and b["tokens_per_s"] else None
+        # Leviathan's model is for a fixed k: an adaptive run mixes blocks and target-only steps.
+        fixed = s["mode"] in ("speculative", "speculative-ngram")
+        s["predicted_speedup"] = predicted_speedup(s, b) if b and fixed else None
+    spec = [s for s in summaries if s["mode"].startswith("speculative") and s["temperature"] == headline_t]
+    best = max(spec, key=lambda s: s["tokens_per_s"]) if spec else None
+    assisted = [s for s in summaries if s["mode"] == "hf-assisted" and s["temperature"] == headline_t]
+    best_assisted = max(assisted, key=lambda s: s["tokens_per_s"]) if assisted else None
+    split = (best or {}).get("time_split") or {}
+    return {
+        "settings": {"target_model": args.target_model, "draft_model": args.draft_model,
+                     "assistant_model": getattr(args, "assistant_model", None), "ks": args.ks,
+                     "temperatures": args.temperatures, "max_new_tokens": args.max_new_tokens,
+                     "repeats": args.repeats, "prompts": args.prompts, "num_prompts": args.num_prompts,
+                     "headline_temperature": headline_t},
+        "modes": summaries,
+        "best": {"mode": best["mode"], "k": best["k"]} if best else None,
+        "speedup_vs_target_only": best["speedup_vs_target_only"] if best else None,
+        "speedup_vs_hf_assisted": best["tokens_per_s"] / best_assisted["tokens_per_s"]
+        if best and best_assisted else None,
+        "speedup_vs_hf_generate": best["tokens_per_s"] / by[("hf-generate", 0, headline_t)]["tokens_per_s"]
+        if best and ("hf-generate", 0, headline_t) in by else None,
+        "acceptance_rate": best.get("acceptance_rate") if best else None,
+        "mean_accepted_length": best.get("mean_accepted_length") if best else None,
+        "predicted_speedup": best.get("predicted_speedup") if best else None,
+        "overhead_fraction": split.get("coordination_network"),
+        "target_only_tokens_per_s": base["tokens_per_s"] if base else None,
+        "concurrency": sweep,
+    }
+
+
+def table(rep: dict) -> str:
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"{'mode':<20} {'k':>2} {'T':>4} {'tok/s':>7} {'(min-max)':>13} {'x base':>6} {'pred':>5} "
+             f"{'accept':>6} {'len':>5} {'pass/tok':>8} {'ttft':>6} {'itl p50/p99':>13} {'draft/verify/other':>20}"]
+    for s in sorted(rep["modes"], key=lambda s: (s["temperature"], s["mode"], s["k"])):
+        split = s.get("time_split")
+        lines.append(
+            f"{s['mode']:<20} {s['k']:>2} {s['temperature']:>4.1f} {s['tokens_per_s']:>7.1f} "
+            f"{fmt(s['tokens_per_s_min'], '.1f') + '-' + fmt(s['tokens_per_s_max'], '.1f'):>13} "
+            f"{fmt(s.get('speedup_vs_target_only'), '.2f'):>6} {fmt(s.get('predicted_speedup'), '.2f'):>5} "
+            f"{fmt(s.get('acceptance_rate'), '.2f'):>6} {fmt(s.get('mean_accepted_length'), '.2f'):>5} "
+            f"{fmt(s.get('target_passes_per_token'), '.2f'):>8} {fmt(s.get('ttft_s_median'), '.3f'):>6} "
+            f"{fmt(s.get('itl_s_p50'), '.3f') + '/' + fmt(s.get('itl_s_p99'), '.3f'):>13} "
+            f"{(' / '.join(f'{split[k]:.0%}' for k in ('draft', 'verify', 'coordination_network'))) if split else '-':>20}")
+    for c in rep["concurrency"]:
+        lines.append(f"concurrency {c['concurrency']:>2}: {c['mode']} k={c['k']}: "
+                     f"{c['aggregate_tokens_per_s']:.1f} tokens/s aggregate")
+    lines.append(f"best: {rep['best']}, speedup vs target-only {fmt(rep['speedup_vs_target_only'], '.2f')}x "
+                 f"(predicted {fmt(rep['predicted_speedup'], '.2f')}x), vs transformers assisted "
+                 f"{fmt(rep['speedup_vs_hf_assisted'], '.2f')}x, acceptance {fmt(rep['acceptance_rate'], '.2f')}, "
+                 f"mean accepted length {fmt(rep['mean_accepted_length'], '.2f')}")
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for s_mode in ("speculative", "speculative-adaptive", "speculative-ngram", "hf-assisted"):
+        for t in sorted({s["temperature"] for s in rep["modes"]}):
+            pts = sorted((s["k"], s) for s in rep["modes"] if s["mode"] == s_mode and s["temperature"] == t)
+            if not pts:
+                continue
+            ax1.plot([k for k, _ in pts], [s["tokens_per_s"] for _, s in pts], marker="o", label=f"{s_mode} T={t}")
+            if s_mode != "hf-assisted":
+                ax2.plot([k for k, _ in pts], [s.get("acceptance_rate") or 0 for _, s in pts], marker="o",
+                         label=f"{s_mode} T={t}")
+        base = [s for s in rep["modes"] if s["mode"] == "target-only"]
+    for s in base:
+        ax1.axhline(s["tokens_per_s"], linestyle="--", color="grey")
+    ax1.set_xlabel("k (speculative tokens)")
+    ax1.set_ylabel("tokens/s (median)")
+    ax1.set_title("throughput vs k (dashed: target-only)")
+    ax1.legend(fontsize=7)
+    ax2.set_xlabel("k")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_title("acceptance vs k")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", default="smollm2")
+    p.add_argument("--draft-model", default="auto",
+                   help="draft model spec, 'ngram', or 'auto' (the stack's default: the shipped distilled draft "
+                        "for the default target, else n-gram)")
+    p.add_argument("--assistant-model", default="auto",
+                   help="the draft of transformers' assisted generation (the peer): 'auto' = the stack's draft, or "
+                        "for a feature draft the standalone distilled draft of the default target; 'none' = skip")
+    p.add_argument("--ngram-ks", default=None, help="k sweep of the n-gram draft (default: --ks; '' = skip)")
+    p.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSONL file of {id, category, text}")
+    p.add_argument("--split", default=None, help="only prompts with this split (e.g. heldout)")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="k sweep")
+    p.add_argument("--adaptive-ks", default="2", help="k of the adaptive-policy modes ('' = skip)")
+    p.add_argument("--temperatures", default="0,0.7", help="sampling settings; the first is the headline")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--concurrency", default="1,4,16", help="concurrency sweep ('' = skip)")
+    p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
+    p.add_argument("--quick", action="store_true", help="a few minutes: 4 prompts, k in 2,4, 2 repeats, 24 tokens")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write tokens/s and acceptance vs k here (PNG)")
+    p.add_argument("--log-dir", default=None, help="service logs (default: inherited output)")
+
+
+def main(args) -> int:
+    if args.quick:
+        args.num_prompts = args.num_prompts or 4
+        args.ks, args.repeats, args.max_new_tokens = "2,4", 2, min(args.max_new_tokens, 24)
+        args.concurrency = "1,4" if args.concurrency == "1,4,16" else args.concurrency
+    rep = run(args)
+    print(table(rep))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep, indent=2))
+    if args.plot:
+        plot(rep, args.plot)
+    return 0

@@ -1,0 +1,285 @@
+"""The ``specdec`` command line."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=None, help="default: a fresh random seed (reported)")
+    group.add_argument("--max-new-tokens", type=int, default=96)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--raw", action="store_true", help="send the prompt as is (default: as a chat user message)")
+
+
+def sampling_from_args(args):
+    from specdec.exact.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_run(args) -> int:
+    """Bring the local stack up, stream one answer through the public API, print stats, tear down."""
+    from specdec.apps.client import build_request, stream_to, summary
+    from specdec.apps.launcher import local_stack
+
+    with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model,
+                     num_speculative_tokens=args.num_speculative_tokens, extra_coordinator=_policy_flags(args),
+                     extra_target=_device_flags(args), extra_draft=_device_flags(args)) as stack:
+        request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
+                                chat=not args.raw)
+        if args.compare:  # neither measured request should pay the stack's first-request costs
+            warm_up(stack.coordinator_address, args)
+        print(f"\n> {args.prompt}\n", flush=True)
+        answer = stream_to(stack.coordinator_address, request)
+        print("\n\n" + summary(answer), flush=True)
+        if args.compare:
+            print(compare_without_speculation(stack.coordinator_address, args, answer), flush=True)
+    return 0
+
+
+def warm_up(address: str, args) -> None:
+    from dataclasses import replace
+
+    from specdec.apps.client import build_request, stream_to
+
+    params = replace(sampling_from_args(args), max_new_tokens=8)
+    for k, method in ((args.num_speculative_tokens, ""), (0, "none")):
+        stream_to(address, build_request(prompt=args.prompt, params=params, k=k, method=method, chat=not args.raw),
+                  out=None)
+
+
+def compare_without_speculation(address: str, args, answer) -> str:
+    """The same request (same seed) without speculation, through the same stack, alternated with
+    the speculative one ``args.compare_runs`` times each (the answer is the first speculative run;
+    medians, since one run on a busy machine says little): how much faster speculation was, and,
+    for greedy decoding, that the tokens are identical."""
+    import statistics
+
+    from specdec.apps.client import build_request, stream_to
+
+    params = sampling_from_args(args).with_seed(answer.seed)
+    with_spec = build_request(prompt=args.prompt, params=params, k=args.num_speculative_tokens, chat=not args.raw)
+    without = build_request(prompt=args.prompt, params=params, k=0, method="none", chat=not args.raw)
+    rate = lambda a: len(a.token_ids) / a.seconds if a.seconds else 0.0  # noqa: E731
+    plains, fast = [], [rate(answer)]
+    for i in range(args.compare_runs):
+        plains.append(stream_to(address, without, out=None))
+        if i + 1 < args.compare_runs:  # the answer was the first speculative run
+            fast.append(rate(stream_to(address, with_spec, out=None)))
+    plain, slow = plains[0], [rate(p) for p in plains]
+    fast_m, slow_m = statistics.median(fast), statistics.median(slow)
+    line = (f"without speculation (target only, same stack): {slow_m:.1f} tokens/s, with: {fast_m:.1f} "
+            f"(medians of {len(slow)} runs each) -> speculation is {fast_m / slow_m if slow_m else float('nan'):.2f}x")
+    if params.greedy:
+        line += "; identical tokens: " + ("yes" if plain.token_ids == answer.token_ids else "NO (a bug: please report)")
+    return line
+
+
+def cmd_serve(args) -> int:
+    """The local stack, up until Ctrl-C / SIGTERM."""
+    import signal
+    import threading
+
+    from specdec.apps.launcher import local_stack
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model, port=args.port,
+                     num_speculative_tokens=args.num_speculative_tokens, host=args.host,
+                     extra_target=_device_flags(args, "target") + ["--tp", str(args.target_tp)],
+                     extra_draft=_device_flags(args, "draft"), extra_coordinator=_policy_flags(args),
+                     draft_replicas=args.draft_replicas, target_replicas=args.target_replicas) as stack:
+        print(f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)\n"
+              f"  registry and session log: {stack.redis_url}"
+              f"{' (embedded redis-server)' if stack.embedded_redis else ''}\n"
+              f"  add a draft replica: specdec draft --model {stack.draft_model} --port PORT --redis {stack.redis_url}",
+              flush=True)
+        try:
+            while not stop.wait(1.0):
+                dead = stack.any_exited()
+                if dead is not None:
+                    print(f"specdec: {dead.name} exited (code {dead.process.returncode}); stopping", file=sys.stderr)
+                    return 1
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from specdec.apps.client import build_request, stream_to, summary
+
+    request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
+                            method=args.method, request_id=args.request_id, chat=not args.raw,
+                            adaptive=args.adaptive)
+    try:
+        answer = stream_to(args.addr, request, timeout=args.timeout)
+    except grpc.RpcError as exc:  # print the status, not a traceback
+        print(f"specdec: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    print("\n\n" + summary(answer), file=sys.stderr)
+    return 0
+
+
+def _device_flags(args, role: str = "") -> list[str]:
+    device = getattr(args, f"{role}_device", None) if role else None
+    device = device or getattr(args, "device", None)
+    flags = ["--device", device] if device else []
+    if getattr(args, "dtype", None):
+        flags += ["--dtype", args.dtype]
+    return flags
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _policy_flags(args) -> list[str]:
+    return ["--fixed-k"] if args.fixed_k else []
+
+
+def _stack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--draft-model", default="auto",
+                   help="draft model spec, 'ngram', 'none' (no speculation), or 'auto' (default: the shipped "
+                        "distilled draft 'smollm2-draft' for the default target, 'ngram' for any other)")
+    # 2: the best k of the held-out CPU bench with the shipped draft (README Performance): 1.14x / 1.15x /
+    # 1.12x in three runs vs 1.10x / 1.14x / 1.10x at k=1 (3-row verifies are cheap: specdec/modeling/fewrow.py)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=2,
+                   help="tokens a draft block proposes (default 2)")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="a block every step (default: adaptive, target-only steps while blocks do not pay; "
+                        "specdec/loop/policy.py)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
+
+
+# Commands whose flags live in their own module: name -> (help, module). The module provides
+# add_arguments(parser) and main(args).
+MODULE_COMMANDS = {
+    "bench": ("measure speculative vs target-only vs transformers, in one run", "specdec.apps.bench"),
+    "distill": ("train a small draft for a target by knowledge distillation", "specdec.training.distill"),
+    "draft": ("run the draft gRPC service", "draft_service.server"),
+    "target": ("run the target gRPC service", "target_service.server"),
+    "coordinator": ("run the coordinator (public gRPC API) on Ray", "coordinator.server"),
+}
+
+
+def _module_command(name: str):
+    import importlib
+
+    module = importlib.import_module(MODULE_COMMANDS[name][1])
+    return module.add_arguments, module.main
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI parser. With ``command`` (what main() passes), only that command's module is imported,
+    so `specdec distill` needs neither grpc nor ray and a service process imports only its own
+    server; without it, every command is complete."""
+    parser = argparse.ArgumentParser(prog="specdec", description="Exact, distributed speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("selftest", help="the statistical exactness certificate on tiny random models",
+                       add_help=False)
+    p.set_defaults(func=None)
+
+    p = sub.add_parser("run", help="bring the local stack up, stream one answer with its stats, shut down")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    p.add_argument("--compare", action="store_true",
+                   help="then run the same request without speculation and print the speed-up")
+    p.add_argument("--compare-runs", type=_positive_int, default=3,
+                   help="with --compare: runs of each, alternated (medians are compared)")
+    _stack_flags(p)
+    add_sampling_flags(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="run the whole local stack (target, draft, coordinator on Ray) until stopped")
+    _stack_flags(p)
+    p.add_argument("--port", type=int, default=50051, help="public (coordinator) port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--target-device", default=None, help="device of the target (e.g. cuda:0)")
+    p.add_argument("--draft-device", default=None, help="device of the draft (e.g. cuda:1)")
+    p.add_argument("--draft-replicas", type=int, default=1, help="draft service processes")
+    p.add_argument("--target-replicas", type=int, default=1, help="target service processes")
+    p.add_argument("--target-tp", type=int, default=1, help="tensor-parallel ranks per target replica")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="call a running coordinator and stream the answer")
+    p.add_argument("prompt")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="default: the server's")
+    p.add_argument("--method", default="", choices=["", "draft_model", "ngram", "none"])
+    policy = p.add_mutually_exclusive_group()
+    policy.add_argument("--adaptive", dest="adaptive", action="store_const", const=True, default=None,
+                        help="target-only steps while draft blocks do not pay (default: the server's choice)")
+    policy.add_argument("--fixed-k", dest="adaptive", action="store_const", const=False,
+                        help="a draft block every step")
+    p.add_argument("--request-id", default="")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_sampling_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    for name, (help_text, _) in MODULE_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if command is None or name == command:  # a named command imports only its own module
+            add_arguments, run = _module_command(name)
+            add_arguments(p)
+            p.set_defaults(func=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if argv[:1] == ["selftest"]:
+        from specdec.apps.selftest import main as selftest_main
+
+        return selftest_main(argv[1:])
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
+    args = parser.parse_args(argv)
+    from specdec.errors import SpecdecError
+
+    # SIGTERM unwinds like Ctrl-C, so `run`, `bench` and `distill` stop the processes they started
+    # (local_stack's finally) instead of dying and leaving them behind. Commands that serve install
+    # their own handler (drain first) after this one.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return args.func(args)
+    except SpecdecError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

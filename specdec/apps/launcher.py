@@ -1,0 +1,230 @@
+"""``specdec serve`` / ``specdec run``: the whole local stack as separate processes.
+
+Starts the target service, the draft service and the coordinator (which starts or joins Ray),
+each as its own process running the same ``specdec`` CLI, waits until each answers the standard
+gRPC health check, and stops them all (SIGTERM, then SIGKILL after a grace period) on exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from specdec.errors import SpecdecError
+from specdec.modeling.loading import default_draft_for, resolve
+from specdec.runtime.grpc_server import wait_for_health
+
+
+class StackError(SpecdecError):
+    """A service of the local stack failed to start."""
+
+    code = "UNAVAILABLE"
+
+DEFAULT_TARGET = "smollm2"
+DEFAULT_DRAFT = "auto"  # the shipped distilled draft for the default target, else n-gram
+# The local stack puts the target and the draft on one machine's cores. A draft of a few layers
+# gains little from a second CPU thread (the distilled SmolLM2 draft alone: 7.8-9.7 ms per k=2
+# proposal with two threads, 9.4-11.7 ms with one), but its OpenMP team then competes with the
+# target's for the same cores: through the stack, one thread was faster (server-side Propose
+# 12.5-13.7 ms vs 14.8-15.0 ms). A caller's own --threads wins.
+DRAFT_THREADS = "1"
+
+
+def draft_flags(extra: list[str] | None) -> list[str]:
+    """The draft service's flags in the local stack: the caller's, with one CPU thread unless
+    they chose a thread count (see DRAFT_THREADS)."""
+    flags = list(extra or [])
+    return flags if "--threads" in flags else flags + ["--threads", DRAFT_THREADS]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def specdec_command() -> list[str]:
+    return [sys.executable, "-m", "specdec"]
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    process: subprocess.Popen
+
+
+@dataclass
+class Stack:  # noqa: D101
+    children: list[Child] = field(default_factory=list)
+    coordinator_address: str = ""
+    redis_url: str = ""
+    embedded_redis: object = None
+    host: str = "127.0.0.1"
+    log_dir: Path | None = None
+    env: dict = field(default_factory=dict)
+    draft_model: str | None = None
+    extra_draft: list = field(default_factory=list)
+    target_model: str | None = None
+    extra_target: list = field(default_factory=list)
+
+    def start_replica(self, kind: str, model: str, extra: list[str], name: str) -> Child:
+        """Start one draft/target replica registered in the stack's Redis (not waited for)."""
+        address = f"{self.host}:{free_port()}"
+        args = [kind, "--model", model, "--host", self.host, "--port", address.rsplit(":", 1)[1],
+                "--redis", self.redis_url, "--replica-id", name, *extra]
+        return self.start(name, args, address, self.log_dir, {"OTEL_SERVICE_NAME": f"specdec-{kind}", **self.env})
+
+    def add_replica(self, kind: str, name: str, timeout: float = 120.0) -> Child:
+        """Scale a pool out at run time (a new replica registers itself; no restart needed)."""
+        model, extra = (self.draft_model, self.extra_draft) if kind == "draft" else (self.target_model, self.extra_target)
+        child = self.start_replica(kind, model, extra, name)
+        self.wait_healthy(child, timeout)
+        return child
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def start(self, name: str, args: list[str], address: str, log_dir: Path | None, env: dict | None = None) -> Child:
+        out = None
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)  # --log-dir names a folder that may not exist yet
+            out = open(Path(log_dir) / f"{name}.log", "ab")
+        with _signals_deferred():  # a child started but not recorded could never be stopped
+            process = subprocess.Popen(specdec_command() + args, stdout=out or None,
+                                       stderr=subprocess.STDOUT if out else None,
+                                       env={**os.environ, **(env or {})}, start_new_session=True)
+            child = Child(name, address, process)
+            self.children.append(child)
+        return child
+
+    def wait_healthy(self, child: Child, timeout: float, log: Path | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if child.process.poll() is not None:
+                raise StackError(f"the {child.name} service exited with code {child.process.returncode} before "
+                                 f"it was ready (see its output above{' or in ' + str(log) if log else ''})")
+            # One probe at a time with SIGTERM/SIGINT held until it returns (at most ~2 s): the
+            # KeyboardInterrupt they become must not land inside grpc.aio's event loop, which can
+            # abort the interpreter at exit (seen once in CI: `specdec run` exited -6 on SIGTERM).
+            with _signals_deferred():
+                ready = asyncio.run(_probe_health(child.address))
+            if ready:
+                return
+        raise StackError(f"the {child.name} service at {child.address} is not SERVING after {timeout:.0f}s")
+
+    def stop(self, grace: float = 15.0) -> None:
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in reversed(self.children):
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                child.process.wait(remaining)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+
+    def any_exited(self) -> Child | None:
+        return next((c for c in self.children if c.process.poll() is not None), None)
+
+
+async def _probe_health(address: str) -> bool:
+    """One health check of ``address`` (up to 2 s): SERVING or not yet."""
+    try:
+        await wait_for_health(address, timeout=2.0)
+        return True
+    except TimeoutError:
+        return False
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGTERM / SIGINT (which `specdec` turns into KeyboardInterrupt) until the block is done,
+    then raise. Only the main thread can set handlers; elsewhere this is a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if pending:
+        raise KeyboardInterrupt(f"signal {pending[0]} during a child's start")
+
+
+def _say(message: str) -> None:
+    print(f"[specdec] {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DEFAULT_DRAFT, port: int = 0,
+                num_speculative_tokens: int = 4, host: str = "127.0.0.1", log_dir: Path | None = None,
+                extra_target: list[str] | None = None, extra_draft: list[str] | None = None,
+                extra_coordinator: list[str] | None = None, startup_timeout: float = 300.0,
+                env: dict | None = None, draft_replicas: int = 1, target_replicas: int = 1,
+                redis_url: str | None = None) -> Iterator[Stack]:
+    """Bring the stack up (yields it once the coordinator is SERVING); always tear it down.
+
+    Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here."""
+    from specdec.runtime.redis_embedded import EmbeddedRedis
+
+    if draft_model == "auto":
+        draft_model = default_draft_for(target_model)
+    # Fail fast, with the model loader's own message, before any process starts.
+    for spec in (target_model, draft_model):
+        if spec and spec not in ("ngram", "none"):
+            resolve(spec)
+    stack = Stack()
+    embedded = None
+    try:
+        redis_url = redis_url or os.environ.get("REDIS_URL")
+        if not redis_url:
+            embedded = EmbeddedRedis().start()
+            redis_url = embedded.url
+            _say(f"started an embedded redis-server at {redis_url}")
+        stack.redis_url, stack.embedded_redis = redis_url, embedded
+        stack.host, stack.log_dir, stack.env = host, log_dir, env or {}
+        stack.draft_model, stack.extra_draft = draft_model, draft_flags(extra_draft)
+        stack.target_model, stack.extra_target = target_model, list(extra_target or [])
+        for i in range(target_replicas):
+            _say(f"starting target replica {i} ({target_model})...")
+            stack.start_replica("target", target_model, list(extra_target or []), f"target-{i}")
+        if draft_model and draft_model != "none":
+            for i in range(draft_replicas):
+                _say(f"starting draft replica {i} ({draft_model})...")
+                stack.start_replica("draft", draft_model, stack.extra_draft, f"draft-{i}")
+        for child in list(stack.children):
+            stack.wait_healthy(child, startup_timeout, log_dir / f"{child.name}.log" if log_dir else None)
+            _say(f"{child.name} is SERVING on {child.address}")
+        coord_port = port or free_port()
+        coord_addr = f"{host}:{coord_port}"
+        _say(f"starting coordinator on {coord_addr} (Ray)...")
+        args = ["coordinator", "--redis", redis_url, "--host", host, "--port", str(coord_port),
+                "--num-speculative-tokens", str(num_speculative_tokens)]
+        if not draft_model or draft_model == "none":  # no draft: requests run target-only by default
+            args += ["--default-method", "none"]
+        coordinator = stack.start("coordinator", args + list(extra_coordinator or []), coord_addr, log_dir,
+                                  {"OTEL_SERVICE_NAME": "specdec-coordinator", **(env or {})})
+        stack.wait_healthy(coordinator, startup_timeout, log_dir / "coordinator.log" if log_dir else None)
+        stack.coordinator_address = coord_addr
+        _say(f"coordinator is SERVING on {coord_addr}")
+        yield stack
+    finally:
+        stack.stop()
+        if embedded is not None:
+            embedded.stop()

@@ -1,0 +1,287 @@
+"""``specdec selftest``: the exactness certificate, in process, on tiny random models.
+
+For each case we enumerate the exact float64 law of the first T generated tokens under the
+target alone (every prefix, the shared transform pipeline in float64), then run N seeded
+speculative generations through the real engines and the real loop, and compare the empirical
+joint frequencies with a chi-square test at a fixed significance level (G-test and total
+variation reported beside it). Seeds are fixed (run i uses seed BASE_SEED + i), so the
+certificate is deterministic: it cannot flake, and a bug cannot hide behind a lucky run.
+
+Outcomes with an expected count below 5 are pooled into one bin (the usual validity rule for
+the chi-square approximation); an observed outcome with exact probability 0 fails the case
+outright.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specdec.exact.sampling import SamplingParams, probs_from_logits, token_counts
+
+ALPHA = 1e-3  # per-case significance level
+BASE_SEED = 20231130
+VOCAB = 16
+TARGET_SEED, DRAFT_SEED = 11, 23
+DEFAULT_RUNS = 1000
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    covers: str
+    params: dict = field(default_factory=dict)  # SamplingParams fields (seed and length set per run)
+    k: int = 3
+    draft: str = "model"  # model | same | negated | ngram | subset | feature
+    tokens: int = 3  # T: length of the enumerated joint law (also max_new_tokens)
+    top_m: int = 0  # draft truncation (0 = off)
+    prompt: tuple[int, ...] = (1, 2, 3)
+    expect_acceptance: float | None = None  # exact acceptance rate the case must show
+    # The adaptive policy with this (fixed, per_token) step cost: k then changes from step to step
+    # with the acceptance so far; None = every step proposes k.
+    adaptive_cost: tuple[float, float] | None = None
+
+
+CASES: tuple[Case, ...] = (
+    Case("temperature_1", "plain sampling, k=3 (block crosses max_new_tokens=3)", {"temperature": 1.0}),
+    Case("temperature_0.7", "temperature scaling on both sides", {"temperature": 0.7}),
+    Case("top_k", "top-k filtering (k=4) on p and q", {"temperature": 0.9, "top_k": 4}),
+    Case("top_p", "top-p (nucleus 0.8) on p and q", {"top_p": 0.8}),
+    Case("min_p", "min-p (0.15) on p and q", {"min_p": 0.15}),
+    Case("penalties_and_bias", "repetition 1.8, presence 0.5, frequency 0.4, logit bias; position-wise history",
+         {"repetition_penalty": 1.8, "presence_penalty": 0.5, "frequency_penalty": 0.4,
+          "logit_bias": {5: 1.5, 7: -2.0}}, prompt=(5, 7, 5, 9)),
+    Case("greedy", "temperature 0: one-hot p and q, every run identical", {"temperature": 0.0}),
+    Case("k1", "k=1 blocks, 3 steps' worth of tokens", {"temperature": 1.0}, k=1),
+    Case("k5_boundary", "k=5 > max_new_tokens=3: the block is cut at the boundary", {"temperature": 1.0}, k=5),
+    Case("disjoint_support_forced_rejection", "draft support disjoint from the target's top-k: every proposal "
+         "rejected, output all from the residual", {"top_k": 3}, draft="negated", expect_acceptance=0.0),
+    Case("q_equals_p_bonus", "draft == target: every proposal accepted, bonus path", {"temperature": 1.0},
+         draft="same", expect_acceptance=1.0),
+    Case("sparse_q_top_m", "draft ships a truncated q (top-M=3): sampling from exactly the shipped q",
+         {"temperature": 1.0}, top_m=3),
+    Case("ngram", "n-gram / prompt-lookup draft with one-hot q", {"temperature": 1.0},
+         draft="ngram", prompt=(4, 6, 4, 6, 4, 6, 4)),
+    Case("reduced_head", "draft with a reduced-vocabulary head (10 of 16 tokens, as distilled drafts ship): "
+         "q = 0 outside it, the residual supplies the rest", {"temperature": 1.0}, draft="subset"),
+    Case("feature_draft", "feature draft (EAGLE-style): proposals from the target's hidden states, then from its "
+         "own fed-back predictions, reduced head; k=2 over 4 tokens", {"temperature": 1.0}, k=2, draft="feature",
+         tokens=4),
+    Case("adaptive_k", "adaptive policy (block cost 1.5 + 0.3k): whether a step is a k=3 block or target-only "
+         "depends on the acceptance so far (k=3, 0, 3 ... over 4 tokens)", {"temperature": 1.0}, tokens=4,
+         adaptive_cost=(0.5, 0.3)),
+)
+SUBSET_HEAD = (0, 1, 2, 3, 5, 8, 9, 11, 12, 14)
+
+
+@dataclass
+class CaseResult:
+    name: str
+    covers: str
+    n: int
+    k: int
+    tokens: int
+    p_value: float
+    g_test_p_value: float
+    tv: float
+    bins: int
+    acceptance_rate: float
+    passed: bool
+    detail: str = ""
+    seconds: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------
+def build_target():
+    from specdec.modeling.tiny import tiny_llama
+
+    return tiny_llama(VOCAB, seed=TARGET_SEED, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
+
+
+def build_draft(kind: str, target, top_m: int):
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.ngram import NgramDraft
+    from specdec.modeling.heads import apply_head_vocab
+    from specdec.modeling.tiny import negated_head, perturbed
+
+    if kind == "ngram":
+        return NgramDraft(VOCAB)
+    if kind == "feature":
+        from specdec.engine.draft import FeatureDraftEngine
+        from specdec.training.distill_features import build_feature_draft
+
+        draft = build_feature_draft(target, list(SUBSET_HEAD), embed_size=8, heads=4, kv_heads=2, intermediate=64,
+                                    seed=DRAFT_SEED).eval().requires_grad_(False)
+        return FeatureDraftEngine(draft, top_m=top_m, eps=0.0)
+    model = {
+        "model": lambda: perturbed(target, scale=0.04, seed=DRAFT_SEED),
+        "same": lambda: target,
+        "negated": lambda: negated_head(target),
+        "subset": lambda: apply_head_vocab(perturbed(target, scale=0.04, seed=DRAFT_SEED), list(SUBSET_HEAD)),
+    }[kind]()
+    return DraftEngine(model, top_m=top_m, eps=0.0)
+
+
+@torch.inference_mode()
+def exact_law(model, prompt: tuple[int, ...], params: SamplingParams, length: int) -> dict[tuple[int, ...], float]:
+    """P(first ``length`` tokens = x) under the target alone, enumerated in float64 over the
+    support of each step (so a large vocabulary is fine when top-k / top-p keep the support small)."""
+    vocab = model.config.vocab_size
+    law: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        prefixes = [x for x, w in law.items() if w > 0]
+        batch = torch.tensor([list(prompt) + list(x) for x in prefixes], dtype=torch.long)
+        logits = model(input_ids=batch).logits[:, -1, :].to(torch.float64)
+        counts = torch.stack([token_counts(list(prompt) + list(x), vocab) for x in prefixes])
+        probs = probs_from_logits(logits, params, counts, dtype=torch.float64)
+        law = {
+            x + (int(v),): law[x] * float(probs[row, v])
+            for row, x in enumerate(prefixes)
+            for v in torch.nonzero(probs[row] > 0).flatten().tolist()
+        }
+    return law
+
+
+def goodness_of_fit(observed: Counter, law: dict, n: int) -> tuple[float, float, float, int, str]:
+    """(chi-square p, G-test p, total variation, bins, problem) with small-expectation pooling."""
+    from scipy.stats import power_divergence
+
+    impossible = [x for x in observed if law.get(x, 0.0) <= 0.0]
+    tv = 0.5 * sum(abs(observed.get(x, 0) / n - law.get(x, 0.0)) for x in set(law) | set(observed))
+    if impossible:
+        return 0.0, 0.0, tv, 0, f"observed outcome(s) of probability 0 under the target: {impossible[:3]}"
+    big = [x for x, w in law.items() if w * n >= 5]
+    obs = [observed.get(x, 0) for x in big]
+    exp = [law[x] * n for x in big]
+    rest_exp = n - sum(exp)
+    if rest_exp > 1e-9:
+        obs.append(n - sum(obs))
+        exp.append(rest_exp)
+    if len(exp) < 2:  # a point mass: the only valid outcome was observed every time
+        return 1.0, 1.0, tv, len(exp), ""
+    total = sum(exp)
+    exp = [e * n / total for e in exp]  # guard float drift so scipy's sum check holds
+    chi = power_divergence(obs, exp, lambda_="pearson")
+    g = power_divergence(obs, exp, lambda_="log-likelihood")
+    return float(chi.pvalue), float(g.pvalue), tv, len(exp), ""
+
+
+def judge(case: Case, observed: Counter, law: dict, n: int, proposed: int, accepted: int,
+          seconds: float = 0.0) -> CaseResult:
+    """The verdict on one case from its outcomes (shared by the in-process and the stack runs)."""
+    p_value, g_p, tv, bins, problem = goodness_of_fit(observed, law, n)
+    acceptance = accepted / proposed if proposed else 0.0
+    passed = not problem and p_value >= ALPHA
+    if case.expect_acceptance is not None and abs(acceptance - case.expect_acceptance) > 1e-12:
+        passed, problem = False, f"acceptance {acceptance:.4f}, expected exactly {case.expect_acceptance}"
+    if case.draft != "ngram" and proposed == 0:
+        passed, problem = False, "no proposals were made: the speculative path was not exercised"
+    return CaseResult(case.name, case.covers, n, case.k, case.tokens, p_value, g_p, tv, bins, acceptance,
+                      passed, problem, seconds)
+
+
+def case_params(case: Case) -> SamplingParams:
+    return SamplingParams(max_new_tokens=case.tokens, ignore_eos=True, **case.params)
+
+
+def case_runs(case: Case, runs: int) -> int:
+    return runs if not case_params(case).greedy else min(runs, 100)
+
+
+def run_case(case: Case, runs: int = DEFAULT_RUNS) -> CaseResult:
+    torch.set_num_threads(1)
+    target_model = build_target()
+    return check_pair(case, target_model, build_draft(case.draft, target_model, case.top_m), runs)
+
+
+def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> CaseResult:
+    """One case with any target model and draft engine: the exact law of ``target_model`` vs the
+    outcomes of seeded speculative runs through the real engines and loop."""
+    from specdec.engine.target import TargetEngine
+    from specdec.loop.generate import speculative_generate
+    from specdec.loop.policy import StepCost
+
+    started = time.perf_counter()
+    target = TargetEngine(target_model)
+    base = case_params(case)
+    law = exact_law(target_model, case.prompt, base, case.tokens)
+    n = case_runs(case, runs)
+    observed: Counter = Counter()
+    proposed = accepted = target_only = 0
+    policy = {} if case.adaptive_cost is None else {"adaptive": True, "step_cost": StepCost(*case.adaptive_cost)}
+    for i in range(n):
+        result = speculative_generate(target, draft, case.prompt, base.with_seed(BASE_SEED + i), case.k, **policy)
+        observed[tuple(result.token_ids[: case.tokens])] += 1
+        proposed += result.stats.proposed_tokens
+        accepted += result.stats.accepted_tokens
+        target_only += result.stats.target_passes - result.stats.drafts
+    verdict = judge(case, observed, law, n, proposed, accepted, time.perf_counter() - started)
+    if case.adaptive_cost is not None and verdict.passed and not target_only:
+        verdict.passed, verdict.detail = False, "the adaptive policy never chose k = 0: its path was not exercised"
+    if len(draft.store if hasattr(draft, "store") else []) or len(target.store):
+        verdict.passed, verdict.detail = False, "sessions left behind in an engine after the runs"
+    return verdict
+
+
+def _run_case_by_name(args: tuple[str, int]) -> CaseResult:
+    name, runs = args
+    return run_case(next(c for c in CASES if c.name == name), runs)
+
+
+def run_all(runs: int = DEFAULT_RUNS, workers: int = 2, cases: list[str] | None = None,
+            progress=None) -> list[CaseResult]:
+    selected = [c for c in CASES if cases is None or c.name in cases]
+    jobs = [(c.name, runs) for c in selected]
+    results: dict[str, CaseResult] = {}
+    if workers <= 1:
+        for job in jobs:
+            results[job[0]] = _run_case_by_name(job)
+            if progress:
+                progress(results[job[0]])
+    else:
+        # spawn, not fork: forking a process whose torch thread pools are live can deadlock.
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            for result in pool.imap_unordered(_run_case_by_name, jobs):
+                results[result.name] = result
+                if progress:
+                    progress(result)
+    return [results[c.name] for c in selected]
+
+
+def format_row(r: CaseResult) -> str:
+    verdict = "PASS" if r.passed else "FAIL"
+    line = (f"{r.name:<36} n={r.n:<5} k={r.k} T={r.tokens} bins={r.bins:<4} p={r.p_value:<8.4f} "
+            f"G-p={r.g_test_p_value:<8.4f} TV={r.tv:.4f} acc={r.acceptance_rate:.3f} {verdict} "
+            f"({r.seconds:.0f}s)")
+    return line + (f"  <- {r.detail}" if r.detail else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec selftest", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print a machine-readable report on stdout")
+    parser.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="seeded generations per case")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (cases run in parallel)")
+    parser.add_argument("--case", action="append", help="run only this case (repeatable)")
+    args = parser.parse_args(argv)
+    names = [c.name for c in CASES]
+    for name in args.case or []:
+        if name not in names:
+            parser.error(f"unknown case {name!r}; choose from {', '.join(names)}")
+    out = sys.stderr if args.json else sys.stdout
+    print(f"specdec selftest: {len(args.case or names)} cases, N={args.runs} seeded runs each, "
+          f"chi-square at alpha={ALPHA}, vocab={VOCAB}", file=out, flush=True)
+    results = run_all(args.runs, args.workers, args.case, progress=lambda r: print(format_row(r), file=out, flush=True))
+    failed = [r.name for r in results if not r.passed]
+    print(f"{len(results) - len(failed)}/{len(results)} cases passed" + (f"; FAILED: {', '.join(failed)}" if failed else ""),
+          file=out, flush=True)
+    if args.json:
+        report = {"alpha": ALPHA, "vocab_size": VOCAB, "base_seed": BASE_SEED, "passed": not failed,
+                  "cases": [asdict(r) for r in results]}
+        print(json.dumps(report, indent=2))
+    return 1 if failed else 0

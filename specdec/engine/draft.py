@@ -1,0 +1,183 @@
+"""The draft engines: per-session KV caches over a small model; they propose blocks with sparse q.
+
+Proposal y_i is sampled from the transformed, truncated q_i it ships (same transform pipeline as
+the target, penalties seeing the proposals before i), with the uniform keyed by
+(seed, absolute position, DRAFT). Two kinds:
+
+- :class:`DraftEngine` ("model"): a standalone causal LM sharing the target's tokenizer.
+- :class:`FeatureDraftEngine` ("feature"): a :class:`specdec.modeling.feature_draft.FeatureDraft`, which
+  reads the target's hidden state before each committed token (they arrive with the prompt and
+  with every commit) and drafts from its own predicted features.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specdec.errors import InvalidArgumentError
+from specdec.engine.sessions import CacheLimits, Commit, Session, SessionEngine, SessionStore, cache_nbytes
+from specdec.exact.proposal import DraftProposal
+from specdec.exact.rng import Purpose, uniform
+from specdec.exact.sampling import SamplingParams, greedy_tokens, probs_from_logits
+from specdec.exact.sparse import SparseDist, sample_sparse, truncate
+
+
+class _Proposer(SessionEngine):
+    """What both kinds share: the truncation policy and one draw from a logits row."""
+
+    def __init__(self, store: SessionStore, top_m: int, eps: float):
+        """``top_m`` / ``eps``: the truncation policy of shipped q (0 turns either off). The
+        defaults keep the wire at O(64) numbers per position and drop at most 1e-4 of the mass."""
+        super().__init__(store)
+        self.top_m = top_m
+        self.eps = eps
+
+    def _draw(self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int) -> tuple[int, SparseDist]:
+        if session.params.greedy:  # q is the one-hot: skip building (and truncating) the dense row
+            y = int(greedy_tokens(logits, session.params, counts))
+            q = SparseDist.one_hot(y)
+        else:
+            probs = probs_from_logits(logits, session.params, counts)
+            q = truncate(probs, self.top_m, self.eps)
+            y = sample_sparse(q, uniform(session.seed, position, Purpose.DRAFT))
+        counts[y] += 1.0
+        return y, q
+
+    def _room(self, session: Session, k: int) -> int:
+        return max(0, min(k, self.store.context_length - len(session.tokens) - 1))
+
+
+class DraftEngine(_Proposer):
+    kind = "model"
+    feature_size = 0
+
+    def __init__(self, model, limits: CacheLimits | None = None, top_m: int = 64, eps: float = 1e-4,
+                 name: str = "draft"):
+        super().__init__(SessionStore(model, limits, name=name), top_m, eps)
+
+    def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
+        session = self.store.get(session_id)
+        with session.lock:
+            if commit is not None:
+                self.store.commit(session, commit)
+            self.store.check_step(session, step)
+            tokens, qs = [], []
+            counts = session.counts.clone()
+            first = len(session.tokens)
+            for i in range(self._room(session, k)):
+                logits = self.store.forward(session, tokens, rows=1)[0]
+                y, q = self._draw(session, logits, counts, first + i)
+                tokens.append(y)
+                qs.append(q)
+            return DraftProposal(tokens, qs)
+
+
+class FeatureDraftEngine(_Proposer):
+    """Sessions over a feature draft. Per session it keeps the target's features of the committed
+    tokens it has not fed yet (``session.features``: the feature before each token from
+    ``session.features_from`` on). Its cache only ever holds committed tokens fed with the target's
+    features: the positions a proposal feeds with the draft's own predictions are cut off before
+    ``propose`` returns, so an accepted proposal is re-fed with the target's feature at the next
+    step (what makes the next block's first proposal as good as a fresh one)."""
+
+    kind = "feature"
+
+    def __init__(self, model, limits: CacheLimits | None = None, top_m: int = 64, eps: float = 1e-4,
+                 name: str = "draft"):
+        store = SessionStore(model, limits, name=name)
+        store._new_cache = model.new_cache  # one decoder layer: a one-layer LeanCache
+        super().__init__(store, top_m, eps)
+        self.model = model
+        self.feature_size = int(model.config.hidden_size)
+
+    def _check_features(self, features: torch.Tensor | None, rows: int, field: str) -> torch.Tensor:
+        if features is None:
+            raise InvalidArgumentError(field, "a feature draft needs the target's features (the coordinator sends "
+                                              "them when the draft reports draft_kind 'feature')")
+        if features.ndim != 2 or features.shape[0] != rows or features.shape[1] != self.feature_size:
+            raise InvalidArgumentError(field, f"expected [{rows}, {self.feature_size}] features, got "
+                                              f"{list(features.shape)}")
+        return features.to(dtype=torch.float32)
+
+    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
+                features: torch.Tensor | None = None) -> None:
+        """``features``: the target's feature after each prompt token but the last, [len - 1, H]."""
+        features = self._check_features(features, max(0, len(prompt) - 1), "features")
+        session = self.store.create(session_id, prompt, params)
+        with session.lock:
+            session.features = torch.cat((features.new_zeros(1, self.feature_size), features))  # token 0: none
+            session.features_from = 0
+            try:
+                self._feed(session, len(session.tokens) - 1)
+            except BaseException:
+                self.store.release(session_id)
+                raise
+
+    def commit(self, session_id: str, commit: Commit) -> None:
+        session = self.store.get(session_id)
+        with session.lock:
+            self._commit(session, commit)
+
+    def _commit(self, session: Session, commit: Commit) -> None:
+        features = self._check_features(commit.features, len(commit.tokens), "commit.features")
+        before = len(session.tokens)
+        self.store.commit(session, commit)
+        if len(session.tokens) > before:  # not a retry of a commit already applied
+            session.features = torch.cat((session.features, features))
+
+    def _feed(self, session: Session, upto: int) -> torch.Tensor | None:
+        """Feed committed tokens [len(cached), upto) with their target features; returns the
+        predicted features of the positions fed (None when nothing was fed)."""
+        start = len(session.cached)
+        if upto <= start:
+            return None
+        self.store._check_bytes(session, upto)
+        offset = session.features_from
+        tokens = torch.tensor(session.tokens[start:upto], dtype=torch.long, device=self.store.device)
+        fed = session.features[start - offset:upto - offset].to(self.store.device)
+        hidden = self.model.extend(tokens, fed, session.cache)
+        session.cached.extend(session.tokens[start:upto])
+        # Features of positions now cached are needed again only for the last one (re-fed when a
+        # propose arrives without a new commit); drop the rest.
+        keep_from = max(offset, upto - 1)
+        session.features = session.features[keep_from - offset:]
+        session.features_from = keep_from
+        session.kv_bytes = cache_nbytes(session.cache)
+        return hidden
+
+    @torch.inference_mode()
+    def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
+        session = self.store.get(session_id)
+        with session.lock:
+            if commit is not None:
+                self._commit(session, commit)
+            self.store.check_step(session, step)
+            k = self._room(session, k)
+            if k == 0:
+                return DraftProposal([], [])
+            self.store.sync_cache(session, min_feed=1)  # the last committed token's output starts the block
+            hidden = self._feed(session, len(session.tokens))[-1:]
+            tokens, qs = [], []
+            counts = session.counts.clone()
+            first = len(session.tokens)
+            try:
+                for i in range(k):
+                    y, q = self._draw(session, self.model.logits(hidden)[0], counts, first + i)
+                    tokens.append(y)
+                    qs.append(q)
+                    if i + 1 < k:  # the draft's prediction stands in for the target's feature
+                        hidden = self.model.extend(torch.tensor([y], device=self.store.device), hidden, session.cache)
+            finally:
+                drafted = session.cache.length - len(session.cached)
+                if drafted > 0:
+                    session.cache.crop(-drafted)  # positions fed with the draft's own features
+            return DraftProposal(tokens, qs)
+
+
+def draft_engine_for(model, limits: CacheLimits | None = None, **kwargs) -> _Proposer:
+    """The engine that drafts with ``model``: a feature draft or a standalone LM."""
+    from specdec.modeling.feature_draft import FeatureDraft
+
+    engine = FeatureDraftEngine if isinstance(model, FeatureDraft) else DraftEngine
+    return engine(model, limits, **kwargs)

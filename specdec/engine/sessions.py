@@ -1,0 +1,367 @@
+"""Per-session KV caches over one transformers causal LM, shared by the draft and target engines.
+
+The one invariant everything rests on: ``session.cached`` is *exactly* the token sequence whose
+keys/values the cache holds. Before any forward pass the cache is cut back to the longest common
+prefix of ``cached`` and the committed tokens (and never past the last committed token, whose
+logits the next pass needs), so rejected proposals can never leak into a later step (the primer's
+§6 cache bug). Commits are applied in step order, are idempotent, and a stale or out-of-order
+commit is refused, never applied.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from specdec.errors import (
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    SessionExistsError,
+    SessionNotFoundError,
+    StaleStepError,
+)
+from specdec.modeling.cache import LeanCache
+from specdec.modeling.dimensions import context_length, kv_bytes_per_token
+from specdec.modeling.lean_llama import lean_runner
+from specdec.exact.sampling import SamplingParams, token_counts
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def cache_nbytes(cache) -> int:
+    if isinstance(cache, LeanCache):
+        return cache.nbytes()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+@dataclass(frozen=True)
+class Commit:
+    """"The committed sequence was ``base_len`` tokens; append ``tokens``" for step ``step``.
+
+    ``features`` (for a feature draft only): [len(tokens), H], the target's hidden state before
+    each new token. Not part of a commit's identity: a retried commit is the same commit."""
+
+    step: int
+    base_len: int
+    tokens: tuple[int, ...]
+    features: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass
+class Session:
+    session_id: str
+    tokens: list[int]  # committed sequence: prompt + generated
+    prompt_len: int
+    params: SamplingParams  # seed already resolved
+    cache: object
+    cached: list[int] = field(default_factory=list)
+    counts: torch.Tensor | None = None  # token counts of ``tokens`` (penalty history)
+    committed_step: int = 0
+    last_commit: Commit | None = None
+    kv_bytes: int = 0
+    # feature drafts only: the target's feature before each committed token from ``features_from`` on
+    features: torch.Tensor | None = None
+    features_from: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def seed(self) -> int:
+        assert self.params.seed is not None
+        return self.params.seed
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass(frozen=True)
+class CacheLimits:
+    max_sessions: int = 256
+    max_session_kv_bytes: int = 0  # 0 = unlimited
+    max_total_kv_bytes: int = 0  # 0 = unlimited
+
+
+class SessionStore:
+    """Sessions of one model: creation with validation, caps, forward passes, commits."""
+
+    def __init__(self, model, limits: CacheLimits | None = None, name: str = "engine", kv_shards: int = 1):
+        """``kv_shards``: tensor-parallel ranks the KV heads are split over (bytes are per rank)."""
+        self.model = model
+        self.name = name
+        self.limits = limits or CacheLimits()
+        self.vocab_size = int(model.config.vocab_size)
+        self.context_length = context_length(model)
+        self.device = next(model.parameters()).device
+        self.bytes_per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype) // kv_shards
+        self._sessions: dict[str, Session] = {}
+        self._table_lock = threading.Lock()
+        # The lean pass (specdec/modeling/lean_llama.py) where it applies; a tensor-parallel shard keeps
+        # transformers' forward, whose layers carry the collective operations.
+        self.runner = lean_runner(model) if kv_shards == 1 else None
+        self.sessions_started = 0
+
+    # -- table --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._sessions))
+
+    @property
+    def total_kv_bytes(self) -> int:
+        return sum(s.kv_bytes for s in list(self._sessions.values()))
+
+    def get(self, session_id: str) -> Session:
+        try:
+            session = self._sessions[session_id]
+        except KeyError:
+            raise SessionNotFoundError(f"{self.name}: unknown session {session_id!r}") from None
+        session.last_used = time.monotonic()
+        return session
+
+    def create(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> Session:
+        if params.seed is None:
+            raise InvalidArgumentError("seed", "engines need a resolved seed (the coordinator assigns one)")
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise InvalidArgumentError("prompt", "must contain at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                "prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt) >= self.context_length:
+            raise InvalidArgumentError(
+                "prompt", f"{len(prompt)} tokens leave no room in the model context of {self.context_length}"
+            )
+        params.validate_for_vocab(self.vocab_size)
+        self._check_capacity()
+        self._check_bytes(None, len(prompt))
+        session = Session(
+            session_id=session_id,
+            tokens=prompt,
+            prompt_len=len(prompt),
+            params=params,
+            cache=self._new_cache(),
+            counts=token_counts(prompt, self.vocab_size),
+        )
+        with self._table_lock:
+            if session_id in self._sessions:
+                raise SessionExistsError(f"{self.name}: session {session_id!r} already exists")
+            self._check_capacity()
+            self._sessions[session_id] = session
+            self.sessions_started += 1
+        return session
+
+    def release(self, session_id: str) -> bool:
+        with self._table_lock:
+            session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        with session.lock:
+            session.cache = None
+            session.cached = []
+            session.features = None
+            session.kv_bytes = 0
+        return True
+
+    def stale_sessions(self, ttl_seconds: float) -> list[str]:
+        now = time.monotonic()
+        return [sid for sid, s in list(self._sessions.items()) if now - s.last_used > ttl_seconds]
+
+    def expire_idle(self, ttl_seconds: float) -> list[str]:
+        """Release sessions unused for ``ttl_seconds`` (abandoned by a dead coordinator)."""
+        return [sid for sid in self.stale_sessions(ttl_seconds) if self.release(sid)]
+
+    def _new_cache(self):
+        if self.runner is not None:
+            return self.runner.new_cache()
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _run(self, cache, feed: list[int], rows: int, feature_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the last ``rows`` of ``feed`` (appended to ``cache``), [rows, V], and with
+        ``feature_rows`` the model's final hidden states (what its head reads) of the last
+        ``feature_rows`` positions, [feature_rows, H] (else None)."""
+        input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)
+        if self.runner is not None:
+            return self.runner.forward_with_features(input_ids[0], cache, rows, feature_rows)
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=rows,
+                         output_hidden_states=feature_rows > 0)
+        features = out.hidden_states[-1][0, len(feed) - feature_rows:] if feature_rows else None
+        return out.logits[0], features
+
+    # -- caps ---------------------------------------------------------------------------------
+    def _check_capacity(self) -> None:
+        if len(self._sessions) >= self.limits.max_sessions:
+            raise ResourceExhaustedError(
+                f"{self.name}: {len(self._sessions)} live sessions, the cap is {self.limits.max_sessions}"
+            )
+
+    def _check_bytes(self, session: Session | None, tokens_after: int) -> None:
+        projected = tokens_after * self.bytes_per_token
+        limits = self.limits
+        if limits.max_session_kv_bytes and projected > limits.max_session_kv_bytes:
+            raise ResourceExhaustedError(
+                f"{self.name}: session KV cache would need {projected} bytes, the per-session cap is "
+                f"{limits.max_session_kv_bytes}"
+            )
+        if limits.max_total_kv_bytes:
+            current = session.kv_bytes if session is not None else 0
+            total = self.total_kv_bytes - current + projected
+            if total > limits.max_total_kv_bytes:
+                raise ResourceExhaustedError(
+                    f"{self.name}: KV caches would need {total} bytes in all, the cap is {limits.max_total_kv_bytes}"
+                )
+
+    # -- steps and commits --------------------------------------------------------------------
+    @staticmethod
+    def check_step(session: Session, step: int) -> None:
+        if step <= session.committed_step:
+            raise StaleStepError(
+                f"step {step} is stale: session {session.session_id!r} has committed step {session.committed_step}"
+            )
+
+    def commit(self, session: Session, commit: Commit) -> None:
+        """Append committed tokens; idempotent for a repeated commit, refuses stale/out-of-order."""
+        if commit.step <= session.committed_step:
+            if commit == session.last_commit:
+                return  # a retry of the commit already applied
+            raise StaleStepError(
+                f"commit for step {commit.step} refused: session {session.session_id!r} already committed "
+                f"step {session.committed_step}"
+            )
+        if commit.base_len != len(session.tokens):
+            raise StaleStepError(
+                f"commit for step {commit.step} assumes {commit.base_len} committed tokens, session "
+                f"{session.session_id!r} has {len(session.tokens)}: out of order"
+            )
+        new = [int(t) for t in commit.tokens]
+        if any(not 0 <= t < self.vocab_size for t in new):
+            raise InvalidArgumentError("commit.tokens", "token id outside the vocabulary")
+        if len(session.tokens) + len(new) > self.context_length:
+            raise InvalidArgumentError("commit.tokens", "the committed sequence would exceed the model context")
+        session.tokens.extend(new)
+        for t in new:
+            session.counts[t] += 1.0
+        session.committed_step = commit.step
+        session.last_commit = commit
+        self.sync_cache(session)  # free rejected KV now, not at the next step
+
+    def sync_cache(self, session: Session, extra: Sequence[int] = (), min_feed: int = 1) -> None:
+        """Cut the cache back to its longest prefix that agrees with ``tokens + extra``, leaving at
+        least ``min_feed`` tokens of that sequence uncached (their logits are needed next)."""
+        sequence = session.tokens + list(extra)
+        keep = min(common_prefix_len(session.cached, sequence), len(sequence) - min_feed)
+        drop = len(session.cached) - keep
+        if drop > 0:
+            session.cache.crop(-drop)
+            del session.cached[keep:]
+            session.kv_bytes = cache_nbytes(session.cache)
+
+    def forward(self, session: Session, extra: Sequence[int] = (), rows: int = 1) -> torch.Tensor:
+        """Logits of the last ``rows`` positions of the sequence ``tokens + extra``, as float32 on
+        the CPU, [rows, V]. Only the uncached part is fed; afterwards ``cached`` is that sequence."""
+        return self.forward_with_features(session, extra, rows, with_features=False)[0]
+
+    @torch.inference_mode()
+    def forward_with_features(self, session: Session, extra: Sequence[int] = (), rows: int = 1,
+                              with_features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`, and the final hidden states of the same ``rows`` positions (float32,
+        CPU, [rows, H]) when ``with_features``: what a feature draft reads."""
+        extra = [int(t) for t in extra]
+        if not 1 <= rows <= len(session.tokens) + len(extra):
+            raise ValueError(f"cannot return {rows} rows")
+        self.sync_cache(session, extra, min_feed=rows)
+        feed = (session.tokens + extra)[len(session.cached) :]
+        total = len(session.cached) + len(feed)
+        if total > self.context_length:
+            raise InvalidArgumentError(
+                "num_speculative_tokens", f"{total} tokens exceed the model context of {self.context_length}"
+            )
+        self._check_bytes(session, total)
+        logits, features = self._run(session.cache, feed, rows, rows if with_features else 0)
+        session.cached.extend(feed)
+        session.kv_bytes = cache_nbytes(session.cache)
+        if features is not None:
+            features = features.to(device="cpu", dtype=torch.float32)
+        return logits[-rows:].to(device="cpu", dtype=torch.float32), features
+
+    @torch.inference_mode()
+    def warm(self, session: Session, with_features: bool = False) -> torch.Tensor | None:
+        """Prefill: cache every committed token but the last (whose logits start the first step).
+        With ``with_features``: the final hidden states of the positions fed, [fed, H] float32."""
+        feed = session.tokens[len(session.cached) : -1]
+        if not feed:
+            return torch.zeros(0, int(self.model.config.hidden_size)) if with_features else None
+        _, features = self._run(session.cache, feed, 1, len(feed) if with_features else 0)
+        session.cached.extend(feed)
+        session.kv_bytes = cache_nbytes(session.cache)
+        return features.to(device="cpu", dtype=torch.float32) if features is not None else None
+
+    def stats(self) -> dict:
+        return {
+            "live_sessions": len(self),
+            "kv_bytes": self.total_kv_bytes,
+            "kv_bytes_per_token": self.bytes_per_token,
+            "sessions_started": self.sessions_started,
+        }
+
+
+class SessionEngine:
+    """What the draft and target engines share: sessions over one model's ``SessionStore``."""
+
+    def __init__(self, store: SessionStore):
+        self.store = store
+        self.model_id = getattr(store.model.config, "_name_or_path", "") or store.name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.store.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.store.context_length
+
+    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
+                return_features: bool = False) -> torch.Tensor | None:
+        """Start a session; with ``return_features`` return the model's final hidden states of
+        every prompt position but the last, [len(prompt) - 1, H] (what a feature draft reads)."""
+        session = self.store.create(session_id, prompt, params)
+        with session.lock:
+            try:
+                return self.store.warm(session, with_features=return_features)
+            except BaseException:
+                self.store.release(session_id)
+                raise
+
+    def commit(self, session_id: str, commit: Commit) -> None:
+        session = self.store.get(session_id)
+        with session.lock:
+            self.store.commit(session, commit)
+
+    def release(self, session_id: str) -> bool:
+        return self.store.release(session_id)
+
+    def expire_idle(self, ttl_seconds: float) -> list[str]:
+        return self.store.expire_idle(ttl_seconds)
+
+    def stats(self) -> dict:
+        return self.store.stats()

@@ -1,0 +1,57 @@
+"""The target engine: per-session KV caches over the large model; verifies a block in ONE pass.
+
+verify() runs one causal pass over [uncached committed tokens (at least the pending token),
+y_1..y_k], turns the last k + 1 logit rows into p_1..p_{k+1} with the shared transform pipeline
+(penalties position-wise), validates every shipped q, and returns the target side of the
+verifier (p_i(y_i), recovered draws, bonus draw). Dense p never leaves this object.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from specdec.engine.sessions import CacheLimits, Commit, SessionEngine, SessionStore
+from specdec.exact.sampling import block_token_counts, greedy_tokens, probs_from_logits
+from specdec.exact.sparse import SparseDist
+from specdec.exact.verify import TargetVerdict, target_verify, target_verify_greedy, validate_block
+
+
+class TargetEngine(SessionEngine):
+    def __init__(self, model, limits: CacheLimits | None = None, name: str = "target", kv_shards: int = 1):
+        super().__init__(SessionStore(model, limits, name=name, kv_shards=kv_shards))
+
+    def target_probs(self, session_id: str, proposals: Sequence[int]):
+        """p_1..p_{k+1} for a block (dense; for tests and introspection, not for the wire)."""
+        session = self.store.get(session_id)
+        with session.lock:
+            return self._probs(session, list(proposals))[0]
+
+    def _block_logits(self, session, proposals: list[int], with_features: bool = False):
+        """(logits of the block's k + 1 rows, the penalty counts each row sees or None, the same rows'
+        final hidden states or None): one pass over the uncached tokens and the proposals."""
+        logits, features = self.store.forward_with_features(session, proposals, len(proposals) + 1, with_features)
+        counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
+        return logits, counts, features
+
+    def _probs(self, session, proposals: list[int], with_features: bool = False):
+        """(p_1..p_{k+1} [k + 1, V], the same rows' final hidden states or None)."""
+        logits, counts, features = self._block_logits(session, proposals, with_features)
+        return probs_from_logits(logits, session.params, counts), features
+
+    def verify(self, session_id: str, step: int, proposals: Sequence[int], q_block: Sequence[SparseDist],
+               commit: Commit | None = None, return_features: bool = False) -> TargetVerdict:
+        """``return_features``: the verdict carries the block's features (for a feature draft)."""
+        session = self.store.get(session_id)
+        with session.lock:
+            if commit is not None:
+                self.store.commit(session, commit)
+            self.store.check_step(session, step)
+            proposals = [int(t) for t in proposals]
+            validate_block(proposals, q_block, self.vocab_size)
+            if session.params.greedy:  # one-hot rows: their argmaxes are the whole verdict
+                logits, counts, features = self._block_logits(session, proposals, return_features)
+                verdict = target_verify_greedy(greedy_tokens(logits, session.params, counts).tolist(), proposals)
+            else:
+                p_rows, features = self._probs(session, proposals, return_features)
+                verdict = target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
+            return replace(verdict, features=features) if features is not None else verdict

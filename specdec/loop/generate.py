@@ -1,0 +1,423 @@
+"""The speculative loop: one implementation, used in process and by the coordinator service.
+
+One step (design.md §2): propose (draft) -> verify (target, one pass) -> decide (here, with our
+own uniforms) -> stop conditions -> commit to both (riding on the next propose/verify, applied
+before anything is computed). The loop talks to its peers through two small async interfaces,
+:class:`DraftPeer` and :class:`TargetPeer`: in process they wrap the engines
+(:class:`LocalDraft`, :class:`LocalTarget`); in the coordinator they are gRPC clients.
+
+The draft is an optimization: any failure of it (error, timeout, malformed block) drops it for
+the rest of the request and the loop continues with target-only steps; the output law is the
+target's either way. Target failures propagate: without the target there is no answer.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, Sequence
+
+import torch
+
+from specdec.errors import InvalidArgumentError, MalformedProposalError, PeerError
+from specdec.engine.sessions import Commit
+from specdec.loop.policy import StepCost, make_policy
+from specdec.exact.proposal import DraftProposal
+from specdec.exact.rng import new_seed
+from specdec.exact.sampling import SamplingParams
+from specdec.telemetry.tracing import tracer
+from specdec.exact.verify import StepStats, TargetVerdict, decide
+
+log = logging.getLogger("specdec.loop.generate")
+
+FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
+EMPTY = DraftProposal([], [])
+
+
+class StopChecker:
+    """Applies max_new_tokens, EOS and stop strings to emitted tokens, one token at a time, so a
+    stop inside a block cuts the block exactly there."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int] = (), tokenizer=None):
+        if params.stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.params = params
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.tokenizer = tokenizer
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self._stop_at: int | None = None  # character index where the matched stop string starts
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, tokens: Sequence[int]) -> list[int]:
+        """Append tokens until a stop condition; return those that made it into the output."""
+        taken: list[int] = []
+        for token in tokens:
+            if self.finished:
+                break
+            self.generated.append(int(token))
+            taken.append(int(token))
+            if not self.params.ignore_eos and token in self.eos:
+                self.finish_reason = FINISH_EOS
+            elif self.params.stop and self._find_stop() is not None:
+                self.finish_reason = FINISH_STOP
+            elif len(self.generated) >= self.params.max_new_tokens:
+                self.finish_reason = FINISH_LENGTH
+        return taken
+
+    def finish(self, reason: str) -> None:
+        if not self.finished:
+            self.finish_reason = reason
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.generated, skip_special_tokens=True)
+
+    def _find_stop(self) -> int | None:
+        text = self._decode()
+        hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+        self._stop_at = min(hits) if hits else None
+        return self._stop_at
+
+    def text(self) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self._decode()
+        return text[: self._stop_at] if self._stop_at is not None else text
+
+
+class TextStream:
+    """Turns the growing decoded text into deltas whose concatenation is the final text. Holds
+    back a trailing U+FFFD (half of a multi-byte character) until the next token completes it."""
+
+    def __init__(self) -> None:
+        self.sent = ""
+
+    def delta(self, text: str, final: bool) -> str:
+        if not final:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.sent):
+            return ""  # decoding of earlier tokens changed; send the rest when it settles
+        out, self.sent = text[len(self.sent):], text
+        return out
+
+
+# -- peers -----------------------------------------------------------------------------------
+class DraftPeer(Protocol):
+    # A feature draft reads the target's hidden states: ``start`` then gets the prompt's
+    # (``features``, [len(prompt) - 1, H]) and every commit the feature before each new token.
+    wants_features: bool
+
+    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
+                    features: torch.Tensor | None = None) -> None: ...
+    async def propose(self, session_id: str, step: int, k: int, commit: Commit | None) -> DraftProposal: ...
+    async def release(self, session_id: str) -> None: ...
+
+
+class TargetPeer(Protocol):
+    context_length: int
+
+    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
+                    return_features: bool = False) -> torch.Tensor | None: ...
+    async def verify(self, session_id: str, step: int, proposal: DraftProposal,
+                     commit: Commit | None, return_features: bool = False) -> TargetVerdict: ...
+    async def release(self, session_id: str) -> None: ...
+
+
+class Failover(Protocol):
+    """Supplies replacement replicas when a peer fails (the coordinator's registry does this)."""
+
+    async def replace_draft(self, failed: DraftPeer) -> DraftPeer | None: ...
+    async def replace_target(self, failed: TargetPeer) -> TargetPeer | None: ...
+
+
+# A target failing with one of these is gone (or lost our session): move to another replica.
+TARGET_LOST = frozenset({"UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCELLED"})
+MAX_FAILOVERS = 3
+
+
+class LocalDraft:
+    """A draft engine in this process (engine calls run inline; ``await`` lets sessions interleave)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.wants_features = getattr(engine, "kind", "") == "feature"
+
+    async def start(self, session_id, prompt, params, features=None):
+        if self.wants_features:
+            self.engine.prefill(session_id, prompt, params, features)
+        else:
+            self.engine.prefill(session_id, prompt, params)
+
+    async def propose(self, session_id, step, k, commit):
+        await asyncio.sleep(0)
+        return self.engine.propose(session_id, step, k, commit)
+
+    async def release(self, session_id):
+        self.engine.release(session_id)
+
+
+class LocalTarget:
+    def __init__(self, engine):
+        self.engine = engine
+        self.context_length = engine.context_length
+
+    async def start(self, session_id, prompt, params, return_features=False):
+        return self.engine.prefill(session_id, prompt, params, return_features)
+
+    async def verify(self, session_id, step, proposal, commit, return_features=False):
+        await asyncio.sleep(0)
+        return self.engine.verify(session_id, step, proposal.tokens, proposal.q, commit, return_features)
+
+    async def release(self, session_id):
+        self.engine.release(session_id)
+
+
+async def _release_quietly(peer, session_id: str) -> None:
+    if peer is None:
+        return
+    try:
+        await peer.release(session_id)
+    except Exception:  # noqa: BLE001 - best-effort cleanup of a peer we no longer trust
+        pass
+
+
+# -- the loop --------------------------------------------------------------------------------
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    seed: int
+    stats: StepStats = field(default_factory=StepStats)
+
+
+class SpeculativeRun:
+    """One request through the loop. ``async for tokens in run.steps()`` yields the tokens
+    committed by each step (what a server streams); then read :meth:`result`."""
+
+    def __init__(self, target: TargetPeer, draft: DraftPeer | None, prompt: Sequence[int], params: SamplingParams,
+                 num_speculative_tokens: int, eos_token_ids: Sequence[int] = (), tokenizer=None,
+                 session_id: str | None = None, failover: Failover | None = None,
+                 committed: Sequence[int] = (), committed_steps: Sequence[int] | None = None,
+                 adaptive: bool = False, step_cost: StepCost = StepCost()):
+        """``committed``: tokens this request already committed in an earlier run (a resumed or
+        taken-over request continues from them, with the same seed, hence the same tokens);
+        ``committed_steps``: how many of them each earlier step committed (an adaptive run
+        rebuilds its state from them). ``adaptive``: a step proposes ``num_speculative_tokens``
+        while the request's blocks pay for themselves, else none (specdec.loop.policy)."""
+        if num_speculative_tokens < 0:
+            raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
+        if committed_steps is None:
+            if committed and adaptive:
+                raise ValueError("an adaptive run resumed from committed tokens needs committed_steps")
+            committed_steps = ()
+        elif sum(committed_steps) != len(committed):
+            raise ValueError(f"committed_steps add up to {sum(committed_steps)}, not {len(committed)} tokens")
+        self.seed = params.seed if params.seed is not None else new_seed()
+        self.params = params.with_seed(self.seed)
+        self.target = target
+        self.draft = draft if num_speculative_tokens > 0 else None
+        self.policy = make_policy(num_speculative_tokens, adaptive, step_cost)
+        self.policy.replay(committed_steps)
+        self.prompt = [int(t) for t in prompt]
+        self.session_id = session_id or uuid.uuid4().hex
+        self.stopper = StopChecker(self.params, eos_token_ids, tokenizer)
+        self.stopper.generated.extend(int(t) for t in committed)
+        self.stats = StepStats()
+        self.step = 0
+        self.failover = failover
+        self.sequence = self.prompt + [int(t) for t in committed]  # prompt + committed tokens
+        self.target_len = self.draft_len = len(self.sequence)  # what each peer was told is committed
+        # For a feature draft: the target's hidden state after each committed token but the last,
+        # [len(sequence) - 1, H] (row t precedes token t + 1); None when no draft needs them.
+        self.features: torch.Tensor | None = None
+
+    @property
+    def wants_features(self) -> bool:
+        return self.draft is not None and bool(getattr(self.draft, "wants_features", False))
+
+    async def _start_target(self, target: TargetPeer) -> None:
+        features = await target.start(self.session_id, self.sequence, self.params, self.wants_features)
+        if self.wants_features:
+            self.features = features
+
+    async def _start_draft(self, draft: DraftPeer) -> None:
+        if getattr(draft, "wants_features", False):
+            await draft.start(self.session_id, self.sequence, self.params, self.features)
+        else:
+            await draft.start(self.session_id, self.sequence, self.params)
+
+    async def _drop_draft(self, why: str) -> None:
+        """The draft failed: move the session to another draft replica (re-prefilled from the
+        committed tokens) if the failover offers one, else continue with target-only steps."""
+        failed, self.draft = self.draft, None
+        await _release_quietly(failed, self.session_id)
+        while self.failover is not None and self.stats.draft_failovers < MAX_FAILOVERS:
+            replacement = await self.failover.replace_draft(failed)
+            if replacement is None:
+                break
+            self.stats.draft_failovers += 1
+            try:
+                await self._start_draft(replacement)
+            except Exception as exc:  # noqa: BLE001
+                why, failed = f"{why}; replacement failed too: {exc}", replacement
+                continue
+            log.warning("session %s: draft failed (%s); moved to another replica", self.session_id, why)
+            self.draft, self.draft_len = replacement, len(self.sequence)
+            return
+        log.warning("session %s: draft dropped (%s); continuing with target-only steps", self.session_id, why)
+        self.stats.draft_fallbacks += 1
+
+    async def _replace_target(self, exc: Exception) -> None:
+        """The target replica is gone: re-prefill the session on another one, or give up."""
+        code = getattr(exc, "code", "")
+        if self.failover is None or code not in TARGET_LOST or self.stats.target_failovers >= MAX_FAILOVERS:
+            raise exc
+        failed, self.target = self.target, None
+        await _release_quietly(failed, self.session_id)
+        replacement = await self.failover.replace_target(failed)
+        if replacement is None:
+            raise exc
+        self.stats.target_failovers += 1
+        log.warning("session %s: target failed (%s); moving to another replica", self.session_id, exc)
+        await self._start_target(replacement)
+        self.target, self.target_len = replacement, len(self.sequence)
+
+    async def steps(self) -> AsyncIterator[list[int]]:
+        started = time.perf_counter()
+        sid = self.session_id
+        try:
+            try:
+                await self._start_target(self.target)
+            except PeerError as exc:
+                await self._replace_target(exc)
+            if self.draft is not None:
+                try:
+                    await self._start_draft(self.draft)
+                except Exception as exc:  # noqa: BLE001 - the draft may fail, the request may not
+                    await self._drop_draft(f"start: {exc}")
+            while not self.stopper.finished:
+                room = self.target.context_length - len(self.sequence) - 1  # a step emits up to k + 1
+                if room < 0:
+                    self.stopper.finish(FINISH_LENGTH)
+                    break
+                self.step += 1
+                # The span ends before the yield: a span must not stay current across a suspension.
+                with tracer().start_as_current_span("specdec.step") as span:
+                    span.set_attribute("specdec.session_id", sid)
+                    span.set_attribute("specdec.step", self.step)
+                    k = self.policy.next_k()
+                    proposal, verdict = await self._propose_and_verify(min(k, room))
+                    decision = decide(proposal.tokens, proposal.q_of_proposals(), verdict, self.seed,
+                                      len(self.sequence))
+                    # What the policy chose, not what the draft managed: a replay from the
+                    # committed tokens (which cannot see a short or dropped block) agrees.
+                    self.policy.observe(k, decision.num_accepted)
+                    self.stats.record(decision, len(proposal))
+                    emitted = self.stopper.feed(decision.tokens)
+                    self._keep_features(verdict, len(emitted))
+                    self.sequence.extend(emitted)
+                    span.set_attribute("specdec.k", len(proposal))
+                    span.set_attribute("specdec.accepted", decision.num_accepted)
+                    span.set_attribute("specdec.first_rejected", -1 if decision.rejected_at is None else decision.rejected_at)
+                    span.set_attribute("specdec.emitted", len(emitted))
+                yield emitted
+        finally:
+            self.stats.total_seconds = time.perf_counter() - started
+            await self._release_all()
+
+    async def _propose_and_verify(self, k: int) -> tuple[DraftProposal, TargetVerdict]:
+        sid, step, proposal = self.session_id, self.step, EMPTY
+        t0 = time.perf_counter()
+        # Retried on a replacement replica: the step must propose exactly what the lost replica
+        # would have (same draws), or the tokens would differ from an undisturbed run.
+        while self.draft is not None and k > 0:
+            try:
+                commit = self._commit(self.draft_len, with_features=self.wants_features)
+                proposal = await self.draft.propose(sid, step, k, commit)
+                self.draft_len = len(self.sequence)
+                if len(proposal) > k:
+                    raise MalformedProposalError("proposals", f"{len(proposal)} tokens for k={k}")
+                break
+            except Exception as exc:  # noqa: BLE001 - see module docstring
+                proposal = EMPTY
+                await self._drop_draft(f"propose: {exc}")
+        self.stats.draft_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        while True:
+            commit = self._commit(self.target_len)
+            try:
+                verdict = await self.target.verify(sid, step, proposal, commit, self.wants_features)
+                break
+            except MalformedProposalError as exc:
+                if not proposal.tokens:
+                    raise
+                # The target refused the draft's block: drop this draft, verify nothing.
+                await self._drop_draft(f"target refused its block: {exc}")
+                proposal = EMPTY
+            except PeerError as exc:
+                await self._replace_target(exc)  # raises when there is nowhere to go
+        self.target_len = len(self.sequence)
+        self.stats.verify_seconds += time.perf_counter() - t0
+        return proposal, verdict
+
+    def _keep_features(self, verdict: TargetVerdict, emitted: int) -> None:
+        """Row i of the block's features precedes the i-th emitted token: keep one per token."""
+        if self.features is None or not emitted:
+            return
+        if verdict.features is None or verdict.features.shape[0] < emitted:
+            self.features = None  # incomplete from here on: a feature draft can no longer be fed
+            return
+        self.features = torch.cat((self.features, verdict.features[:emitted].to(self.features.dtype)))
+
+    def _commit(self, peer_len: int, with_features: bool = False) -> Commit | None:
+        """Everything committed since the peer last heard, as the previous step's commit (with
+        the target's feature before each of those tokens, for a feature draft)."""
+        if peer_len >= len(self.sequence):
+            return None
+        features = None
+        if with_features and self.features is not None:
+            features = self.features[peer_len - 1:len(self.sequence) - 1]
+        return Commit(self.step - 1, peer_len, tuple(self.sequence[peer_len:]), features)
+
+    async def _release_all(self) -> None:
+        peers = [p for p in (self.target, self.draft) if p is not None]
+        # Shielded: a cancelled request must still free its caches on every service.
+        await asyncio.shield(asyncio.gather(*(p.release(self.session_id) for p in peers), return_exceptions=True))
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            token_ids=list(self.stopper.generated),
+            text=self.stopper.text(),
+            finish_reason=self.stopper.finish_reason or FINISH_LENGTH,
+            seed=self.seed,
+            stats=self.stats,
+        )
+
+
+async def generate_async(target: TargetPeer, draft: DraftPeer | None, prompt: Sequence[int],
+                         params: SamplingParams, num_speculative_tokens: int = 4,
+                         eos_token_ids: Sequence[int] = (), tokenizer=None,
+                         session_id: str | None = None, adaptive: bool = False,
+                         step_cost: StepCost = StepCost()) -> GenerationResult:
+    run = SpeculativeRun(target, draft, prompt, params, num_speculative_tokens, eos_token_ids, tokenizer, session_id,
+                         adaptive=adaptive, step_cost=step_cost)
+    async for _ in run.steps():
+        pass
+    return run.result()
+
+
+def speculative_generate(target, draft, prompt: Sequence[int], params: SamplingParams,
+                         num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] = (), tokenizer=None,
+                         session_id: str | None = None, adaptive: bool = False,
+                         step_cost: StepCost = StepCost()) -> GenerationResult:
+    """In process, over engines: generate with speculative decoding; the law is the target's."""
+    target_peer = LocalTarget(target)
+    draft_peer = LocalDraft(draft) if draft is not None else None
+    return asyncio.run(generate_async(target_peer, draft_peer, prompt, params, num_speculative_tokens,
+                                      eos_token_ids, tokenizer, session_id, adaptive, step_cost))

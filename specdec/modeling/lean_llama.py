@@ -1,0 +1,217 @@
+"""A lean forward pass for Llama-architecture models, with a preallocated, croppable KV cache.
+
+Why: on a small CPU about 40% of a transformers SmolLM2 decode step is not the matrix products
+but the ~55 small tensor operations per layer around them (rotary embeddings re-derived every
+call, a ``torch.cat`` to grow each cache tensor, ``repeat_kv`` copying the whole cache for
+grouped-query attention, a causal mask rebuilt per call, separate q/k/v and gate/up products).
+This pass runs the same model, with the same weights, in about half as many operations:
+
+- q, k and v come from one matrix product and gate/up from another (the module's own weights are
+  re-pointed into the fused tensors, so no memory is duplicated and the module stays usable);
+- rotary cos/sin come from a table computed once by the model's own rotary module;
+- keys/values are written in place into a buffer that grows by doubling; cropping is O(1);
+- attention is ``scaled_dot_product_attention`` with ``enable_gqa`` (no ``repeat_kv`` copy).
+
+Embedding, RMSNorm, rotary and output head are the model's own modules, called as they are.
+
+It is the same function of the weights as the transformers forward, up to float rounding (the
+tests compare logits, greedy continuations and the cache after rollbacks against transformers).
+Models it does not cover (other architectures, dynamic rotary scaling, biases, a sharded model)
+keep the transformers forward: :func:`lean_runner` returns ``None`` for them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from specdec.modeling.cache import LeanCache
+from specdec.modeling.dimensions import context_length
+from specdec.modeling.fewrow import ROWS as FEW_ROWS
+from specdec.modeling.fewrow import LayerWeights, few_row_layers, layers_available, lossless_bf16
+from specdec.modeling.heads import SubsetHead
+from specdec.modeling.ops import RopeTable, apply_rotary, causal_mask, product, rms_norm
+
+# Rotary types whose cos/sin depend on the position only (a table can hold them).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _supported(model) -> str | None:
+    """Why the lean pass cannot run ``model`` (None: it can)."""
+    config = model.config
+    if getattr(config, "model_type", None) != "llama":
+        return f"model type {getattr(config, 'model_type', None)!r} is not llama"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "attention or MLP biases"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rotary type {rope_type!r} depends on the sequence length"
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return "a tensor-parallel shard"
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return "weights on the meta device"
+    return None
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """One weight for several linears over the same input; each module's weight becomes a view
+    into it, so the fused tensor costs no extra memory and the module computes as before."""
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[start : start + rows]
+        start += rows
+    return fused
+
+
+class LeanLlama:
+    """The forward pass of one loaded Llama model (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        config = model.config
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.head = model.get_output_embeddings()
+        first = inner.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.scaling = float(first.scaling)
+        self.max_length = context_length(model)
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm,
+                _fuse([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj.weight,
+                layer.post_attention_layernorm,
+                _fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight,
+            ))
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self._rotary = inner.rotary_emb
+        self._rope = RopeTable(self._model_rope, self.max_length)
+        self.intermediate = int(config.intermediate_size)
+        self.eps = float(inner.layers[0].input_layernorm.variance_epsilon)
+        self._twins: list[torch.Tensor] = []
+        self._kernel_layers = self._layers_for_kernel()
+        head_weight = getattr(self.head, "weight", None)
+        self._head_twin = lossless_bf16(head_weight) if self._twins and head_weight is not None else None
+
+    def _layers_for_kernel(self):
+        """The layers' weights as kernels/fewrow.c's ``fewrow_layers`` reads them, or None where it
+        cannot run this model (not float32 on the CPU, a width it does not cover, norms with
+        different epsilons): passes of 1-4 rows then stay in torch. A snapshot: it holds raw
+        pointers (and bf16 copies) of the weights, which the engines never change after loading."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not layers_available():
+            return None
+        hidden = self.layers[0][1].shape[1]
+        if self.head_dim % 16 or hidden % 16 or self.intermediate % 16:
+            return None
+        array = (LayerWeights * len(self.layers))()
+        for slot, (norm1, wqkv, wo, norm2, wgu, wdown) in zip(array, self.layers):
+            tensors = (norm1.weight, wqkv, wo, norm2.weight, wgu, wdown)
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+                return None
+            if float(norm1.variance_epsilon) != self.eps or float(norm2.variance_epsilon) != self.eps:
+                return None
+            # A model whose weights are all bfloat16 values (a draft shipped in bf16) is read from
+            # bf16 twins: the same products at half the bytes (see fewrow.lossless_bf16).
+            twins = [lossless_bf16(t) for t in (wqkv, wo, wgu, wdown)]
+            if all(t is not None for t in twins):
+                self._twins.extend(twins)  # kept alive here: the array holds raw pointers
+                tensors = (norm1.weight, twins[0], twins[1], norm2.weight, twins[2], twins[3])
+                slot.bf16 = 1
+            for name, t in zip(("norm1", "wqkv", "wo", "norm2", "wgu", "wdown"), tensors):
+                setattr(slot, name, t.data_ptr())
+        return array
+
+    def new_cache(self) -> LeanCache:
+        return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, self.max_length)
+
+    def _model_rope(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [0, size) from the model's own rotary module, [size, D] each."""
+        positions = torch.arange(size, device=self.device).unsqueeze(0)
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self._rotary(probe, positions)
+        return cos[0], sin[0]
+
+    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [0, length) (or more): see :class:`~specdec.modeling.ops.RopeTable`."""
+        return self._rope.upto(length)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1) -> torch.Tensor:
+        """Logits [rows, V] of the last ``logits_to_keep`` of ``input_ids`` (1-D), appending their
+        keys/values to ``cache``."""
+        return self.forward_with_features(input_ids, cache, logits_to_keep)[0]
+
+    @torch.inference_mode()
+    def forward_with_features(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1,
+                              feature_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`, and the final normed hidden states (what the head reads) of the last
+        ``feature_rows`` positions, [feature_rows, H] (None for 0)."""
+        n = int(input_ids.shape[-1])
+        start = cache.length
+        end = start + n
+        cache.reserve(end)
+        cos_table, sin_table = self._rope_table(end)
+        cos, sin = cos_table[start:end], sin_table[start:end]  # [n, D]
+        x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
+        # 1-4 rows (decode steps, verify blocks): the layers in one kernel call (kernels/fewrow.c)
+        if not (self._kernel_layers is not None and n in FEW_ROWS
+                and few_row_layers(x, self._kernel_layers, cache.keys, cache.values, start, cos, sin, self.heads,
+                                   self.kv_heads, self.head_dim, self.intermediate, self.eps, self.scaling)):
+            x = self._torch_layers(x, cache, start, end, cos.unsqueeze(0), sin.unsqueeze(0))
+        cache.length = end
+        keep = min(logits_to_keep, n)
+        last = max(keep, feature_rows)  # the norm is per row: norm the rows either output needs once
+        normed = rms_norm(x[n - last:], self.norm)
+        features = normed[last - feature_rows:] if feature_rows else None
+        return self._head(normed[last - keep:]), features
+
+    def _torch_layers(self, x: torch.Tensor, cache: LeanCache, start: int, end: int, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+        """The decoder layers over x [n, H] in torch operations (cos/sin: [1, n, D])."""
+        n = x.shape[0]
+        h_q, h_kv, d = self.heads, self.kv_heads, self.head_dim
+        mask = causal_mask(n, start, self.device)
+        for index, (norm1, wqkv, wo, norm2, wgu, wdown) in enumerate(self.layers):
+            h = rms_norm(x, norm1)
+            qkv = product(h, wqkv)  # [n, (h_q + 2 h_kv) d]
+            qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d).transpose(0, 1)  # [heads, n, d]
+            qk = apply_rotary(qk, cos, sin)
+            cache.keys[index, :, start:end] = qk[h_q:]
+            cache.values[index, :, start:end] = qkv[:, (h_q + h_kv) * d :].view(n, h_kv, d).transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                qk[:h_q].unsqueeze(0), cache.keys[index, :, :end].unsqueeze(0),
+                cache.values[index, :, :end].unsqueeze(0), attn_mask=mask, scale=self.scaling, enable_gqa=True)
+            x = x + product(attn[0].transpose(0, 1).reshape(n, h_q * d), wo)
+            h = rms_norm(x, norm2)
+            gate, up = product(h, wgu).chunk(2, dim=-1)
+            x = x + product(F.silu(gate) * up, wdown)
+        return x
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        if type(head) is torch.nn.Linear and head.bias is None:
+            return product(hidden, head.weight, self._head_twin)  # the widest product of the pass: see product()
+        if isinstance(head, SubsetHead):
+            return head(hidden, self._head_twin)
+        return head(hidden)
+
+
+def lean_runner(model) -> LeanLlama | None:
+    """The lean pass for ``model``, or None where it does not apply or SPECDEC_LEAN_FORWARD=0."""
+    if os.environ.get("SPECDEC_LEAN_FORWARD", "1") == "0":
+        return None
+    if _supported(model) is not None:
+        return None
+    return LeanLlama(model)

@@ -1,0 +1,432 @@
+"""The coordinator's request handling, independent of how it is hosted (a Ray actor in the
+product, in process in tests): validate the public request, route it to replicas, run the
+speculative loop, make every committed chunk durable (Redis) before it is sent, and resume or
+take over requests whose client or coordinator was lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from specdec.engine.ngram import NgramDraft
+from specdec.telemetry import tracing
+from specdec.runtime import wire
+from specdec.errors import InvalidArgumentError, PeerError, ResourceExhaustedError, SessionNotFoundError
+from specdec.loop.generate import LocalDraft, SpeculativeRun, TextStream
+from specdec.modeling.loading import encode_prompt
+from specdec.loop.policy import StepCost
+from specdec.exact.rng import new_seed
+from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
+from specdec.v1 import coordinator_pb2
+
+from specdec.runtime.routing import PeerPool, SessionRouting
+
+log = logging.getLogger("specdec.coordinator")
+
+METHODS = ("draft_model", "ngram", "none")
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    target_address: str | None = None  # static replicas (optional when a registry is used)
+    draft_address: str | None = None
+    redis_url: str | None = None  # registry + session log
+    tokenizer: str | None = None  # model spec to load the tokenizer from (default: the target's)
+    default_k: int = 4
+    max_k: int = 16
+    default_adaptive: bool = True  # draft-model requests that do not say: pause blocks that do not pay
+    step_cost: StepCost = StepCost()  # the adaptive policy's cost model (specdec.loop.policy)
+    default_max_new_tokens: int = 128
+    max_new_tokens_limit: int = 4096
+    max_concurrent_requests: int = 64
+    draft_timeout_s: float = 5.0
+    target_timeout_s: float = 60.0
+    default_method: str = "draft_model"
+    output_ttl_s: float = 3600.0
+    startup_timeout_s: float = 120.0
+
+    def __post_init__(self):
+        if isinstance(self.step_cost, dict):  # back from dataclasses.asdict (how it travels to a Ray actor)
+            object.__setattr__(self, "step_cost", StepCost(**self.step_cost))
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # seed resolved
+    k: int
+    method: str
+    adaptive: bool
+
+    def resolved(self) -> coordinator_pb2.GenerateRequest:
+        """The server defaults this request was given (seed, k, method, adaptive), as request fields."""
+        out = coordinator_pb2.GenerateRequest()
+        out.sampling.seed = self.params.seed
+        out.speculation.num_speculative_tokens = self.k
+        out.speculation.method = self.method
+        out.speculation.adaptive = self.adaptive
+        return out
+
+
+def canonical(request: coordinator_pb2.GenerateRequest, request_id: str,
+              defaults: coordinator_pb2.GenerateRequest) -> bytes:
+    """The request as stored in the session log: id filled in, resume index cleared, and every
+    field the client left to the server (seed, k, method, adaptive) taken from ``defaults``, so
+    that a coordinator taking over (whatever its own defaults) runs exactly the same request."""
+    copy = coordinator_pb2.GenerateRequest()
+    copy.CopyFrom(request)
+    copy.request_id = request_id
+    copy.resume_from_index = 0
+    if not copy.sampling.HasField("seed"):
+        copy.sampling.seed = defaults.sampling.seed
+    spec, default_spec = copy.speculation, defaults.speculation
+    if not spec.HasField("num_speculative_tokens"):
+        spec.num_speculative_tokens = default_spec.num_speculative_tokens
+    if not spec.method:
+        spec.method = default_spec.method
+    if not spec.HasField("adaptive"):
+        spec.adaptive = default_spec.adaptive
+    return copy.SerializeToString(deterministic=True)
+
+
+async def run_ahead(source: AsyncIterator, depth: int = 1) -> AsyncIterator:
+    """The items of ``source``, which runs in its own task up to ``depth`` items ahead of the
+    caller: while the caller logs item n to Redis and hands it to Ray (~2 ms per step here), the
+    next step's RPCs are already in flight. Order and exceptions are the source's; closing this
+    iterator (a client gone, an error downstream) cancels the source's task and closes the source,
+    so its cleanup (the sessions' release) has run when this returns."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
+    end = object()
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                await queue.put((item, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
+            await queue.put((end, exc))
+            return
+        finally:
+            await source.aclose()  # cancelled while an item waited in the queue: clean up now
+        await queue.put((end, None))
+
+    task = asyncio.ensure_future(pump())
+    try:
+        while True:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        if not task.done():
+            task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+
+def _redis_errors():
+    import redis.exceptions
+
+    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class CoordinatorCore:
+    def __init__(self, config: CoordinatorConfig):
+        from specdec.runtime.registry import Registry
+
+        self.config = config
+        self.registry = Registry(config.redis_url) if config.redis_url else None
+        self.pool = PeerPool(self.registry, [config.target_address], [config.draft_address],
+                             config.draft_timeout_s, config.target_timeout_s)
+        self.log = None
+        if config.redis_url:
+            from specdec.runtime.output_log import OutputLog
+
+            self.log = OutputLog(config.redis_url, config.output_ttl_s)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.tokenizer = None
+        self.vocab_size = 0
+        self.context_length = 0
+        self.eos_token_ids: list[int] = []
+        self.active = 0
+        self.ngram: NgramDraft | None = None
+
+    async def setup(self) -> None:
+        """Find a target (registry or static), learn its model, load the tokenizer."""
+        from specdec.modeling.loading import try_load_tokenizer
+
+        if self.config.default_method not in METHODS:
+            raise ValueError(f"default method must be one of {METHODS}")
+        await self.pool.discover_static()
+        target = await self.pool.wait_for_target(self.config.startup_timeout_s)
+        info = await self.pool.target_peer(target.address).info()
+        self.vocab_size, self.context_length = info.vocab_size, info.context_length
+        self.pool.context_length = info.context_length
+        for peer in self.pool._targets.values():
+            peer.context_length = info.context_length
+        self.eos_token_ids = list(info.eos_token_ids)
+        spec = self.config.tokenizer or info.model_id
+        self.tokenizer = await asyncio.to_thread(try_load_tokenizer, spec) if spec else None
+        if self.tokenizer is None:
+            log.warning("no tokenizer for %r: text prompts, text output and stop strings are unavailable", spec)
+        self.ngram = NgramDraft(self.vocab_size)
+
+    async def close(self) -> None:
+        await self.pool.close()
+        for client in (self.registry, self.log):
+            if client is not None:
+                await client.close()
+
+    # -- validation ---------------------------------------------------------------------------
+    def parse(self, request: coordinator_pb2.GenerateRequest, request_id: str) -> ParsedRequest:
+        cfg = self.config
+        if request.prompt and request.prompt_token_ids:
+            raise InvalidArgumentError("prompt", "give either prompt or prompt_token_ids, not both")
+        if request.prompt_token_ids:
+            prompt_ids = [int(t) for t in request.prompt_token_ids]
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidArgumentError("prompt_token_ids",
+                                           f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        elif request.prompt:
+            if self.tokenizer is None:
+                raise InvalidArgumentError("prompt", "this server has no tokenizer: send prompt_token_ids")
+            prompt_ids = encode_prompt(self.tokenizer, request.prompt, chat=request.apply_chat_template)
+            if not prompt_ids:
+                raise InvalidArgumentError("prompt", "tokenizes to zero tokens")
+        else:
+            raise InvalidArgumentError("prompt", "empty: give prompt or prompt_token_ids")
+        if request.apply_chat_template and not request.prompt:
+            raise InvalidArgumentError("apply_chat_template", "needs a text prompt")
+        if len(prompt_ids) >= self.context_length:
+            raise InvalidArgumentError("prompt", f"{len(prompt_ids)} tokens leave no room in the model context of "
+                                                 f"{self.context_length}")
+        if request.sampling.max_new_tokens > cfg.max_new_tokens_limit:
+            raise InvalidArgumentError("sampling.max_new_tokens",
+                                       f"{request.sampling.max_new_tokens} exceeds this server's limit of "
+                                       f"{cfg.max_new_tokens_limit}")
+        params = wire.sampling_from_proto(request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT))
+        try:
+            params.validate_for_vocab(self.vocab_size)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError("sampling.logit_bias", str(exc).split(": ", 1)[-1]) from None
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError("sampling.stop", "this server has no tokenizer to match stop strings")
+        spec = request.speculation
+        method = spec.method or cfg.default_method
+        if method not in METHODS:
+            raise InvalidArgumentError("speculation.method", f"unknown method {spec.method!r}; use one of {METHODS}")
+        k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else cfg.default_k
+        if not 0 <= k <= cfg.max_k:
+            raise InvalidArgumentError("speculation.num_speculative_tokens",
+                                       f"must be in [0, {cfg.max_k}], got {k}")
+        if method == "none":
+            k = 0
+        # By default only for draft models: an n-gram lookup costs no call, and when it finds
+        # nothing the step is target-only anyway, so pausing it would only miss repetitions.
+        adaptive = spec.adaptive if spec.HasField("adaptive") else cfg.default_adaptive and method == "draft_model"
+        if params.seed is None:
+            params = params.with_seed(new_seed())
+        return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive)
+
+    async def generate_unary(self, request, trace_carrier: dict | None = None) -> coordinator_pb2.GenerateResponse:
+        response = coordinator_pb2.GenerateResponse()
+        async for chunk in self.generate(request, trace_carrier):
+            wire.add_chunk(response, chunk)
+        return response
+
+    # -- the public entry point ----------------------------------------------------------------
+    async def generate(self, request: coordinator_pb2.GenerateRequest,
+                       trace_carrier: dict | None = None) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        """Chunks of committed tokens; the last one carries finish_reason, seed and stats.
+
+        ``trace_carrier``: W3C headers of the caller's span (the public gRPC call, across Ray)."""
+        if request.resume_from_index < 0:
+            raise InvalidArgumentError("resume_from_index", "must be >= 0")
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            if self.log is None:
+                if request.resume_from_index:
+                    raise InvalidArgumentError("resume_from_index", "resuming needs the session log (set REDIS_URL)")
+                async for chunk in self._generate(self.parse(request, request_id), [], [], trace_carrier):
+                    yield chunk
+                return
+            meta = await self.log.meta(request_id) if request.request_id else None
+            if meta is None:
+                if request.resume_from_index:
+                    raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
+                parsed = self.parse(request, request_id)
+                if await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner):
+                    async for chunk in self._owned(parsed, [], [], 0, trace_carrier):
+                        yield chunk
+                    return
+                meta = await self.log.meta(request_id)  # created concurrently by another call
+            async for chunk in self._resume(request, request_id, meta, trace_carrier):
+                yield chunk
+        except _redis_errors() as exc:
+            raise PeerError("UNAVAILABLE", f"session log (Redis) unavailable: {exc}") from None
+
+    # -- durable generation, resume, takeover --------------------------------------------------
+    async def _owned(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int],
+                     from_index: int, trace_carrier) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        """Generate while holding the lease: append each chunk (one step's tokens) to the log,
+        then send it (the next step runs meanwhile: see :func:`run_ahead`)."""
+        keeper = asyncio.create_task(self.log.keep_lease(parsed.request_id, self.owner))
+        tokens = list(committed)
+        try:
+            async for chunk in run_ahead(self._generate(parsed, committed, committed_steps, trace_carrier)):
+                start = len(tokens)
+                await self.log.append(parsed.request_id, start, chunk)
+                tokens.extend(chunk.token_ids)
+                out = self._trim(chunk, start, from_index, tokens)
+                if out is not None:
+                    yield out
+        finally:
+            keeper.cancel()
+            try:
+                await asyncio.shield(self.log.release_lease(parsed.request_id, self.owner))
+            except Exception:  # noqa: BLE001 - the lease expires by itself
+                pass
+
+    async def _resume(self, request, request_id: str, meta: dict, trace_carrier):
+        stored = coordinator_pb2.GenerateRequest.FromString(meta["request"])
+        if canonical(request, request_id, stored) != stored.SerializeToString(deterministic=True):
+            raise InvalidArgumentError("request_id", f"{request_id!r} is already used by a different request")
+        from_index = request.resume_from_index
+        tokens: list[int] = []
+        steps: list[int] = []  # tokens per log entry, i.e. per step of the runs that wrote them
+        last, first = b"-", True
+        while True:
+            # First read everything there is; then block for new entries (1 s at a time).
+            entries = await self.log.entries(request_id, last, None if first else 1000)
+            first = False
+            for entry in entries:
+                last = entry.entry_id
+                out = self._absorb(entry, from_index, tokens, steps)
+                if out is not None:
+                    yield out
+                if entry.chunk.finish_reason:
+                    return
+            if entries:
+                continue
+            if from_index > len(tokens) and await self.log.lease_holder(request_id) is None:
+                raise InvalidArgumentError("resume_from_index",
+                                           f"{from_index} is past the {len(tokens)} tokens this request committed")
+            # Nobody is generating it (its coordinator died, or its client cancelled): take over,
+            # continuing from the committed tokens with the same seed, hence the same tokens.
+            if await self.log.lease_holder(request_id) is None and await self.log.acquire_lease(request_id, self.owner):
+                for entry in await self.log.entries(request_id, last):  # appended before the lease lapsed
+                    last = entry.entry_id
+                    out = self._absorb(entry, from_index, tokens, steps)
+                    if out is not None:
+                        yield out
+                    if entry.chunk.finish_reason:
+                        await self.log.release_lease(request_id, self.owner)
+                        return
+                log.info("request %s: taking over after %d committed tokens", request_id, len(tokens))
+                parsed = self.parse(stored, request_id)
+                async for chunk in self._owned(parsed, tokens, steps, from_index, trace_carrier):
+                    yield chunk
+                return
+
+    def _absorb(self, entry, from_index: int, tokens: list[int], steps: list[int]):
+        """Adds one log entry to what a resumed call has read (its tokens, and the step that wrote
+        them, for the policy's replay); returns the part of it the caller has not seen, or None."""
+        tokens.extend(entry.chunk.token_ids)
+        steps.append(len(entry.chunk.token_ids))
+        return self._trim(entry.chunk, entry.start, from_index, tokens)
+
+    def _trim(self, chunk, start: int, from_index: int, tokens: list[int]):
+        """The part of ``chunk`` (tokens [start, start+len)) at or after ``from_index``; None if
+        nothing is left to send. ``tokens``: every token up to the end of this chunk."""
+        end = start + len(chunk.token_ids)
+        if start >= from_index:
+            return chunk
+        if end <= from_index and not chunk.finish_reason:
+            return None
+        out = coordinator_pb2.GenerateChunk()
+        out.CopyFrom(chunk)
+        del out.token_ids[:]
+        out.token_ids.extend(chunk.token_ids[max(0, from_index - start):])
+        if self.tokenizer is not None:  # text of the remainder only
+            head = self.tokenizer.decode(tokens[:min(from_index, end)], skip_special_tokens=True)
+            whole = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+            out.text = whole[len(head):] if whole.startswith(head) else chunk.text
+        return out
+
+    # -- one run of the loop -------------------------------------------------------------------
+    async def _generate(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int],
+                        trace_carrier) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        if self.active >= self.config.max_concurrent_requests:
+            raise ResourceExhaustedError(f"{self.active} requests in flight, the limit is "
+                                         f"{self.config.max_concurrent_requests}")
+        self.active += 1
+        span = tracing.start_span("specdec.request", trace_carrier, {
+            "specdec.request_id": parsed.request_id, "specdec.method": parsed.method,
+            "specdec.k": parsed.k, "specdec.adaptive": parsed.adaptive, "specdec.prompt_tokens": len(parsed.prompt_ids),
+            "specdec.resumed_from": len(committed)})
+        steps = None
+        try:
+            run = await self._run(parsed, committed, committed_steps)
+            steps = run.steps()
+            text = TextStream()
+            text.sent = run.stopper.text()  # a resumed run continues the text it already sent
+            final_tokens: list[int] = []
+            while True:
+                with tracing.span_as_current(span):  # never current across our own yield
+                    try:
+                        tokens = await steps.__anext__()
+                    except StopAsyncIteration:
+                        break
+                if run.stopper.finished:
+                    final_tokens = tokens  # they go out on the last chunk, with the stats
+                    break
+                if tokens:
+                    yield coordinator_pb2.GenerateChunk(request_id=parsed.request_id, token_ids=tokens,
+                                                        text=text.delta(run.stopper.text(), final=False))
+            await steps.aclose()  # releases both sessions and closes the stats
+            result = run.result()
+            span.set_attribute("specdec.finish_reason", result.finish_reason)
+            span.set_attribute("specdec.tokens", len(result.token_ids))
+            span.set_attribute("specdec.seed", str(result.seed))
+            yield coordinator_pb2.GenerateChunk(
+                request_id=parsed.request_id, token_ids=final_tokens, text=text.delta(result.text, final=True),
+                finish_reason=result.finish_reason, seed=result.seed, stats=wire.stats_to_proto(result.stats))
+        except BaseException as exc:
+            span.record_exception(exc)
+            raise
+        finally:
+            if steps is not None:
+                await steps.aclose()  # idempotent; on cancellation this frees the sessions
+            span.end()
+            self.active -= 1
+
+    async def _run(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int]) -> SpeculativeRun:
+        routing = SessionRouting(self.pool)
+        target = await routing.first_target()
+        draft, missing = None, False
+        if parsed.k > 0:
+            if parsed.method == "draft_model":
+                draft = await routing.first_draft()
+                missing = draft is None
+            else:
+                draft = LocalDraft(self.ngram)
+        run = SpeculativeRun(target, draft, parsed.prompt_ids, parsed.params, parsed.k, self.eos_token_ids,
+                             self.tokenizer, session_id=parsed.request_id, failover=routing, committed=committed,
+                             committed_steps=committed_steps, adaptive=parsed.adaptive,
+                             step_cost=self.config.step_cost)
+        if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
+            log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)
+            run.stats.draft_fallbacks += 1
+        return run

@@ -1,0 +1,138 @@
+"""What every specdec gRPC server shares: error -> status mapping, health, reflection, tracing
+interceptors, message size limits, and graceful shutdown on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import signal
+from typing import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.telemetry import metrics, tracing
+from specdec.errors import SpecdecError
+
+log = logging.getLogger("specdec.runtime.grpc_server")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # both directions, on servers and on our clients
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """The one mapping from our exceptions to gRPC status codes."""
+    if isinstance(exc, SpecdecError):
+        return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+    code = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+        details = f"internal error in {method}: {type(exc).__name__}: {exc}"
+    else:
+        details = str(exc)
+    await context.abort(code, details)
+
+
+def grpc_method(fn: Callable) -> Callable:
+    """Wrap a servicer method so a SpecdecError becomes its status (message included) and any other
+    exception becomes INTERNAL with a log line; never a stack trace to the client. Works for unary
+    methods and for server-streaming methods written as ``async def ... yield``."""
+    name = fn.__qualname__
+    method = fn.__name__
+    if inspect.isasyncgenfunction(fn):
+        @functools.wraps(fn)
+        async def stream_wrapper(self, request, context):
+            try:
+                with metrics.rpc_timer(method):
+                    async for item in fn(self, request, context):
+                        yield item
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status
+                await _abort(context, exc, name)
+        return stream_wrapper
+
+    @functools.wraps(fn)
+    async def unary_wrapper(self, request, context):
+        try:
+            with metrics.rpc_timer(method):
+                return await fn(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await _abort(context, exc, name)
+    return unary_wrapper
+
+
+def create_server(max_workers_hint: int | None = None) -> grpc.aio.Server:
+    return grpc.aio.server(interceptors=tracing.server_interceptors(), options=CHANNEL_OPTIONS)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str]) -> health.aio.HealthServicer:
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = list(service_full_names)
+    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, service_full_names: Iterable[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_full_names]:
+        await servicer.set(name, status)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=tracing.client_interceptors())
+
+
+async def serve_until_signal(server: grpc.aio.Server, health_servicer, service_full_names: list[str],
+                             grace_seconds: float = 10.0,
+                             on_stop: Callable[[], Awaitable[None]] | None = None,
+                             drain: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then: ``drain`` (while still serving), health NOT_SERVING, stop
+    accepting, let in-flight RPCs finish for ``grace_seconds``, run ``on_stop``."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    if drain is not None:
+        await drain()
+    log.info("shutting down (grace %.0fs)", grace_seconds)
+    await set_serving(health_servicer, service_full_names, False)
+    await server.stop(grace_seconds)
+    if on_stop is not None:
+        await on_stop()
+    tracing.flush()
+
+
+async def wait_for_health(address: str, timeout: float = 60.0, service: str = "") -> None:
+    """Block until ``address`` answers SERVING on the standard health service (for launchers/tests)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last_error = "no answer"
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last_error = f"status {reply.status}"
+            except grpc.aio.AioRpcError as exc:
+                last_error = exc.code().name
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s ({last_error})")

@@ -1,0 +1,170 @@
+"""The replica registry in Redis: who serves what, how loaded, and whether it is alive.
+
+Every draft and target replica publishes one hash ``specdec:replica:<kind>:<id>`` (address, model,
+tokenizer fingerprint, load = live sessions, capacity, draining) and refreshes it every
+HEARTBEAT_S with a TTL of REPLICA_TTL_S: a replica that dies simply stops refreshing and drops
+out within a few seconds, and no key outlives its TTL. Coordinators list replicas when a new
+session starts and pick one with the pure functions below; a session keeps its replicas for life.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Sequence
+
+log = logging.getLogger("specdec.runtime.registry")
+
+PREFIX = "specdec:replica"
+HEARTBEAT_S = 1.0
+REPLICA_TTL_S = 3.0
+
+
+@dataclass(frozen=True)
+class Replica:
+    kind: str  # "draft" / "target"
+    replica_id: str
+    address: str
+    model_id: str = ""
+    fingerprint: str = ""  # tokenizer fingerprint ("" = none, e.g. the n-gram draft)
+    draft_kind: str = ""  # "model" / "ngram" for drafts
+    vocab_size: int = 0
+    load: int = 0  # live sessions
+    capacity: int = 0  # max sessions (0 = unknown)
+    draining: bool = False
+    feature_size: int = 0  # target: its hidden size; feature draft: the features it reads
+
+    @property
+    def key(self) -> str:
+        return f"{PREFIX}:{self.kind}:{self.replica_id}"
+
+    def to_hash(self) -> dict[str, str]:
+        return {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_hash(cls, data: dict) -> "Replica":
+        data = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                for k, v in data.items()}
+        kwargs = {}
+        for f in fields(cls):
+            if f.name in data:
+                raw = data[f.name]
+                kwargs[f.name] = (bool(int(raw)) if f.type in ("bool", bool) else
+                                  int(raw) if f.type in ("int", int) else raw)
+        return cls(**kwargs)
+
+
+def new_replica_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+# -- routing (pure) --------------------------------------------------------------------------
+def _order(r: Replica, pending: dict[str, int] | None):
+    load = r.load + (pending or {}).get(r.replica_id, 0)
+    return (load / r.capacity if r.capacity else float(load), load, r.replica_id)
+
+
+def compatible_draft(draft: Replica, target: Replica) -> bool:
+    """A draft may serve a target only if they produce the same token events: the n-gram draft
+    works on token ids of the sequence itself; a model draft needs the target's vocabulary size and
+    tokenizer fingerprint, and a feature draft also the target's hidden size."""
+    if draft.draft_kind == "ngram":
+        return True
+    if draft.vocab_size != target.vocab_size:
+        return False
+    if draft.draft_kind == "feature" and not (draft.feature_size and draft.feature_size == target.feature_size):
+        return False  # it reads the target's hidden states: their width must match
+    return bool(draft.fingerprint) and draft.fingerprint == target.fingerprint
+
+
+def choose_target(targets: Sequence[Replica], exclude: Sequence[str] = (),
+                  pending: dict[str, int] | None = None) -> Replica | None:
+    """The least-utilised target that is not draining. ``pending``: sessions this coordinator
+    started recently that the replicas' heartbeats do not show yet (ordering only: a full
+    replica refuses the session itself, with RESOURCE_EXHAUSTED)."""
+    live = [t for t in targets if not t.draining and t.replica_id not in exclude]
+    return min(live, key=lambda r: _order(r, pending), default=None)
+
+
+def choose_draft(drafts: Sequence[Replica], target: Replica, exclude: Sequence[str] = (),
+                 pending: dict[str, int] | None = None) -> Replica | None:
+    """The least-utilised draft compatible with ``target`` that is not draining."""
+    live = [d for d in drafts if not d.draining and d.replica_id not in exclude and compatible_draft(d, target)]
+    return min(live, key=lambda r: _order(r, pending), default=None)
+
+
+# -- Redis access ----------------------------------------------------------------------------
+class Registry:
+    def __init__(self, url: str):
+        from specdec.runtime.redis_client import connect
+
+        self.url = url
+        self.redis = connect(url)
+
+    async def publish(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(replica.key, mapping=replica.to_hash())
+            pipe.pexpire(replica.key, int(ttl * 1000))
+            await pipe.execute()
+
+    async def remove(self, replica: Replica) -> None:
+        await self.redis.delete(replica.key)
+
+    async def replicas(self, kind: str) -> list[Replica]:
+        keys = [k async for k in self.redis.scan_iter(match=f"{PREFIX}:{kind}:*", count=200)]
+        if not keys:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+            rows = await pipe.execute()
+        return sorted((Replica.from_hash(row) for row in rows if row), key=lambda r: r.replica_id)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+class Heartbeat:
+    """Publishes a replica every HEARTBEAT_S from ``describe()`` (fresh load each time) until
+    stopped; Redis errors are logged and retried, so a Redis restart only delays the next beat."""
+
+    def __init__(self, registry: Registry, describe: Callable[[], Replica]):
+        self.registry = registry
+        self.describe = describe
+        self._task: asyncio.Task | None = None
+        self.beats = 0
+
+    async def beat(self) -> None:
+        await self.registry.publish(self.describe())
+        self.beats += 1
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        failing = False
+        while True:
+            try:
+                await self.beat()
+                if failing:
+                    log.info("registry heartbeat restored")
+                failing = False
+            except Exception as exc:  # noqa: BLE001 - keep beating through Redis trouble
+                if not failing:
+                    log.warning("registry heartbeat failed (%s); retrying", exc)
+                failing = True
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def stop(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if deregister:
+            try:
+                await self.registry.remove(self.describe())
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not deregister (%s); the key expires in %.0fs", exc, REPLICA_TTL_S)

@@ -1,0 +1,142 @@
+"""Which draft and target replicas a session uses: the registry's live replicas (plus any static
+addresses), least-loaded first, tokenizer-compatible drafts only, and replacements on failure.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from specdec.errors import PeerError
+from specdec.runtime.registry import HEARTBEAT_S, Registry, Replica, choose_draft, choose_target
+
+from specdec.runtime.peers import GrpcDraft, GrpcTarget
+
+log = logging.getLogger("specdec.routing")
+
+
+class PeerPool:
+    def __init__(self, registry: Registry | None, static_targets=(), static_drafts=(), draft_timeout: float = 5.0,
+                 target_timeout: float = 60.0):
+        self.registry = registry
+        self.static_target_addresses = [a for a in static_targets if a]
+        self.static_draft_addresses = [a for a in static_drafts if a]
+        self.static: dict[str, Replica] = {}
+        self.draft_timeout, self.target_timeout = draft_timeout, target_timeout
+        self._targets: dict[str, GrpcTarget] = {}
+        self._drafts: dict[str, GrpcDraft] = {}
+        self._recent: deque[tuple[float, str]] = deque()  # picks not yet visible in heartbeats
+        self.context_length = 0
+
+    # -- peers (one channel per address, shared by all sessions) -------------------------------
+    def target_peer(self, address: str) -> GrpcTarget:
+        if address not in self._targets:
+            self._targets[address] = GrpcTarget(address, timeout=self.target_timeout)
+            self._targets[address].context_length = self.context_length
+        return self._targets[address]
+
+    def draft_peer(self, address: str, draft_kind: str = "model") -> GrpcDraft:
+        if address not in self._drafts:
+            self._drafts[address] = GrpcDraft(address, timeout=self.draft_timeout)
+        peer = self._drafts[address]
+        peer.wants_features = draft_kind == "feature"  # as the registry describes the replica now
+        return peer
+
+    async def discover_static(self) -> None:
+        """Describe statically configured replicas (no registry) from their Info."""
+        for kind, addresses in (("target", self.static_target_addresses), ("draft", self.static_draft_addresses)):
+            for address in addresses:
+                peer = self.target_peer(address) if kind == "target" else self.draft_peer(address)
+                try:
+                    info = await peer.info()
+                except PeerError as exc:
+                    log.warning("%s %s is not answering (%s)", kind, address, exc)
+                    if kind == "target":
+                        continue
+                    info = None
+                self.static[address] = Replica(kind, f"static-{address}", address,
+                                               info.model_id if info else "", info.tokenizer_fingerprint if info else "",
+                                               info.draft_kind if info else "model", info.vocab_size if info else 0,
+                                               feature_size=info.feature_size if info else 0)
+
+    async def replicas(self, kind: str) -> list[Replica]:
+        found: list[Replica] = []
+        if self.registry is not None:
+            try:
+                found = await self.registry.replicas(kind)
+            except Exception as exc:  # noqa: BLE001 - Redis down: fall back to static replicas
+                log.warning("registry unavailable (%s)", exc)
+        found += [r for r in self.static.values() if r.kind == kind]
+        return found
+
+    def _pending(self) -> dict[str, int]:
+        """Our own picks of the last two heartbeats, which the replicas' loads do not show yet."""
+        now = time.monotonic()
+        while self._recent and now - self._recent[0][0] > 2 * HEARTBEAT_S:
+            self._recent.popleft()
+        pending: dict[str, int] = {}
+        for _, rid in self._recent:
+            pending[rid] = pending.get(rid, 0) + 1
+        return pending
+
+    def _picked(self, replica: Replica | None) -> Replica | None:
+        if replica is not None:
+            self._recent.append((time.monotonic(), replica.replica_id))
+        return replica
+
+    async def pick_target(self, exclude=()) -> Replica | None:
+        return self._picked(choose_target(await self.replicas("target"), exclude, self._pending()))
+
+    async def pick_draft(self, target: Replica, exclude=()) -> Replica | None:
+        return self._picked(choose_draft(await self.replicas("draft"), target, exclude, self._pending()))
+
+    async def wait_for_target(self, timeout: float) -> Replica:
+        deadline = time.monotonic() + timeout
+        while True:
+            target = choose_target(await self.replicas("target"))
+            if target is not None:
+                return target
+            if time.monotonic() > deadline:
+                raise PeerError("UNAVAILABLE", f"no target replica available after {timeout:.0f}s")
+            await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        for peer in list(self._targets.values()) + list(self._drafts.values()):
+            await peer.close()
+
+
+class SessionRouting:
+    """The replicas of one session: chosen at start, kept for its life (affinity), replaced
+    only when one fails (the loop's Failover)."""
+
+    def __init__(self, pool: PeerPool):
+        self.pool = pool
+        self.target: Replica | None = None
+        self.tried_targets: set[str] = set()
+        self.tried_drafts: set[str] = set()
+
+    async def first_target(self) -> GrpcTarget:
+        self.target = await self.pool.pick_target()
+        if self.target is None:
+            raise PeerError("UNAVAILABLE", "no target replica is available")
+        self.tried_targets.add(self.target.replica_id)
+        return self.pool.target_peer(self.target.address)
+
+    async def first_draft(self) -> GrpcDraft | None:
+        draft = await self.pool.pick_draft(self.target, self.tried_drafts)
+        if draft is None:
+            return None
+        self.tried_drafts.add(draft.replica_id)
+        return self.pool.draft_peer(draft.address, draft.draft_kind)
+
+    async def replace_draft(self, failed) -> GrpcDraft | None:
+        return await self.first_draft()
+
+    async def replace_target(self, failed) -> GrpcTarget | None:
+        replacement = await self.pool.pick_target(self.tried_targets)
+        if replacement is None:
+            return None
+        self.target = replacement
+        self.tried_targets.add(replacement.replica_id)
+        return self.pool.target_peer(replacement.address)

@@ -1,0 +1,180 @@
+"""Running one engine behind a grpc.aio server: the part the draft and target services share."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from specdec.runtime import grpc_server as srv
+from specdec.telemetry import metrics, tracing
+from specdec.runtime import wire
+from specdec.errors import DrainingError
+from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
+from specdec.runtime.grpc_server import grpc_method
+from specdec.v1 import engine_pb2
+
+log = logging.getLogger("specdec.runtime.servicer")
+
+
+@dataclass
+class ServiceSpec:
+    name: str  # "draft" / "target" (default OTEL_SERVICE_NAME: specdec-<name>)
+    full_service_name: str  # e.g. specdec.v1.Draft
+    add_to_server: Callable[[object, grpc.aio.Server], None]
+    servicer: object
+    engine: object
+    host: str
+    port: int
+    session_ttl: float
+    grace_seconds: float = 10.0
+    redis_url: str | None = None
+    advertise: str | None = None  # the address others reach us at (default: host:port)
+    describe: Callable[[str, bool], "object"] | None = None  # (address, draining) -> registry.Replica
+    drain_seconds: float = 30.0
+    on_stop: Callable[[], None] | None = None  # after the server stopped (e.g. stop the other TP ranks)
+    metrics_port: int = 0
+
+
+def add_replica_arguments(p) -> None:
+    """The flags every draft/target replica takes (device, caps, registry, drain, metrics)."""
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    p.add_argument("--max-sessions", type=int, default=256)
+    p.add_argument("--max-kv-bytes", type=int, default=0, help="cap on all sessions' KV bytes (0 = none)")
+    p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
+    p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")
+    p.add_argument("--advertise", default=None, help="address coordinators use to reach this replica "
+                                                      "(default: HOST:PORT, 127.0.0.1 for a wildcard host)")
+    p.add_argument("--replica-id", default=None, help="registry id (default: random)")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, wait this long for live sessions")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+
+
+class SessionServicer:
+    """The session RPCs the draft and target services share: StartSession, Commit, Release.
+    Subclasses set ``kind`` ("draft"/"target"), ``engine`` and ``model_spec``."""
+
+    kind = "engine"
+    draining = False  # set on SIGTERM: live sessions finish, new ones are refused
+
+    @grpc_method
+    async def StartSession(self, request, context):
+        if self.draining:
+            raise DrainingError(f"{self.model_spec}: this {self.kind} replica is draining; start the session elsewhere")
+        params = wire.sampling_from_proto(request.sampling)
+        extra = self.prefill_arguments(request)
+        with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
+            span.set_attribute("specdec.session_id", request.session_id)
+            span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
+            features = await on_model_thread(self.engine.prefill, request.session_id,
+                                             list(request.prompt_token_ids), params, *extra)
+        return engine_pb2.StartSessionResponse(features=wire.features_to_proto(features))
+
+    def prefill_arguments(self, request) -> tuple:
+        """What ``engine.prefill`` takes after (session, prompt, params), read from the request."""
+        return ()
+
+    async def _commit(self, session_id: str, commit) -> None:
+        with tracing.tracer().start_as_current_span(f"{self.kind}.commit") as span:
+            span.set_attribute("specdec.session_id", session_id)
+            span.set_attribute("specdec.step", commit.step)
+            span.set_attribute("specdec.committed_tokens", len(commit.tokens))
+            await on_model_thread(self.engine.commit, session_id, commit)
+
+    @grpc_method
+    async def Commit(self, request, context):
+        await self._commit(request.session_id, wire.commit_from_proto(request.commit))
+        return engine_pb2.CommitResponse()
+
+    @grpc_method
+    async def Release(self, request, context):
+        released = await on_model_thread(self.engine.release, request.session_id)
+        return engine_pb2.ReleaseResponse(released=released)
+
+
+async def _expiry_loop(engine, ttl: float) -> None:
+    # Sessions whose coordinator vanished without a Release are freed after ``ttl`` idle seconds.
+    while True:
+        await asyncio.sleep(min(30.0, max(1.0, ttl / 4)))
+        expired = await on_model_thread(engine.expire_idle, ttl)
+        if expired:
+            log.warning("expired %d idle session(s)", len(expired))
+
+
+async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> None:
+    server = srv.create_server()
+    spec.add_to_server(spec.servicer, server)
+    health = srv.add_health_and_reflection(server, [spec.full_service_name])
+    address = f"{spec.host}:{spec.port}"
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise SystemExit(f"specdec {spec.name}: cannot listen on {address}")
+    await server.start()
+    metrics.watch_engine(spec.engine)
+    metrics.serve_metrics(spec.metrics_port)
+    await srv.set_serving(health, [spec.full_service_name], True)
+    print(f"[specdec] {spec.name} service SERVING on {spec.host}:{bound}", file=sys.stderr, flush=True)
+    if on_ready:
+        on_ready()
+    expiry = asyncio.create_task(_expiry_loop(spec.engine, spec.session_ttl))
+    heartbeat = None
+    if spec.redis_url and spec.describe is not None:
+        from specdec.runtime.registry import Heartbeat, Registry
+
+        advertise = spec.advertise or f"{'127.0.0.1' if spec.host in ('0.0.0.0', '::', '[::]') else spec.host}:{bound}"
+        registry = Registry(spec.redis_url)
+        heartbeat = Heartbeat(registry, lambda: spec.describe(advertise, spec.servicer.draining))
+        heartbeat.start()
+        print(f"[specdec] {spec.name} registered in {spec.redis_url} as {advertise}", file=sys.stderr, flush=True)
+
+    async def drain() -> None:
+        # Refuse new sessions, tell the registry at once, let live sessions finish, deregister.
+        spec.servicer.draining = True
+        if heartbeat is not None:
+            try:
+                await heartbeat.beat()
+            except Exception:  # noqa: BLE001 - the TTL will drop us anyway
+                pass
+        deadline = asyncio.get_running_loop().time() + spec.drain_seconds
+        while spec.engine.stats()["live_sessions"] and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+        left = spec.engine.stats()["live_sessions"]
+        if left:
+            log.warning("drain timeout: handing back %d live session(s)", left)
+        if heartbeat is not None:
+            await heartbeat.stop(deregister=True)
+
+    async def release_all() -> None:
+        expiry.cancel()
+        await on_model_thread(spec.engine.expire_idle, -1.0)  # free every remaining session
+        if spec.on_stop is not None:
+            await on_model_thread(spec.on_stop)
+
+    async def broken() -> None:
+        # A tensor-parallel peer rank died (SIGUSR1 from the supervisor): say so and leave now.
+        log.error("the tensor-parallel group is broken: NOT_SERVING, deregistering, exiting")
+        await srv.set_serving(health, [spec.full_service_name], False)
+        if heartbeat is not None:
+            await heartbeat.stop(deregister=True)
+        await asyncio.sleep(1.0)
+        os._exit(1)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: asyncio.ensure_future(broken()))
+
+    await srv.serve_until_signal(server, health, [spec.full_service_name], spec.grace_seconds, release_all, drain)
+
+
+def main_async(spec_factory: Callable[[], ServiceSpec], service_name: str) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"[specdec {service_name}] %(levelname)s %(message)s")
+    tracing.init_tracing(f"specdec-{service_name}")
+    spec = call_on_model_thread(spec_factory)  # loads the model on the thread that will run it
+    asyncio.run(run(spec))
+    return 0

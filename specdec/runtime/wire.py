@@ -1,0 +1,178 @@
+"""Conversions between the core's dataclasses and the protobuf messages: the one place where
+wire formats are read and written. Reading a request validates it (InvalidArgumentError names the
+field), so servicers stay thin."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from specdec.errors import InvalidArgumentError
+from specdec.engine.sessions import Commit
+from specdec.exact.proposal import DraftProposal
+from specdec.exact.sampling import SamplingParams
+from specdec.exact.sparse import SparseDist
+from specdec.v1 import coordinator_pb2, draft_pb2, engine_pb2, target_pb2
+from specdec.exact.verify import StepStats, TargetVerdict
+
+
+# -- sampling params -------------------------------------------------------------------------
+def sampling_from_proto(msg: coordinator_pb2.SamplingParams, default_max_new_tokens: int = 64) -> SamplingParams:
+    """Public-API params -> validated SamplingParams (unset optionals take their defaults)."""
+    if msg.max_new_tokens < 0:
+        raise InvalidArgumentError("sampling.max_new_tokens", "must be >= 0 (0 = server default)")
+
+    def opt(name: str, default: float) -> float:
+        return float(getattr(msg, name)) if msg.HasField(name) else default
+
+    try:
+        return SamplingParams(
+            temperature=opt("temperature", 1.0),
+            top_k=int(msg.top_k),
+            top_p=opt("top_p", 1.0),
+            min_p=float(msg.min_p),
+            repetition_penalty=opt("repetition_penalty", 1.0),
+            presence_penalty=float(msg.presence_penalty),
+            frequency_penalty=float(msg.frequency_penalty),
+            logit_bias={int(k): float(v) for k, v in msg.logit_bias.items()},
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            max_new_tokens=int(msg.max_new_tokens) or default_max_new_tokens,
+            stop=tuple(msg.stop),
+            ignore_eos=bool(msg.ignore_eos),
+        )
+    except InvalidArgumentError as exc:  # name the field as the client spells it
+        raise InvalidArgumentError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
+
+
+def sampling_to_proto(params: SamplingParams) -> coordinator_pb2.SamplingParams:
+    msg = coordinator_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, max_new_tokens=params.max_new_tokens,
+        stop=list(params.stop), ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    for token, bias in params.logit_bias.items():
+        msg.logit_bias[token] = bias
+    return msg
+
+
+# -- q, proposals, verdicts, commits ---------------------------------------------------------
+def sparse_to_proto(q: SparseDist) -> engine_pb2.SparseDistribution:
+    return engine_pb2.SparseDistribution(token_ids=q.token_ids.tolist(), probs=q.probs.tolist())
+
+
+def sparse_from_proto(msg: engine_pb2.SparseDistribution) -> SparseDist:
+    # float32 on the wire, float32 here: the verifier sees exactly what the draft shipped.
+    return SparseDist(np.asarray(msg.token_ids, dtype=np.int64), np.asarray(msg.probs, dtype=np.float32))
+
+
+def proposal_to_proto(proposal: DraftProposal) -> draft_pb2.ProposeResponse:
+    return draft_pb2.ProposeResponse(tokens=proposed_tokens_to_proto(proposal))
+
+
+def proposed_tokens_to_proto(proposal: DraftProposal) -> list[draft_pb2.ProposedToken]:
+    return [draft_pb2.ProposedToken(token_id=t, q=sparse_to_proto(q)) for t, q in zip(proposal.tokens, proposal.q)]
+
+
+def proposal_from_proto(tokens: Iterable[draft_pb2.ProposedToken]) -> DraftProposal:
+    tokens = list(tokens)
+    return DraftProposal([int(t.token_id) for t in tokens], [sparse_from_proto(t.q) for t in tokens])
+
+
+def verdict_to_proto(verdict: TargetVerdict) -> target_pb2.VerifyResponse:
+    return target_pb2.VerifyResponse(p_proposed=verdict.p_proposed, recovered=verdict.recovered, bonus=verdict.bonus,
+                                     features=features_to_proto(verdict.features))
+
+
+def verdict_from_proto(msg: target_pb2.VerifyResponse) -> TargetVerdict:
+    features = features_from_proto(msg.features, "features") if msg.HasField("features") else None
+    return TargetVerdict([float(p) for p in msg.p_proposed], [int(r) for r in msg.recovered], int(msg.bonus),
+                         features)
+
+
+# -- target features (for feature drafts) ----------------------------------------------------
+FLOAT16_MAX = 65504.0
+_FEATURE_DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+def _wire_dtype(name: str) -> np.dtype:
+    return np.dtype(_FEATURE_DTYPES[name]).newbyteorder("<")  # little-endian on every host
+
+
+def features_to_proto(features: torch.Tensor | None) -> engine_pb2.Features | None:
+    """[rows, H] -> float16 bytes (half the wire of float32; a draft's input needs no more), or
+    float32 when a value lies outside float16's range."""
+    if features is None:
+        return None
+    array = features.detach().to(device="cpu", dtype=torch.float32).numpy()
+    dtype = "float16" if array.size == 0 or float(np.abs(array).max()) <= FLOAT16_MAX else "float32"
+    data = array.astype(_wire_dtype(dtype)).tobytes()
+    return engine_pb2.Features(rows=array.shape[0], dim=array.shape[1] if array.ndim == 2 else 0, dtype=dtype,
+                               data=data)
+
+
+def features_from_proto(msg: engine_pb2.Features, field_name: str = "features") -> torch.Tensor:
+    """Checked decoding: known dtype, a size that matches rows x dim, finite values -> float32 [rows, dim]."""
+    if msg.dtype not in _FEATURE_DTYPES:
+        raise InvalidArgumentError(field_name, f"dtype must be one of {sorted(_FEATURE_DTYPES)}, got {msg.dtype!r}")
+    if msg.rows < 0 or msg.dim < 0 or (msg.rows and not msg.dim):
+        raise InvalidArgumentError(field_name, f"bad shape [{msg.rows}, {msg.dim}]")
+    np_dtype = _wire_dtype(msg.dtype)
+    if len(msg.data) != msg.rows * msg.dim * np_dtype.itemsize:
+        raise InvalidArgumentError(field_name, f"{len(msg.data)} bytes do not hold [{msg.rows}, {msg.dim}] "
+                                               f"{msg.dtype} values")
+    array = np.frombuffer(msg.data, dtype=np_dtype).astype(np.float32).reshape(msg.rows, msg.dim)
+    if not np.isfinite(array).all():
+        raise InvalidArgumentError(field_name, "values must be finite")
+    return torch.from_numpy(array.copy())
+
+
+def commit_to_proto(commit: Commit | None) -> engine_pb2.Commit | None:
+    if commit is None:
+        return None
+    return engine_pb2.Commit(step=commit.step, base_len=commit.base_len, tokens=list(commit.tokens),
+                             features=features_to_proto(commit.features))
+
+
+def commit_from_proto(msg: engine_pb2.Commit | None) -> Commit | None:
+    if msg is None:
+        return None
+    features = features_from_proto(msg.features, "commit.features") if msg.HasField("features") else None
+    return Commit(int(msg.step), int(msg.base_len), tuple(int(t) for t in msg.tokens), features)
+
+
+def optional_commit(parent, field: str = "commit") -> Commit | None:
+    return commit_from_proto(getattr(parent, field)) if parent.HasField(field) else None
+
+
+# -- stats -----------------------------------------------------------------------------------
+def stats_to_proto(stats: StepStats) -> coordinator_pb2.SpeculationStats:
+    return coordinator_pb2.SpeculationStats(
+        target_passes=stats.target_passes, proposed_tokens=stats.proposed_tokens,
+        accepted_tokens=stats.accepted_tokens, accepted_per_position=list(stats.accepted_per_position),
+        draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
+        total_seconds=stats.total_seconds, draft_fallbacks=stats.draft_fallbacks,
+        draft_failovers=stats.draft_failovers, target_failovers=stats.target_failovers, drafts=stats.drafts,
+    )
+
+
+def stats_from_proto(msg: coordinator_pb2.SpeculationStats) -> StepStats:
+    return StepStats(
+        target_passes=msg.target_passes, proposed_tokens=msg.proposed_tokens, accepted_tokens=msg.accepted_tokens,
+        accepted_per_position=list(msg.accepted_per_position), draft_seconds=msg.draft_seconds,
+        verify_seconds=msg.verify_seconds, total_seconds=msg.total_seconds, draft_fallbacks=msg.draft_fallbacks,
+        draft_failovers=msg.draft_failovers, target_failovers=msg.target_failovers, drafts=msg.drafts,
+    )
+
+
+def add_chunk(response: coordinator_pb2.GenerateResponse, chunk: coordinator_pb2.GenerateChunk) -> None:
+    """Fold one stream chunk into the unary response (Generate is GenerateStream, collected)."""
+    response.request_id = chunk.request_id
+    response.token_ids.extend(chunk.token_ids)
+    response.text += chunk.text
+    if chunk.finish_reason:
+        response.finish_reason, response.seed = chunk.finish_reason, chunk.seed
+        response.stats.CopyFrom(chunk.stats)

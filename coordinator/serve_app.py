@@ -1,8 +1,8 @@
 """The coordinator as a Ray Serve application, for KubeRay's RayService (deploy/).
 
-Locally, ``specdec coordinator`` runs a grpc.aio front dispatching to Ray actors (see README for
-why). On Kubernetes, KubeRay manages Ray Serve applications, so the same :class:`CoordinatorCore`
-is wrapped here as a Serve deployment behind Serve's gRPC ingress:
+Locally, ``specdec coordinator`` serves the front (``coordinator.front``) on its own grpc.aio
+server (see README for why). On Kubernetes, KubeRay manages Ray Serve applications, so the same
+front is served here as a Serve deployment behind Serve's gRPC ingress:
 
     serveConfigV2:
       grpc_options:
@@ -14,117 +14,89 @@ is wrapped here as a Serve deployment behind Serve's gRPC ingress:
         - name: specdec
           route_prefix: /            # required: without it Serve's proxy never routes gRPC
           import_path: coordinator.serve_app:build_app
-          args: {num_speculative_tokens: 4, ...}   # REDIS_URL comes from the environment
+          args: {num_speculative_tokens: 4, metrics_port: 9090, ...}   # coordinator/settings.py
 
-The standard ``grpc.health.v1.Health/Check`` on the public port is answered by the deployment
-itself (Serve routes it like any method), so Kubernetes gRPC probes work. Errors are returned
-with their status code and message (``set_code``/``set_details`` before raising: Serve then
-sends that code and those details, never the Ray traceback).
+The args are the settings of ``specdec coordinator`` (its flags without the dashes); REDIS_URL
+comes from the environment. The standard ``grpc.health.v1.Health/Check`` on the public port is
+answered by the deployment itself (Serve routes it like any method): NOT_SERVING until the
+request path has found a target, as on the grpc.aio front, and never blocking a probe. Errors are
+returned with their status code and message (``set_code``/``set_details`` before raising: Serve
+then sends that code and those details, never the Ray traceback).
 """
+
 from __future__ import annotations
 
-import os
+import asyncio
+import contextlib
+from typing import Any
 
+from grpc_health.v1 import health_pb2
 from ray import serve
 
-from specdec.telemetry import tracing
-from specdec.errors import SpecdecError
-from specdec.runtime.grpc_server import status_of
-
-from specdec.loop.policy import StepCost
-
-from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
-
-CONFIG_ARGS = {
-    "num_speculative_tokens": ("default_k", int),
-    "adaptive": ("default_adaptive", lambda v: _boolean("adaptive", v)),
-    "step_cost": ("step_cost", lambda v: StepCost.parse(str(v))),
-    "max_speculative_tokens": ("max_k", int),
-    "default_max_new_tokens": ("default_max_new_tokens", int),
-    "max_new_tokens_limit": ("max_new_tokens_limit", int),
-    "max_concurrent_requests": ("max_concurrent_requests", int),
-    "draft_timeout": ("draft_timeout_s", float),
-    "default_method": ("default_method", str),
-    "output_ttl": ("output_ttl_s", float),
-    "tokenizer": ("tokenizer", str),
-}
+from coordinator import settings
+from coordinator.front import CoordinatorFront, LocalBackend, trace_headers
+from specdec.runtime.grpc_server import failure_status
+from specdec.telemetry import metrics, tracing
 
 
-def _boolean(name: str, value) -> bool:
-    """A YAML boolean, or its spelling as a string (bool("false") would be True)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "yes", "on", "1"):
-        return True
-    if text in ("false", "no", "off", "0"):
-        return False
-    raise ValueError(f"coordinator arg {name!r} must be true or false, got {value!r}")
-
-
-def config_from_args(args: dict) -> CoordinatorConfig:
-    unknown = set(args) - set(CONFIG_ARGS) - {"redis_url"}
-    if unknown:
-        raise ValueError(f"unknown coordinator args {sorted(unknown)}; known: {sorted(CONFIG_ARGS)}")
-    redis_url = args.get("redis_url") or os.environ.get("REDIS_URL")
-    if not redis_url:
+def config_values(args: dict[str, Any]) -> dict[str, Any]:
+    """The application's args, parsed as coordinator settings (a ValueError names a bad one);
+    the Serve coordinator needs the registry, so REDIS_URL (or ``redis``) must be set."""
+    values = settings.parse_values(args)
+    if not settings.config_from(values).redis_url:
         raise ValueError("the Serve coordinator needs REDIS_URL (the registry finds the draft and target replicas)")
-    kwargs = {CONFIG_ARGS[k][0]: CONFIG_ARGS[k][1](v) for k, v in args.items() if k in CONFIG_ARGS}
-    return CoordinatorConfig(redis_url=redis_url, **kwargs)
+    return values
 
 
-def _carrier(grpc_context) -> dict:
-    try:
-        return {k: v for k, v in grpc_context.invocation_metadata() if k in ("traceparent", "tracestate")}
-    except Exception:  # noqa: BLE001 - tracing is best effort
-        return {}
-
-
-def _fail(grpc_context, exc: BaseException) -> None:
-    grpc_context.set_code(status_of(exc))
-    grpc_context.set_details(str(exc) if isinstance(exc, SpecdecError) else f"internal error: {type(exc).__name__}")
+def _fail(grpc_context, exc: BaseException, method: str) -> None:
+    code, details = failure_status(exc, method)
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
 class CoordinatorDeployment:
-    def __init__(self, config: CoordinatorConfig):
+    def __init__(self, values: dict[str, Any]):
         tracing.init_tracing("specdec-coordinator")
-        self.core = CoordinatorCore(config)
-        self._ready = False
+        self.front = CoordinatorFront(LocalBackend(settings.config_from(values)), values.get("metrics_port", 0))
+        self._starting: asyncio.Future | None = None
 
-    async def _setup(self) -> None:
-        if not self._ready:
-            await self.core.setup()
-            self._ready = True
+    def _start(self) -> asyncio.Future:
+        """The front's start-up, begun on first use and begun again after a failure."""
+        failed = self._starting is not None and self._starting.done() and self._starting.exception() is not None
+        if self._starting is None or failed:
+            self._starting = asyncio.ensure_future(self.front.start())
+        return self._starting
 
     async def Generate(self, request, grpc_context):
         try:
-            await self._setup()
-            return await self.core.generate_unary(request, _carrier(grpc_context))
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
-            _fail(grpc_context, exc)
+            with metrics.rpc_timer("Generate"):
+                await self._start()
+                return await self.front.unary(request, trace_headers(grpc_context.invocation_metadata()))
+        except Exception as exc:
+            _fail(grpc_context, exc, "Generate")
             raise
 
     async def GenerateStream(self, request, grpc_context):
         try:
-            await self._setup()
-            async for chunk in self.core.generate(request, _carrier(grpc_context)):
-                yield chunk
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
-            _fail(grpc_context, exc)
+            with metrics.rpc_timer("GenerateStream"):
+                await self._start()
+                async for chunk in self.front.stream(request, trace_headers(grpc_context.invocation_metadata())):
+                    yield chunk
+        except Exception as exc:
+            _fail(grpc_context, exc, "GenerateStream")
             raise
 
     async def Check(self, request, grpc_context=None):
-        from grpc_health.v1 import health_pb2
+        starting = self._start()
+        with contextlib.suppress(asyncio.TimeoutError, Exception):  # not ready (or failed): NOT_SERVING now
+            await asyncio.wait_for(asyncio.shield(starting), timeout=0.5)
+        ready = self.front.serving
+        return health_pb2.HealthCheckResponse(
+            status=health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
 
-        try:
-            await self._setup()
-            status = health_pb2.HealthCheckResponse.SERVING
-        except Exception:  # noqa: BLE001 - no target reachable yet
-            status = health_pb2.HealthCheckResponse.NOT_SERVING
-        return health_pb2.HealthCheckResponse(status=status)
 
-
-def build_app(args: dict):
+def build_app(args: dict[str, Any] | None):
     """Serve application builder (``import_path: coordinator.serve_app:build_app``)."""
-    return CoordinatorDeployment.bind(config_from_args(dict(args or {})))
+    return CoordinatorDeployment.bind(config_values(dict(args or {})))  # type: ignore[attr-defined]

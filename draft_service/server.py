@@ -1,15 +1,16 @@
-"""The draft gRPC service: a thin adapter over DraftEngine / NgramDraft (design.md §1: parse,
-call the engine, map errors; no sampling math here)."""
+"""The draft gRPC service: a thin adapter over DraftEngine / NgramDraft (parse, call the engine,
+map errors; no sampling math here: docs/architecture.md)."""
+
 from __future__ import annotations
 
 import argparse
 
-from specdec.telemetry import tracing
-from specdec.runtime import wire
 from specdec.engine.sessions import CacheLimits
-from specdec.runtime.model_thread import on_model_thread
+from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method
+from specdec.runtime.model_thread import on_model_thread
 from specdec.runtime.servicer import ServiceSpec, SessionServicer, add_replica_arguments, main_async
+from specdec.telemetry import tracing
 from specdec.v1 import draft_pb2_grpc, engine_pb2
 
 SERVICE = "specdec.v1.Draft"
@@ -45,12 +46,18 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
     async def Info(self, request, context):
         stats = self.engine.stats()
         return engine_pb2.EngineInfo(
-            kind="draft", model_id=self.model_spec, vocab_size=self.engine.vocab_size,
+            kind="draft",
+            model_id=self.model_spec,
+            vocab_size=self.engine.vocab_size,
             context_length=getattr(getattr(self.engine, "store", None), "context_length", 0),
-            tokenizer_fingerprint=self.fingerprint, live_sessions=stats["live_sessions"],
-            kv_bytes=stats["kv_bytes"], sessions_started=stats.get("sessions_started", 0),
-            draining=self.draining, kv_bytes_per_token=stats.get("kv_bytes_per_token", 0),
-            draft_kind=self.engine.kind, feature_size=getattr(self.engine, "feature_size", 0),
+            tokenizer_fingerprint=self.fingerprint,
+            live_sessions=stats["live_sessions"],
+            kv_bytes=stats["kv_bytes"],
+            sessions_started=stats.get("sessions_started", 0),
+            draining=self.draining,
+            kv_bytes_per_token=stats.get("kv_bytes_per_token", 0),
+            draft_kind=self.engine.kind,
+            feature_size=getattr(self.engine, "feature_size", 0),
         )
 
 
@@ -95,14 +102,34 @@ def main(args) -> int:
         replica_id = args.replica_id or new_replica_id()
 
         def describe(address: str, draining: bool) -> Replica:
-            return Replica("draft", replica_id, address, args.model, fingerprint, engine.kind,
-                           args.vocab_size if args.model == "ngram" else engine.vocab_size,
-                           engine.stats()["live_sessions"], args.max_sessions, draining,
-                           feature_size=getattr(engine, "feature_size", 0))
+            return Replica(
+                "draft",
+                replica_id,
+                address,
+                args.model,
+                fingerprint,
+                engine.kind,
+                args.vocab_size if args.model == "ngram" else engine.vocab_size,
+                engine.stats()["live_sessions"],
+                args.max_sessions,
+                draining,
+                feature_size=getattr(engine, "feature_size", 0),
+            )
 
-        return ServiceSpec("draft", SERVICE, draft_pb2_grpc.add_DraftServicer_to_server, servicer, engine,
-                           args.host, args.port, args.session_ttl, redis_url=args.redis or os.environ.get("REDIS_URL"),
-                           advertise=args.advertise, describe=describe, drain_seconds=args.drain_seconds,
-                           metrics_port=args.metrics_port)
+        return ServiceSpec(
+            "draft",
+            SERVICE,
+            draft_pb2_grpc.add_DraftServicer_to_server,
+            servicer,
+            engine,
+            args.host,
+            args.port,
+            args.session_ttl,
+            redis_url=args.redis or os.environ.get("REDIS_URL"),
+            advertise=args.advertise,
+            describe=describe,
+            drain_seconds=args.drain_seconds,
+            metrics_port=args.metrics_port,
+        )
 
     return main_async(spec, "draft")

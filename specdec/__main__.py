@@ -1,4 +1,5 @@
 """``python -m specdec``: the CLI (``specdec.apps.cli``)."""
+
 import sys
 
 from specdec.apps.cli import main

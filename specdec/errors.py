@@ -4,6 +4,7 @@ Every failure the engines and the algorithm can report is one of these classes. 
 them to gRPC status codes in exactly one place (``STATUS_OF`` names the code for each class), so
 the algorithm never imports gRPC and a client always gets a status that names the problem.
 """
+
 from __future__ import annotations
 
 
@@ -29,7 +30,7 @@ class InvalidArgumentError(SpecdecError, ValueError):
 
 
 class MalformedProposalError(InvalidArgumentError):
-    """A draft block (tokens + shipped q) that fails validation (design.md §3)."""
+    """A draft block (tokens + shipped q) that fails validation (docs/exactness.md, "Sparse q")."""
 
 
 class NonFiniteLogitsError(SpecdecError, ArithmeticError):

@@ -3,6 +3,7 @@
 A foundation module like ``specdec.errors``: it imports nothing of the project, so every layer
 may use it.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,17 +1,18 @@
 """The target gRPC service: a thin adapter over TargetEngine. Verify is client-streaming: the
 coordinator streams the proposal block (tokens with their sparse q) and half-closes; the target
 runs one pass and answers with the target side of the verifier."""
+
 from __future__ import annotations
 
 import argparse
 
-from specdec.telemetry import tracing
-from specdec.runtime import wire
-from specdec.runtime.model_thread import on_model_thread
-from specdec.errors import InvalidArgumentError
 from specdec.engine.sessions import CacheLimits
+from specdec.errors import InvalidArgumentError
+from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method
+from specdec.runtime.model_thread import on_model_thread
 from specdec.runtime.servicer import ServiceSpec, SessionServicer, add_replica_arguments, main_async
+from specdec.telemetry import tracing
 from specdec.v1 import engine_pb2, target_pb2_grpc
 
 SERVICE = "specdec.v1.Target"
@@ -47,8 +48,15 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             span.set_attribute("specdec.k", len(block))
             span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
             # one hop to the model thread for commit + verify (each hop costs a thread hand-off)
-            verdict = await on_model_thread(self.engine.verify, header.session_id, header.step, block.tokens, block.q,
-                                            commit, header.return_features)
+            verdict = await on_model_thread(
+                self.engine.verify,
+                header.session_id,
+                header.step,
+                block.tokens,
+                block.q,
+                commit,
+                header.return_features,
+            )
         return wire.verdict_to_proto(verdict)
 
     def prefill_arguments(self, request) -> tuple:
@@ -64,13 +72,20 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
 
             ranks = [{"param_bytes": local_param_bytes(self.engine.store.model), "kv_bytes": stats["kv_bytes"]}]
         return engine_pb2.EngineInfo(
-            tp_size=self.tp, rank_param_bytes=[r["param_bytes"] for r in ranks],
+            tp_size=self.tp,
+            rank_param_bytes=[r["param_bytes"] for r in ranks],
             rank_kv_bytes=[r["kv_bytes"] for r in ranks],
-            kind="target", model_id=self.model_spec, vocab_size=self.engine.vocab_size,
-            context_length=self.engine.context_length, eos_token_ids=self.eos_token_ids,
-            tokenizer_fingerprint=self.fingerprint, live_sessions=stats["live_sessions"],
-            kv_bytes=stats["kv_bytes"], sessions_started=stats.get("sessions_started", 0),
-            draining=self.draining, kv_bytes_per_token=stats["kv_bytes_per_token"],
+            kind="target",
+            model_id=self.model_spec,
+            vocab_size=self.engine.vocab_size,
+            context_length=self.engine.context_length,
+            eos_token_ids=self.eos_token_ids,
+            tokenizer_fingerprint=self.fingerprint,
+            live_sessions=stats["live_sessions"],
+            kv_bytes=stats["kv_bytes"],
+            sessions_started=stats.get("sessions_started", 0),
+            draining=self.draining,
+            kv_bytes_per_token=stats["kv_bytes_per_token"],
             feature_size=int(self.engine.store.model.config.hidden_size),
         )
 
@@ -93,12 +108,12 @@ def main(args) -> int:
     if tp < 1:
         raise SystemExit("specdec target: --tp must be >= 1")
     if tp > 1 and not os.environ.get("SPECDEC_TP_RANK_PROCESS"):
+        from specdec.engine.tensor_parallel import check_divisible
         from specdec.modeling.loading import load_config
-
-        from specdec.engine.tensor_parallel import check_divisible, supervise
+        from target_service.supervisor import supervise
 
         check_divisible(load_config(args.model), tp)  # fail before starting any rank
-        return supervise(["target", *sys.argv[sys.argv.index("target") + 1:]], tp)
+        return supervise(["target", *sys.argv[sys.argv.index("target") + 1 :]], tp)
 
     rank = 0
     on_stop = None
@@ -107,9 +122,15 @@ def main(args) -> int:
         nonlocal rank, on_stop
         import torch
 
-        from specdec.modeling.loading import (default_device, eos_token_ids, load_model, parse_dtype, tokenizer_fingerprint,
-                                    try_load_tokenizer)
         from specdec.engine.target import TargetEngine
+        from specdec.modeling.loading import (
+            default_device,
+            eos_token_ids,
+            load_model,
+            parse_dtype,
+            tokenizer_fingerprint,
+            try_load_tokenizer,
+        )
 
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -120,12 +141,12 @@ def main(args) -> int:
 
             rank, _, device = init_rank(args.device)
             model = load_model(args.model, device, parse_dtype(args.dtype, device), quiet=rank != 0, tp_plan="auto")
-            engine = TargetEngine(model, limits, kv_shards=tp)
+            shard = TargetEngine(model, limits, kv_shards=tp)
             if rank != 0:
-                worker_loop(engine)
-                raise SystemExit(0)
-            engine = DistributedTargetEngine(engine, tp)
-            on_stop = engine.shutdown
+                raise SystemExit(worker_loop(shard))
+            mirrored = DistributedTargetEngine(shard, tp)
+            on_stop = mirrored.shutdown
+            engine: TargetEngine | DistributedTargetEngine = mirrored
         else:
             model = load_model(args.model, device, parse_dtype(args.dtype, device))
             engine = TargetEngine(model, limits)
@@ -135,14 +156,35 @@ def main(args) -> int:
         replica_id = args.replica_id or new_replica_id()
 
         def describe(address: str, draining: bool) -> Replica:
-            return Replica("target", replica_id, address, args.model, fingerprint, "", engine.vocab_size,
-                           engine.stats()["live_sessions"], args.max_sessions, draining,
-                           feature_size=int(model.config.hidden_size))
+            return Replica(
+                "target",
+                replica_id,
+                address,
+                args.model,
+                fingerprint,
+                "",
+                engine.vocab_size,
+                engine.stats()["live_sessions"],
+                args.max_sessions,
+                draining,
+                feature_size=int(model.config.hidden_size),
+            )
 
-        return ServiceSpec("target", SERVICE, target_pb2_grpc.add_TargetServicer_to_server, servicer, engine,
-                           args.host, args.port, args.session_ttl, redis_url=args.redis or os.environ.get("REDIS_URL"),
-                           advertise=args.advertise, describe=describe, drain_seconds=args.drain_seconds,
-                           metrics_port=args.metrics_port,
-                           on_stop=lambda: on_stop() if on_stop else None)
+        return ServiceSpec(
+            "target",
+            SERVICE,
+            target_pb2_grpc.add_TargetServicer_to_server,
+            servicer,
+            engine,
+            args.host,
+            args.port,
+            args.session_ttl,
+            redis_url=args.redis or os.environ.get("REDIS_URL"),
+            advertise=args.advertise,
+            describe=describe,
+            drain_seconds=args.drain_seconds,
+            metrics_port=args.metrics_port,
+            on_stop=lambda: on_stop() if on_stop else None,
+        )
 
     return main_async(spec, "target")

@@ -3,10 +3,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from specdec.modeling.tiny import perturbed, tiny_llama  # noqa: E402
+from specdec.modeling.tiny import perturbed, tiny_llama
 
 VOCAB = 32
 

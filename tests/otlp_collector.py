@@ -1,4 +1,5 @@
 """A real OTLP/gRPC trace collector for tests: receives spans from every service and keeps them."""
+
 from __future__ import annotations
 
 import threading
@@ -17,8 +18,9 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         with self.lock:
             for resource_spans in request.resource_spans:
-                service = next((a.value.string_value for a in resource_spans.resource.attributes
-                                if a.key == "service.name"), "")
+                service = next(
+                    (a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"), ""
+                )
                 for scope in resource_spans.scope_spans:
                     for span in scope.spans:
                         attrs = {a.key: (a.value.string_value or a.value.int_value) for a in span.attributes}

@@ -1,4 +1,5 @@
 """Helpers for integration tests that talk to a real stack over gRPC."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,9 @@ from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_pb2_grpc
 
 
-def request(prompt_ids=None, prompt=None, k=None, method="", request_id="", resume_from_index=0, adaptive=None,
-            **sampling) -> pb.GenerateRequest:
+def request(
+    prompt_ids=None, prompt=None, k=None, method="", request_id="", resume_from_index=0, adaptive=None, **sampling
+) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id, resume_from_index=resume_from_index)
     if prompt_ids is not None:
         req.prompt_token_ids.extend(prompt_ids)
@@ -53,3 +55,18 @@ async def _gather(address: str, requests, concurrency: int):
 def generate_many(address: str, requests, concurrency: int = 8):
     """Unary Generate for every request, ``concurrency`` in flight at once; results in order."""
     return asyncio.run(_gather(address, list(requests), concurrency))
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A Prometheus /metrics page as {name|label=value...: value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"|{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[key] = sample.value
+    return out

@@ -1,5 +1,6 @@
 """`specdec bench --quick` runs end to end on tiny models and writes its JSON and plot (no speed
 assertion here: speed is what the bench reports, never what a test asserts)."""
+
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.apps.bench import predicted_speedup, summarize, Mode, Sample
+from specdec.apps.bench import Mode, Sample, predicted_speedup, summarize
 from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -19,15 +20,45 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
         model.save_pretrained(tmp_path / name)
         word_tokenizer(32).save_pretrained(tmp_path / name)
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = subprocess.run([str(Path(sys.executable).with_name("specdec")), "bench", "--quick",
-                           "--target-model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"),
-                           "--num-prompts", "2", "--repeats", "1", "--concurrency", "1,2",
-                           "--json", str(out), "--plot", str(png), "--log-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("specdec")),
+            "bench",
+            "--quick",
+            "--target-model",
+            str(tmp_path / "target"),
+            "--draft-model",
+            str(tmp_path / "draft"),
+            "--num-prompts",
+            "2",
+            "--repeats",
+            "1",
+            "--concurrency",
+            "1,2",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            "--log-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    for key in ("modes", "speedup_vs_target_only", "speedup_vs_hf_assisted", "acceptance_rate",
-                "mean_accepted_length", "predicted_speedup", "overhead_fraction", "concurrency"):
+    for key in (
+        "modes",
+        "speedup_vs_target_only",
+        "speedup_vs_hf_assisted",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "predicted_speedup",
+        "overhead_fraction",
+        "concurrency",
+    ):
         assert key in report
     modes = {(m["mode"], m["k"], m["temperature"]) for m in report["modes"]}
     for mode in ("target-only", "hf-generate"):
@@ -48,8 +79,22 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
 
 def test_summaries_and_the_leviathan_prediction():
     mode = Mode("speculative", 3, "draft_model")
-    samples = [Sample(tokens=8, seconds=1.0, ttft=0.1, itl=[0.1] * 7, passes=3, drafts=3, proposed=9, accepted=5,
-                      per_position=[3, 2], draft_s=0.3, verify_s=0.5, server_s=1.0)]
+    samples = [
+        Sample(
+            tokens=8,
+            seconds=1.0,
+            ttft=0.1,
+            itl=[0.1] * 7,
+            passes=3,
+            drafts=3,
+            proposed=9,
+            accepted=5,
+            per_position=[3, 2],
+            draft_s=0.3,
+            verify_s=0.5,
+            server_s=1.0,
+        )
+    ]
     s = summarize(mode, 0.0, [samples])
     assert s["tokens_per_s"] == 8.0 and s["acceptance_rate"] == 5 / 9
     assert s["mean_accepted_length"] == (5 + 3) / 3 and s["acceptance_per_position"] == [1.0, 2 / 3]
@@ -57,5 +102,5 @@ def test_summaries_and_the_leviathan_prediction():
     base = {"verify_s_per_pass": 0.1}
     # a = 5/9, k = 3: (1 - a^4) / (1 - a) tokens per pass, for 3 * (0.3 / 9) + 0.5 / 3 seconds
     a = 5 / 9
-    expected = ((1 - a ** 4) / (1 - a)) / ((3 * 0.3 / 9 + 0.5 / 3) / 0.1)
+    expected = ((1 - a**4) / (1 - a)) / ((3 * 0.3 / 9 + 0.5 / 3) / 0.1)
     assert predicted_speedup(s, base) == pytest.approx(expected)

@@ -1,4 +1,5 @@
 """Loading models from disk (HF directories, errors) and the in-process `specdec run` demo."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ def model_dirs(tmp_path_factory):
 def test_resolve_errors_are_clear(tmp_path):
     with pytest.raises(ModelLoadError, match="GGUF file not found"):
         resolve(str(tmp_path / "missing.gguf"))
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         resolve(str(tmp_path))
     (tmp_path / "weights.bin").write_text("x")
     with pytest.raises(ModelLoadError, match="neither"):
@@ -47,9 +48,26 @@ def test_load_from_hf_directory(model_dirs):
 
 def test_specdec_run_streams_an_answer_with_stats(model_dirs):
     proc = subprocess.run(
-        [SPECDEC, "run", "w1 w2 w3 w1 w2", "--target-model", str(model_dirs / "target"),
-         "--draft-model", str(model_dirs / "draft"), "-k", "3", "--max-new-tokens", "12", "--seed", "5", "--compare"],
-        capture_output=True, text=True, timeout=300,
+        [
+            SPECDEC,
+            "run",
+            "w1 w2 w3 w1 w2",
+            "--target-model",
+            str(model_dirs / "target"),
+            "--draft-model",
+            str(model_dirs / "draft"),
+            "-k",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--seed",
+            "5",
+            "--compare",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert "acceptance rate" in proc.stdout and "target passes" in proc.stdout
@@ -61,9 +79,24 @@ def test_specdec_run_streams_an_answer_with_stats(model_dirs):
 def test_specdec_run_with_draft_none_does_not_speculate(model_dirs):
     # A repetitive prompt: an n-gram draft would propose here, so a silent fallback would show.
     proc = subprocess.run(
-        [SPECDEC, "run", "w1 w2 w3 w1 w2 w3 w1 w2", "--target-model", str(model_dirs / "target"),
-         "--draft-model", "none", "--max-new-tokens", "8", "--ignore-eos", "--seed", "3"],
-        capture_output=True, text=True, timeout=300,
+        [
+            SPECDEC,
+            "run",
+            "w1 w2 w3 w1 w2 w3 w1 w2",
+            "--target-model",
+            str(model_dirs / "target"),
+            "--draft-model",
+            "none",
+            "--max-new-tokens",
+            "8",
+            "--ignore-eos",
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert "no speculation (target only)" in proc.stdout and "8 target passes" in proc.stdout, proc.stdout
@@ -71,8 +104,13 @@ def test_specdec_run_with_draft_none_does_not_speculate(model_dirs):
 
 
 def test_specdec_run_reports_a_missing_model_without_a_traceback(tmp_path):
-    proc = subprocess.run([SPECDEC, "run", "hi", "--target-model", str(tmp_path / "nope.gguf")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [SPECDEC, "run", "hi", "--target-model", str(tmp_path / "nope.gguf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2
     assert "GGUF file not found" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -99,13 +137,23 @@ def _running(pid: int) -> bool:
 
 def test_sigterm_to_specdec_run_stops_every_process_it_started(model_dirs):
     import signal
+    import threading
     import time
 
-    import threading
-
-    proc = subprocess.Popen([SPECDEC, "run", "w1 w2", "--target-model", str(model_dirs / "target"),
-                             "--draft-model", str(model_dirs / "draft")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            SPECDEC,
+            "run",
+            "w1 w2",
+            "--target-model",
+            str(model_dirs / "target"),
+            "--draft-model",
+            str(model_dirs / "draft"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log: list[str] = []
     try:
         for line in proc.stderr:  # the services are up; the coordinator (Ray) is starting
@@ -137,7 +185,7 @@ def test_an_invalid_head_vocabulary_is_a_clear_load_error(model_dirs, tmp_path):
     shutil.copytree(model_dirs / "draft", broken)
     for content in ('{"token_ids": [1, 1]}', '{"token_ids": [99]}', "not json", "{}"):
         (broken / "head_vocab.json").write_text(content)
-        with pytest.raises(ModelLoadError, match="head_vocab.json is invalid"):
+        with pytest.raises(ModelLoadError, match=r"head_vocab\.json is invalid"):
             load_model(str(broken), "cpu", quiet=True)
 
 
@@ -152,10 +200,12 @@ def test_local_stack_gives_the_draft_one_thread_unless_told_otherwise():
 def test_a_command_imports_only_its_own_module():
     """`specdec distill` must work where only torch and transformers are installed (a GPU box),
     and a service process should not import the other services (ray for a draft replica)."""
-    probe = ("import sys; from specdec.apps.cli import build_parser; "
-             "args = build_parser('distill').parse_args(['distill', '--target', 't', '--out', 'o']); "
-             "print(args.func.__module__, 'ray' in sys.modules, 'grpc' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    probe = (
+        "import sys; from specdec.apps.cli import build_parser; "
+        "args = build_parser('distill').parse_args(['distill', '--target', 't', '--out', 'o']); "
+        "print(args.func.__module__, 'ray' in sys.modules, 'grpc' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["specdec.training.distill", "False", "False"]
     # Without a command every subcommand is complete (`specdec --help`, the deploy tests).

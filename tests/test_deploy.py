@@ -1,6 +1,7 @@
 """deploy/ is validated offline: kustomize renders every overlay, every core object passes strict
 schema validation against a pinned Kubernetes version, CRDs are checked structurally, and the
 manifests agree with what the services actually accept and listen on."""
+
 from __future__ import annotations
 
 import importlib
@@ -24,8 +25,9 @@ CRD_KINDS = {"RayService"}
 def render(overlay: str) -> list[dict]:
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl (with kustomize) is needed to render deploy/"
-    out = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / "overlays" / overlay)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "deploy" / "overlays" / overlay)], capture_output=True, text=True, check=True
+    ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
@@ -66,10 +68,16 @@ def test_core_objects_validate_strictly(objects):
 def test_the_expected_objects_exist(objects):
     overlay, objs = objects
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
-    expected = {("Deployment", "specdec-draft"), ("Service", "specdec-draft"),
-                ("HorizontalPodAutoscaler", "specdec-draft"), ("StatefulSet", "specdec-target"),
-                ("RayService", "specdec-coordinator"), ("Service", "specdec-coordinator"),
-                ("StatefulSet", "specdec-redis"), ("ConfigMap", "specdec-config")}
+    expected = {
+        ("Deployment", "specdec-draft"),
+        ("Service", "specdec-draft"),
+        ("HorizontalPodAutoscaler", "specdec-draft"),
+        ("StatefulSet", "specdec-target"),
+        ("RayService", "specdec-coordinator"),
+        ("Service", "specdec-coordinator"),
+        ("StatefulSet", "specdec-redis"),
+        ("ConfigMap", "specdec-config"),
+    }
     assert expected <= kinds
     assert sum(o["kind"] == "PodDisruptionBudget" for o in objs) >= 2
     assert sum(o["kind"] == "NetworkPolicy" for o in objs) >= 3
@@ -92,9 +100,9 @@ def test_rayservice_structure(objects):
     assert app["route_prefix"] == "/"  # without it Serve's proxy never routes gRPC
     module, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), attr)
-    from coordinator.serve_app import config_from_args
+    from coordinator.serve_app import config_values
 
-    config_from_args({**app["args"], "redis_url": "redis://x:6379/0"})  # every arg is one the app knows
+    config_values({**app["args"], "redis": "redis://x:6379/0"})  # every arg is a coordinator setting
     assert callable(builder)
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
     ports = {p["containerPort"] for c in containers(head, init=False) for p in c.get("ports", [])}
@@ -111,8 +119,12 @@ def test_every_service_selects_a_pod_template(objects):
         selector = svc["spec"]["selector"]
         matching = [t for t in templates if selector.items() <= t["metadata"]["labels"].items()]
         assert matching, f"Service {svc['metadata']['name']} selects no pod template"
-        named_ports = {p["name"]: p["containerPort"] for t in matching for c in containers(t, init=False)
-                       for p in c.get("ports", [])}
+        named_ports = {
+            p["name"]: p["containerPort"]
+            for t in matching
+            for c in containers(t, init=False)
+            for p in c.get("ports", [])
+        }
         for port in svc["spec"]["ports"]:
             target = port.get("targetPort", port["port"])
             assert target in named_ports or target in named_ports.values(), (svc["metadata"]["name"], target)
@@ -190,18 +202,18 @@ def test_gpu_overlay_shards_the_target_and_gives_drafts_their_own_gpus():
 
 def test_dockerfile_structure():
     text = (ROOT / "Dockerfile").read_text()
-    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith("#")]
-    base = next(l for l in lines if l.startswith("FROM ")).split()[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    base = next(line for line in lines if line.startswith("FROM ")).split()[1]
     assert ":" in base and not base.endswith(":latest")  # pinned by tag
-    user = [l for l in lines if l.startswith("USER ")]
+    user = [line for line in lines if line.startswith("USER ")]
     assert user and user[-1].split()[1].split(":")[0] not in ("root", "0")
     assert not re.search(r"(?i)(password|secret|token|api_key)\s*=", text)
-    entry = next(l for l in lines if l.startswith("ENTRYPOINT"))
+    entry = next(line for line in lines if line.startswith("ENTRYPOINT"))
     assert shlex.split(entry.replace("[", "").replace("]", "").replace(",", " "))[1:] == ["specdec"]
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'specdec = "specdec.apps.cli:main"' in pyproject  # the entrypoint exists in the package
     # target models are mounted, never baked in; the only model copied is the shipped distilled draft
-    copies = [l.split()[1:] for l in lines if l.startswith("COPY")]
+    copies = [line.split()[1:] for line in lines if line.startswith("COPY")]
     assert "gguf" not in text.lower()
     assert [c for c in copies if "models" in " ".join(c)] == [["models", "./models"]]
     assert "SPECDEC_MODELS_DIR=/opt/specdec/models" in text

@@ -1,12 +1,13 @@
 """Pure helpers of `specdec distill`: self-written prompts and the learning-rate schedule."""
+
 import argparse
 import math
 
 import pytest
 
+from specdec.modeling.tiny import word_tokenizer
 from specdec.training.distill import add_arguments, check_arguments, finished_messages, user_turn_opening
 from specdec.training.trainer import warmup_cosine
-from specdec.modeling.tiny import word_tokenizer
 
 
 def test_finished_messages_cut_at_the_first_end_token_and_drop_unfinished_ones():
@@ -39,19 +40,22 @@ def test_learning_rate_follows_steps_or_the_time_budget_whichever_is_further():
     assert lr(10, 0.0) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.01)))
     assert lr(500, 0.0) == pytest.approx(0.55)  # half way by steps
     assert lr(100, 0.5) == pytest.approx(0.55)  # half way by time
-    assert lr(100, 1.0) == pytest.approx(0.1)   # budget spent: the floor
+    assert lr(100, 1.0) == pytest.approx(0.1)  # budget spent: the floor
     assert lr(2000, 0.0) == pytest.approx(0.1)  # never below it
     assert lr(2000, 0.0, floor=0.05) == pytest.approx(0.05)  # the feature drafts' floor
     assert lr(500, 0.0, floor=0.05) == pytest.approx(0.525)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--self-prompts", "-3"], "--self-prompts must be >= 0"),
-    (["--self-prompt-tokens", "0"], "--self-prompt-tokens must be >= 1"),
-    (["--self-prompt-temperature", "0"], "--self-prompt-temperature must be > 0"),
-    (["--time-budget-minutes", "-1"], "--time-budget-minutes must be >= 0"),
-    (["--device", "gpu0"], "is not a device"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--self-prompts", "-3"], "--self-prompts must be >= 0"),
+        (["--self-prompt-tokens", "0"], "--self-prompt-tokens must be >= 1"),
+        (["--self-prompt-temperature", "0"], "--self-prompt-temperature must be > 0"),
+        (["--time-budget-minutes", "-1"], "--time-budget-minutes must be >= 0"),
+        (["--device", "gpu0"], "is not a device"),
+    ],
+)
 def test_bad_settings_are_refused_before_loading_anything(flags, message):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -78,7 +82,7 @@ def test_precision_auto_is_bf16_only_where_the_device_has_it_natively():
     cpu = torch.device("cpu")
     assert student_bf16("auto", cpu, native=lambda d: True) is True
     assert student_bf16("auto", cpu, native=lambda d: False) is False
-    assert student_bf16("bf16", cpu, native=lambda d: False) is True   # asked for: emulated, but done
+    assert student_bf16("bf16", cpu, native=lambda d: False) is True  # asked for: emulated, but done
     assert student_bf16("fp32", cpu, native=lambda d: True) is False
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -1,4 +1,5 @@
 """The draft is an optimization: killing it mid-request must not fail or change the request."""
+
 from __future__ import annotations
 
 import os
@@ -6,11 +7,10 @@ import signal
 
 import pytest
 import torch
+from stack_util import request, stub
 
 from specdec.apps.launcher import local_stack
 from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
-
-from stack_util import request, stub
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -25,9 +25,13 @@ def stack(tmp_path_factory):
     word_tokenizer(32).save_pretrained(root / "target")
     perturbed(target, scale=0.04, seed=1).save_pretrained(root / "draft")
     word_tokenizer(32).save_pretrained(root / "draft")  # same tokenizer: a compatible draft
-    with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=2,
-                     log_dir=tmp_path_factory.mktemp("kill-logs"),
-                     extra_coordinator=["--draft-timeout", "2"]) as s:
+    with local_stack(
+        str(root / "target"),
+        str(root / "draft"),
+        num_speculative_tokens=2,
+        log_dir=tmp_path_factory.mktemp("kill-logs"),
+        extra_coordinator=["--draft-timeout", "2"],
+    ) as s:
         s.target_model = target
         yield s
 
@@ -35,8 +39,13 @@ def stack(tmp_path_factory):
 def test_draft_killed_mid_request_changes_nothing(stack):
     prompt = [5, 6, 7, 8]
     with torch.inference_mode():
-        expected = stack.target_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                               min_new_tokens=NEW_TOKENS, pad_token_id=0)[0, len(prompt):].tolist()
+        expected = stack.target_model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     draft = stack.child("draft-0")
     req = request(prompt, k=2, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     tokens, last = [], None
@@ -52,6 +61,7 @@ def test_draft_killed_mid_request_changes_nothing(stack):
 
     # with the draft gone for good, new requests still complete (target-only), unchanged
     again = stub(stack.coordinator_address).Generate(
-        request(prompt, k=2, temperature=0.0, max_new_tokens=40, ignore_eos=True), timeout=120)
+        request(prompt, k=2, temperature=0.0, max_new_tokens=40, ignore_eos=True), timeout=120
+    )
     assert list(again.token_ids) == expected[:40]
     assert again.stats.draft_fallbacks == 1 and again.stats.proposed_tokens == 0

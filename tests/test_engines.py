@@ -1,11 +1,16 @@
 """Draft/target engines and the in-process loop on tiny random Llamas."""
+
 import asyncio
 
 import pytest
 import torch
+from conftest import VOCAB
 
+from specdec.engine.commits import Commit
 from specdec.engine.draft import DraftEngine
 from specdec.engine.ngram import NgramDraft, ngram_lookup
+from specdec.engine.sessions import CacheLimits
+from specdec.engine.target import TargetEngine
 from specdec.errors import (
     InvalidArgumentError,
     MalformedProposalError,
@@ -14,27 +19,23 @@ from specdec.errors import (
     SessionNotFoundError,
     StaleStepError,
 )
-from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun, generate_async, speculative_generate
-from specdec.engine.sessions import CacheLimits, Commit
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams, probs_from_logits
 from specdec.exact.sparse import SparseDist
+from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun, generate_async, speculative_generate
 from specdec.modeling.tiny import tiny_llama, word_tokenizer
-from specdec.engine.target import TargetEngine
-
-from conftest import VOCAB
 
 PROMPT = [1, 2, 3, 4, 5]
 GREEDY = SamplingParams(temperature=0.0, seed=1, max_new_tokens=24, ignore_eos=True)
 
 TRANSFORMS = {
-    "temperature": dict(temperature=0.7),
-    "top_k": dict(top_k=5),
-    "top_p": dict(top_p=0.7),
-    "min_p": dict(min_p=0.1),
-    "penalties": dict(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3),
-    "logit_bias": dict(logit_bias={7: 2.0, 8: -3.0}),
-    "greedy": dict(temperature=0.0),
+    "temperature": {"temperature": 0.7},
+    "top_k": {"top_k": 5},
+    "top_p": {"top_p": 0.7},
+    "min_p": {"min_p": 0.1},
+    "penalties": {"repetition_penalty": 1.5, "presence_penalty": 0.4, "frequency_penalty": 0.3},
+    "logit_bias": {"logit_bias": {7: 2.0, 8: -3.0}},
+    "greedy": {"temperature": 0.0},
 }
 
 
@@ -93,16 +94,17 @@ def test_stale_kv_would_be_detected(target_model):
     params = SamplingParams(temperature=1.0)
     with torch.inference_mode():
         cache = DynamicCache(config=target_model.config)
-        target_model(input_ids=torch.tensor([PROMPT + [10]]), cache=cache)  # KV for a rejected y_1
+        target_model(input_ids=torch.tensor([[*PROMPT, 10]]), cache=cache)  # KV for a rejected y_1
         stale = target_model(input_ids=torch.tensor([[20]]), cache=cache).logits[0, -1]
     stale_p = probs_from_logits(stale, params)
-    assert not torch.allclose(stale_p, full_sequence_probs(target_model, PROMPT + [20], params), atol=1e-3)
+    assert not torch.allclose(stale_p, full_sequence_probs(target_model, [*PROMPT, 20], params), atol=1e-3)
 
 
 def test_all_accepted_block_emits_k_plus_one(target_model, target):
     draft = DraftEngine(target_model)  # q == p: everything accepted
-    run = SpeculativeRun(LocalTarget(target), LocalDraft(draft), PROMPT,
-                         SamplingParams(seed=3, max_new_tokens=50, ignore_eos=True), 4)
+    run = SpeculativeRun(
+        LocalTarget(target), LocalDraft(draft), PROMPT, SamplingParams(seed=3, max_new_tokens=50, ignore_eos=True), 4
+    )
 
     async def first_step():
         steps = run.steps()
@@ -167,29 +169,39 @@ def test_missing_seed_gets_one_and_reports_it(target, draft_model):
 
 def test_output_does_not_depend_on_interleaving(target, draft_model):
     draft = DraftEngine(draft_model)
-    jobs = [(SamplingParams(temperature=t, max_new_tokens=12, ignore_eos=True, seed=s), k)
-            for (t, s, k) in [(1.0, 5, 3), (0.7, 6, 1), (1.0, 7, 5), (0.0, 8, 2)]]
+    jobs = [
+        (SamplingParams(temperature=t, max_new_tokens=12, ignore_eos=True, seed=s), k)
+        for (t, s, k) in [(1.0, 5, 3), (0.7, 6, 1), (1.0, 7, 5), (0.0, 8, 2)]
+    ]
     alone = [speculative_generate(target, draft, PROMPT, p, k).token_ids for p, k in jobs]
 
     async def together():  # every await in the loop lets another session take a step
-        return await asyncio.gather(*(generate_async(LocalTarget(target), LocalDraft(draft), PROMPT, p, k,
-                                                     session_id=f"s{i}") for i, (p, k) in enumerate(jobs)))
+        return await asyncio.gather(
+            *(
+                generate_async(LocalTarget(target), LocalDraft(draft), PROMPT, p, k, session_id=f"s{i}")
+                for i, (p, k) in enumerate(jobs)
+            )
+        )
 
     assert [r.token_ids for r in asyncio.run(together())] == alone
     assert len(target.store) == 0 and len(draft.store) == 0
 
 
 def hf_greedy(model, prompt, n, **kw):
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                         pad_token_id=0, **kw)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 5])
 @pytest.mark.parametrize("draft_kind", ["close", "random", "ngram"])
 def test_greedy_equals_transformers_generate(target_model, draft_model, other_draft_model, target, k, draft_kind):
-    draft = {"close": lambda: DraftEngine(draft_model), "random": lambda: DraftEngine(other_draft_model),
-             "ngram": lambda: NgramDraft(VOCAB)}[draft_kind]()
+    draft = {
+        "close": lambda: DraftEngine(draft_model),
+        "random": lambda: DraftEngine(other_draft_model),
+        "ngram": lambda: NgramDraft(VOCAB),
+    }[draft_kind]()
     prompt = [3, 9, 3, 9, 14, 2]
     expected = hf_greedy(target_model, prompt, 24)
     assert speculative_generate(target, draft, prompt, GREEDY, k).token_ids == expected
@@ -216,33 +228,46 @@ def test_one_hot_target_distribution(target_model, draft_model):
         assert speculative_generate(target, DraftEngine(draft_model), PROMPT, params, 3).token_ids == greedy
 
 
-def test_commits_are_idempotent_and_stale_ones_refused(target_model):
-    target = TargetEngine(target_model)
-    target.prefill("s", PROMPT, GREEDY)
-    target.verify("s", 1, [4], [SparseDist.one_hot(4)])
+@pytest.mark.parametrize("kind", ["target", "draft", "ngram"])
+def test_commits_are_idempotent_and_stale_ones_refused(target_model, kind):
+    """One commit protocol (specdec.engine.commits) for every kind of engine session."""
+    engine = {"target": TargetEngine, "draft": DraftEngine, "ngram": lambda m: NgramDraft(VOCAB)}[kind](target_model)
+    engine.prefill("s", PROMPT, GREEDY)
+
+    def step(number: int) -> None:  # a Propose / Verify for step ``number``
+        if kind == "target":
+            engine.verify("s", number, [], [])
+        else:
+            engine.propose("s", number, 1)
+
+    def tokens() -> list[int]:
+        return list(engine._sessions["s"].tokens if kind == "ngram" else engine.store.get("s").tokens)
+
+    step(1)
     commit = Commit(1, len(PROMPT), (4, 6))
-    target.commit("s", commit)
-    target.commit("s", commit)  # a retry: no-op
-    assert target.store.get("s").tokens == PROMPT + [4, 6]
+    engine.commit("s", commit)
+    engine.commit("s", commit)  # a retry: no-op
+    assert tokens() == [*PROMPT, 4, 6]
     with pytest.raises(StaleStepError, match="already committed"):
-        target.commit("s", Commit(1, len(PROMPT), (5,)))
+        engine.commit("s", Commit(1, len(PROMPT), (5,)))
     with pytest.raises(StaleStepError, match="out of order"):
-        target.commit("s", Commit(3, len(PROMPT) + 5, (5,)))
+        engine.commit("s", Commit(3, len(PROMPT) + 5, (5,)))
     with pytest.raises(StaleStepError, match="stale"):
-        target.verify("s", 1, [], [])
-    assert target.store.get("s").tokens == PROMPT + [4, 6]  # nothing refused was applied
+        step(1)
+    assert tokens() == [*PROMPT, 4, 6]  # nothing refused was applied
+    step(2)  # the next step goes on
 
 
 def test_commit_riding_on_the_next_request_is_applied_first(target_model):
     draft = DraftEngine(target_model)
     draft.prefill("s", PROMPT, GREEDY)
     first = draft.propose("s", 1, 3)
-    second = draft.propose("s", 2, 2, commit=Commit(1, len(PROMPT), tuple(first.tokens[:1]) + (17,)))
+    second = draft.propose("s", 2, 2, commit=Commit(1, len(PROMPT), (*tuple(first.tokens[:1]), 17)))
     session = draft.store.get("s")
-    assert session.tokens == PROMPT + [first.tokens[0], 17]
+    assert session.tokens == [*PROMPT, first.tokens[0], 17]
     assert session.cached[: len(session.tokens)] == session.tokens  # then the new proposals
     fresh = DraftEngine(target_model)
-    fresh.prefill("t", PROMPT + [first.tokens[0], 17], GREEDY)
+    fresh.prefill("t", [*PROMPT, first.tokens[0], 17], GREEDY)
     assert fresh.propose("t", 1, 2).tokens == second.tokens
 
 
@@ -254,8 +279,10 @@ def test_kv_bytes_are_tracked_and_capped(target_model):
     target.release("a")
     assert target.stats() == {"live_sessions": 0, "kv_bytes": 0, "kv_bytes_per_token": per_token, "sessions_started": 1}
 
-    capped = TargetEngine(target_model, CacheLimits(max_sessions=2, max_session_kv_bytes=10 * per_token,
-                                                    max_total_kv_bytes=12 * per_token))
+    capped = TargetEngine(
+        target_model,
+        CacheLimits(max_sessions=2, max_session_kv_bytes=10 * per_token, max_total_kv_bytes=12 * per_token),
+    )
     capped.prefill("a", PROMPT, GREEDY)
     with pytest.raises(ResourceExhaustedError, match="per-session cap"):
         capped.prefill("big", list(range(12)), GREEDY)
@@ -327,7 +354,9 @@ def test_generation_stops_at_the_context_length(draft_model):
     small = tiny_llama(VOCAB, seed=3, max_positions=40)
     target = TargetEngine(small)
     draft = NgramDraft(VOCAB)
-    result = speculative_generate(target, draft, list(range(1, 31)), SamplingParams(seed=1, max_new_tokens=100, ignore_eos=True), 4)
+    result = speculative_generate(
+        target, draft, list(range(1, 31)), SamplingParams(seed=1, max_new_tokens=100, ignore_eos=True), 4
+    )
     assert len(result.token_ids) == 10 and result.finish_reason == "length"
 
 

@@ -1,5 +1,6 @@
 """Redis-backed scaling and failover, proven by killing things: draft and target replicas, a
 coordinator, Redis itself; plus resumable streams and a churn soak. Real processes throughout."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +14,11 @@ import time
 import grpc
 import pytest
 import redis
+from stack_util import request, stub
 
 from specdec.apps.launcher import Stack, free_port, local_stack
 from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_pb2_grpc
-
-from stack_util import request, stub
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -37,12 +37,18 @@ def stack(tmp_path_factory):
     word_tokenizer(32).save_pretrained(root / "target")
     perturbed(target, scale=0.04, seed=2).save_pretrained(root / "draft")
     word_tokenizer(32).save_pretrained(root / "draft")
-    with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=2,
-                     log_dir=tmp_path_factory.mktemp("failover-logs"), draft_replicas=2, target_replicas=2,
-                     extra_coordinator=STEP_COST,
-                     # sessions of a coordinator killed below are freed by the services' TTL
-                     extra_target=["--threads", "1", "--session-ttl", "8"],
-                     extra_draft=["--threads", "1", "--session-ttl", "8"]) as s:
+    with local_stack(
+        str(root / "target"),
+        str(root / "draft"),
+        num_speculative_tokens=2,
+        log_dir=tmp_path_factory.mktemp("failover-logs"),
+        draft_replicas=2,
+        target_replicas=2,
+        extra_coordinator=STEP_COST,
+        # sessions of a coordinator killed below are freed by the services' TTL
+        extra_target=["--threads", "1", "--session-ttl", "8"],
+        extra_draft=["--threads", "1", "--session-ttl", "8"],
+    ) as s:
         s.spares = 0
         yield s
 
@@ -101,11 +107,13 @@ def stream(stack_or_addr, req, on_first=None, stop_after=None):
 
 def kill_serving(stack: Stack, kind: str):
     """SIGKILL the replica of ``kind`` that holds the (single) live session."""
+
     def kill():
         holders = [c for c in alive(stack, kind) if info(c).live_sessions > 0]
         assert len(holders) == 1, [(c.name, info(c).live_sessions) for c in alive(stack, kind)]
         os.kill(holders[0].process.pid, signal.SIGKILL)
         kill.victim = holders[0].name
+
     return kill
 
 
@@ -120,7 +128,7 @@ def test_scale_out_at_run_time_and_session_affinity(stack):
 
     # affinity: one long session stays on the replica that holds its cache
     started = {c.name: info(c).sessions_started for c in alive(stack, "draft")}
-    tokens, last, error = stream(stack, request([4, 5, 6], k=2, seed=9, max_new_tokens=LONG, ignore_eos=True))
+    _tokens, last, error = stream(stack, request([4, 5, 6], k=2, seed=9, max_new_tokens=LONG, ignore_eos=True))
     assert error is None and last.stats.draft_failovers == 0
     grew = [c.name for c in alive(stack, "draft") if info(c).sessions_started > started[c.name]]
     assert len(grew) == 1
@@ -152,11 +160,27 @@ def test_target_replica_killed_mid_stream_completes_identically(stack):
 @pytest.fixture(scope="module")
 def second_coordinator(stack, tmp_path_factory):
     port = free_port()
-    log = open(tmp_path_factory.mktemp("coord2") / "coordinator2.log", "wb")
-    process = subprocess.Popen([sys.executable, "-m", "specdec", "coordinator", "--redis", stack.redis_url,
-                                "--host", "127.0.0.1", "--port", str(port), "--num-speculative-tokens", "2",
-                                *STEP_COST],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(tmp_path_factory.mktemp("coord2") / "coordinator2.log", "wb")  # noqa: SIM115 - the process writes it
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specdec",
+            "coordinator",
+            "--redis",
+            stack.redis_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-speculative-tokens",
+            "2",
+            *STEP_COST,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     from specdec.apps.launcher import Child
 
     child = Child("coordinator2", f"127.0.0.1:{port}", process)
@@ -170,7 +194,7 @@ def second_coordinator(stack, tmp_path_factory):
 @pytest.mark.parametrize("where", ["same", "second"])
 def test_resume_after_the_client_lost_its_stream(stack, second_coordinator, where):
     rid = f"resume-{where}-{time.monotonic_ns()}"
-    base = dict(k=3, temperature=0.9, seed=1234, max_new_tokens=120, ignore_eos=True)
+    base = {"k": 3, "temperature": 0.9, "seed": 1234, "max_new_tokens": 120, "ignore_eos": True}
     reply = stub(stack.coordinator_address).Generate(request([2, 7, 1, 8], **base))
     assert 0 < reply.stats.drafts < reply.stats.target_passes  # the policy paused and resumed along the way
     undisturbed = list(reply.token_ids)
@@ -188,14 +212,14 @@ def test_resume_after_the_client_lost_its_stream(stack, second_coordinator, wher
 
 def test_resume_after_the_coordinator_died(stack, second_coordinator):
     rid = f"coord-death-{time.monotonic_ns()}"
-    base = dict(k=2, temperature=0.7, seed=77, max_new_tokens=LONG, ignore_eos=True)
+    base = {"k": 2, "temperature": 0.7, "seed": 77, "max_new_tokens": LONG, "ignore_eos": True}
     reply = stub(stack.coordinator_address).Generate(request([9, 9, 8], **base))
     assert 0 < reply.stats.drafts < reply.stats.target_passes  # the policy paused and resumed along the way
     undisturbed = list(reply.token_ids)
     kill = lambda: os.killpg(second_coordinator.process.pid, signal.SIGKILL)  # noqa: E731 - front and its Ray
     first, _, error = stream(second_coordinator.address, request([9, 9, 8], **base, request_id=rid), on_first=kill)
     assert error in ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL")
-    rest, last, error = stream(stack, request([9, 9, 8], **base, request_id=rid, resume_from_index=len(first)))
+    rest, _last, error = stream(stack, request([9, 9, 8], **base, request_id=rid, resume_from_index=len(first)))
     assert error is None, error
     assert first + rest == undisturbed
 
@@ -218,21 +242,29 @@ def test_bad_resume_requests(stack):
 def test_redis_restart_loses_no_committed_token_and_the_stack_recovers(stack):
     rid = f"before-restart-{time.monotonic_ns()}"
     done = stub(stack.coordinator_address).Generate(
-        request([5, 5, 5], request_id=rid, k=2, seed=3, max_new_tokens=30, ignore_eos=True))
+        request([5, 5, 5], request_id=rid, k=2, seed=3, max_new_tokens=30, ignore_eos=True)
+    )
     stack.embedded_redis.restart()
     # the stack recovers by itself: heartbeats re-register, the coordinator reconnects
     wait_until(lambda: registered(stack, "target") and registered(stack, "draft"), what="re-registration")
 
     def works():
         try:
-            return len(stub(stack.coordinator_address).Generate(
-                request([1, 2, 3], k=2, max_new_tokens=5, ignore_eos=True), timeout=30).token_ids) == 5
+            return (
+                len(
+                    stub(stack.coordinator_address)
+                    .Generate(request([1, 2, 3], k=2, max_new_tokens=5, ignore_eos=True), timeout=30)
+                    .token_ids
+                )
+                == 5
+            )
         except grpc.RpcError:
             return False
 
     wait_until(works, what="a request after the Redis restart")
-    replay, last, error = stream(stack, request([5, 5, 5], request_id=rid, k=2, seed=3, max_new_tokens=30,
-                                                ignore_eos=True, resume_from_index=0))
+    replay, _last, error = stream(
+        stack, request([5, 5, 5], request_id=rid, k=2, seed=3, max_new_tokens=30, ignore_eos=True, resume_from_index=0)
+    )
     assert error is None and replay == list(done.token_ids)
 
 
@@ -241,13 +273,27 @@ def test_churn_soak_leaves_nothing_behind(stack):
     rng = random.Random(2024)
     jobs = []
     for i in range(300):
-        jobs.append(dict(rid=f"soak-{i}-{time.monotonic_ns()}", prompt=[rng.randrange(32) for _ in range(4)],
-                         k=rng.randint(1, 4), seed=rng.randrange(1 << 30), n=rng.randint(8, 24),
-                         cancel_after=rng.randint(1, 6) if i % 3 == 0 else None))
+        jobs.append(
+            {
+                "rid": f"soak-{i}-{time.monotonic_ns()}",
+                "prompt": [rng.randrange(32) for _ in range(4)],
+                "k": rng.randint(1, 4),
+                "seed": rng.randrange(1 << 30),
+                "n": rng.randint(8, 24),
+                "cancel_after": rng.randint(1, 6) if i % 3 == 0 else None,
+            }
+        )
 
     async def run_one(s, job):
-        req = request(job["prompt"], request_id=job["rid"], k=job["k"], temperature=1.0, seed=job["seed"],
-                      max_new_tokens=job["n"], ignore_eos=True)
+        req = request(
+            job["prompt"],
+            request_id=job["rid"],
+            k=job["k"],
+            temperature=1.0,
+            seed=job["seed"],
+            max_new_tokens=job["n"],
+            ignore_eos=True,
+        )
         call = s.GenerateStream(req, timeout=120)
         tokens = []
         try:
@@ -280,21 +326,37 @@ def test_churn_soak_leaves_nothing_behind(stack):
             return await asyncio.gather(*(guarded(i, j) for i, j in enumerate(jobs)))
 
     results = asyncio.run(soak())
-    completed = [(job, tokens) for job, tokens in zip(jobs, results) if tokens is not None]
+    completed = [(job, tokens) for job, tokens in zip(jobs, results, strict=True) if tokens is not None]
     assert len(completed) >= 180
     assert all(len(tokens) == job["n"] for job, tokens in completed)
 
     # nothing leaks: no live session anywhere, every Redis key has a TTL
-    wait_until(lambda: all(info(c).live_sessions == 0 for c in alive(stack, "draft") + alive(stack, "target")),
-               timeout=30, what="zero live sessions")
+    wait_until(
+        lambda: all(info(c).live_sessions == 0 for c in alive(stack, "draft") + alive(stack, "target")),
+        timeout=30,
+        what="zero live sessions",
+    )
     client = redis.Redis.from_url(stack.redis_url)
     keys = list(client.scan_iter("*"))
     assert keys and all(client.pttl(k) > 0 for k in keys), [k for k in keys if client.pttl(k) <= 0][:5]
 
     # every completed request is verifiable against its seed: an undisturbed rerun gives the same tokens
-    reruns = asyncio.run(_generate_all(stack.coordinator_address, [
-        request(job["prompt"], k=job["k"], temperature=1.0, seed=job["seed"], max_new_tokens=job["n"],
-                ignore_eos=True) for job, _ in completed]))
+    reruns = asyncio.run(
+        _generate_all(
+            stack.coordinator_address,
+            [
+                request(
+                    job["prompt"],
+                    k=job["k"],
+                    temperature=1.0,
+                    seed=job["seed"],
+                    max_new_tokens=job["n"],
+                    ignore_eos=True,
+                )
+                for job, _ in completed
+            ],
+        )
+    )
     assert [list(r.token_ids) for r in reruns] == [tokens for _, tokens in completed]
 
 

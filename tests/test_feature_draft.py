@@ -1,22 +1,23 @@
 """Feature drafts (EAGLE-style): the model, the target's features, the engine's cache rule, the
 wire format, and the loop in process. The stack and distillation have their own modules."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specdec.engine.commits import Commit
 from specdec.engine.draft import FeatureDraftEngine, draft_engine_for
-from specdec.runtime import wire
-from specdec.training.distill_features import build_feature_draft, expected_tokens_per_step
-from specdec.errors import InvalidArgumentError
-from specdec.modeling.feature_draft import FeatureDraft, FeatureDraftConfig
-from specdec.loop.generate import speculative_generate
-from specdec.engine.sessions import Commit
-from specdec.modeling.loading import load_model
-from specdec.runtime.registry import Replica, compatible_draft
-from specdec.exact.sampling import SamplingParams
-from specdec.modeling.tiny import tiny_llama
 from specdec.engine.target import TargetEngine
+from specdec.errors import InvalidArgumentError
+from specdec.exact.sampling import SamplingParams
+from specdec.loop.generate import speculative_generate
+from specdec.modeling.feature_draft import FeatureDraft, FeatureDraftConfig
+from specdec.modeling.loading import load_model
+from specdec.modeling.tiny import tiny_llama
+from specdec.runtime import wire
+from specdec.runtime.registry import Replica, compatible_draft
+from specdec.training.distill_features import build_feature_draft, expected_tokens_per_step
 
 VOCAB = 32
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -30,14 +31,17 @@ def target_model():
 
 @pytest.fixture(scope="module")
 def feature_model(target_model):
-    head = list(range(0, VOCAB, 2)) + [1, 3, 5]  # a reduced head: the other odd tokens get q = 0
-    return build_feature_draft(target_model, sorted(head), embed_size=8, heads=4, kv_heads=2, intermediate=48,
-                               seed=7).eval().requires_grad_(False)
+    head = [*range(0, VOCAB, 2), 1, 3, 5]  # a reduced head: the other odd tokens get q = 0
+    return (
+        build_feature_draft(target_model, sorted(head), embed_size=8, heads=4, kv_heads=2, intermediate=48, seed=7)
+        .eval()
+        .requires_grad_(False)
+    )
 
 
 def hf_greedy(model, prompt, n):
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def final_hidden(model, ids):
@@ -50,8 +54,16 @@ def test_unrolled_training_equals_the_drafting_chain():
     """Step s of the training unroll at position t is exactly what drafting computes for the s-th
     proposal there: a cache of target-fed positions up to t-s+1, then its own predictions fed back."""
     torch.manual_seed(0)
-    config = FeatureDraftConfig(vocab_size=50, hidden_size=32, embed_size=8, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, intermediate_size=48, head_vocab_size=20)
+    config = FeatureDraftConfig(
+        vocab_size=50,
+        hidden_size=32,
+        embed_size=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        head_vocab_size=20,
+    )
     model = FeatureDraft(config, torch.arange(0, 40, 2)).to(torch.float64)
     tokens = torch.randint(0, 50, (2, 11))
     features = torch.randn(2, 11, 32, dtype=torch.float64)
@@ -62,9 +74,9 @@ def test_unrolled_training_equals_the_drafting_chain():
             for t in range(s - 1, 11):
                 first = t - s + 1
                 cache = model.new_cache()
-                h = model.extend(tokens[b, :first + 1], preceding[b, :first + 1], cache)[-1]
+                h = model.extend(tokens[b, : first + 1], preceding[b, : first + 1], cache)[-1]
                 for position in range(first + 1, t + 1):
-                    h = model.extend(tokens[b, position:position + 1], h.view(1, -1), cache)[-1]
+                    h = model.extend(tokens[b, position : position + 1], h.view(1, -1), cache)[-1]
                 assert torch.allclose(h, unrolled[s - 1][b, t], atol=1e-10), (b, s, t)
 
 
@@ -83,9 +95,10 @@ def test_save_and_load_round_trip(tmp_path, feature_model):
     feature_model.save(tmp_path / "d", torch.float32)
     loaded = load_model(str(tmp_path / "d"), "cpu", torch.float32, quiet=True)
     assert isinstance(loaded, FeatureDraft) and loaded.config == FeatureDraftConfig.from_dict(
-        {**feature_model.config.__dict__, "_name_or_path": str(tmp_path / "d")})
+        {**feature_model.config.__dict__, "_name_or_path": str(tmp_path / "d")}
+    )
     assert torch.equal(loaded.head_token_ids, feature_model.head_token_ids)
-    for (name, a), (_, b) in zip(feature_model.state_dict().items(), loaded.state_dict().items()):
+    for (name, a), (_, b) in zip(feature_model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert isinstance(draft_engine_for(loaded), FeatureDraftEngine)
 
@@ -112,7 +125,7 @@ def test_target_features_are_its_final_hidden_states(target_model, monkeypatch, 
     from specdec.exact.sparse import SparseDist
 
     verdict = engine.verify("s", 1, block, [SparseDist.one_hot(t) for t in block], None, True)
-    assert torch.allclose(verdict.features, expected[len(PROMPT) - 1:], atol=1e-5)
+    assert torch.allclose(verdict.features, expected[len(PROMPT) - 1 :], atol=1e-5)
     assert engine.verify("s", 2, [], [], None, False).features is None  # only when asked
     assert engine.prefill("t", PROMPT, GREEDY) is None
 
@@ -121,7 +134,7 @@ def test_target_features_are_its_final_hidden_states(target_model, monkeypatch, 
 def test_cache_holds_only_target_fed_positions(target_model, feature_model):
     """After a proposal the cache holds the committed tokens only (draft-fed positions are cut),
     so a session that accepted part of a block drafts exactly like a fresh session prefilled with
-    the whole sequence and the target's features (the cache rule of the primer's section 6)."""
+    the whole sequence and the target's features (the cache rule of docs/exactness.md)."""
     draft = FeatureDraftEngine(feature_model, top_m=0, eps=0.0)
     params = SamplingParams(temperature=1.0, seed=5, max_new_tokens=50, ignore_eos=True)
     draft.prefill("a", PROMPT, params, final_hidden(target_model, PROMPT)[:-1])
@@ -132,14 +145,14 @@ def test_cache_holds_only_target_fed_positions(target_model, feature_model):
     accepted = (*first.tokens[:2], (first.tokens[2] + 1) % VOCAB)
     sequence = PROMPT + list(accepted)
     features = final_hidden(target_model, sequence)
-    commit = Commit(1, len(PROMPT), accepted, features[len(PROMPT) - 1: len(sequence) - 1])
+    commit = Commit(1, len(PROMPT), accepted, features[len(PROMPT) - 1 : len(sequence) - 1])
     resumed = draft.propose("a", 2, 3, commit)
     draft.prefill("b", sequence, params, features[: len(sequence) - 1])
     fresh = draft.propose("b", 2, 3)
     assert resumed.tokens == fresh.tokens
-    for q1, q2 in zip(resumed.q, fresh.q):  # equal up to float rounding (fed in other chunks)
+    for q1, q2 in zip(resumed.q, fresh.q, strict=True):  # equal up to float rounding (fed in other chunks)
         assert list(q1.token_ids) == list(q2.token_ids)
-        assert max(abs(float(a) - float(b)) for a, b in zip(q1.probs, q2.probs)) < 1e-5
+        assert max(abs(float(a) - float(b)) for a, b in zip(q1.probs, q2.probs, strict=False)) < 1e-5
     # a retried commit is the same commit: applied once, features not appended twice
     draft.commit("a", commit)
     assert draft.propose("a", 3, 3).tokens == resumed.tokens
@@ -148,12 +161,12 @@ def test_cache_holds_only_target_fed_positions(target_model, feature_model):
 
 def test_missing_or_misshapen_features_are_invalid_argument(feature_model):
     draft = FeatureDraftEngine(feature_model)
-    with pytest.raises(InvalidArgumentError, match="^features: a feature draft needs"):
+    with pytest.raises(InvalidArgumentError, match=r"^features: a feature draft needs"):
         draft.prefill("s", PROMPT, GREEDY)
     with pytest.raises(InvalidArgumentError, match=r"^features: expected \[7, 32\]"):
         draft.prefill("s", PROMPT, GREEDY, torch.zeros(8, 32))
     draft.prefill("s", PROMPT, GREEDY, torch.zeros(7, 32))
-    with pytest.raises(InvalidArgumentError, match="^commit.features: a feature draft needs"):
+    with pytest.raises(InvalidArgumentError, match=r"^commit\.features: a feature draft needs"):
         draft.commit("s", Commit(1, len(PROMPT), (1, 2)))
     with pytest.raises(InvalidArgumentError, match=r"^commit.features: expected \[2, 32\]"):
         draft.propose("s", 1, 2, Commit(1, len(PROMPT), (1, 2), torch.zeros(2, 16)))
@@ -174,7 +187,7 @@ def test_features_travel_as_float16_or_float32_and_are_checked():
     with pytest.raises(InvalidArgumentError, match="do not hold"):
         wire.features_from_proto(bad, "commit.features")
     bad = wire.features_to_proto(torch.tensor([[float("nan")]]))
-    with pytest.raises(InvalidArgumentError, match="^features: values must be finite"):
+    with pytest.raises(InvalidArgumentError, match=r"^features: values must be finite"):
         wire.features_from_proto(bad)
     commit = wire.commit_from_proto(wire.commit_to_proto(Commit(3, 9, (1, 2), torch.ones(2, 5))))
     assert commit == Commit(3, 9, (1, 2)) and torch.equal(commit.features, torch.ones(2, 5))
@@ -220,8 +233,9 @@ def test_feature_loss_in_bf16_autocast_matches_fp32_and_trains_fp32_weights(targ
     from specdec.training.feature_corpus import FeatureRecord
 
     torch.manual_seed(1)
-    draft = build_feature_draft(target_model, list(range(VOCAB)), embed_size=8, heads=4, kv_heads=2,
-                                intermediate=48, seed=7).train()
+    draft = build_feature_draft(
+        target_model, list(range(VOCAB)), embed_size=8, heads=4, kv_heads=2, intermediate=48, seed=7
+    ).train()
     ids = torch.randint(0, VOCAB, (14,)).tolist()
     records = [FeatureRecord(ids, 5, final_hidden(target_model, ids)[:-1].half())]
     batch = make_feature_batch(records, 64)
@@ -229,7 +243,7 @@ def test_feature_loss_in_bf16_autocast_matches_fp32_and_trains_fp32_weights(targ
     results = {}
     for bf16 in (False, True):
         draft.zero_grad()
-        loss, agree, n = feature_loss(draft, batch, teacher, 2, 0.8, 0.1, bf16=bf16)
+        loss, _agree, n = feature_loss(draft, batch, teacher, 2, 0.8, 0.1, bf16=bf16)
         loss.backward()
         grad = next(draft.parameters()).grad
         assert loss.dtype == torch.float32 and grad is not None and grad.dtype == torch.float32

@@ -2,6 +2,7 @@
 Verify, the coordinator forwards one per committed token to the draft with the next commit, and
 the output is still exactly the target's (statistical case at alpha = 1e-3, greedy token for
 token), including after the draft replica serving a request is killed."""
+
 from __future__ import annotations
 
 import os
@@ -10,14 +11,13 @@ from collections import Counter
 import grpc
 import pytest
 import torch
+from stack_util import generate_many, live_sessions, request, stub
+from test_failover import kill_serving, replace_replica, stream
 
 from specdec.apps.launcher import local_stack
 from specdec.apps.selftest import BASE_SEED, CASES, build_draft, build_target, case_params, case_runs, exact_law, judge
 from specdec.modeling.tiny import word_tokenizer
 from specdec.v1 import draft_pb2_grpc, engine_pb2, target_pb2_grpc
-
-from stack_util import generate_many, live_sessions, request, stub
-from test_failover import kill_serving, replace_replica, stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,10 +39,16 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(models, tmp_path_factory):
     root, _ = models
-    with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=2,
-                     log_dir=tmp_path_factory.mktemp("feature-stack-logs"), draft_replicas=2,
-                     extra_target=["--threads", "1"], extra_draft=["--threads", "1"],
-                     extra_coordinator=["--max-speculative-tokens", "8"]) as s:
+    with local_stack(
+        str(root / "target"),
+        str(root / "draft"),
+        num_speculative_tokens=2,
+        log_dir=tmp_path_factory.mktemp("feature-stack-logs"),
+        draft_replicas=2,
+        extra_target=["--threads", "1"],
+        extra_draft=["--threads", "1"],
+        extra_coordinator=["--max-speculative-tokens", "8"],
+    ) as s:
         s.spares = 0
         yield s
 
@@ -69,8 +75,14 @@ def test_exactness_through_the_stack(stack, models):
     requests = [request(list(CASE.prompt), k=CASE.k, seed=BASE_SEED + i, **sampling) for i in range(n)]
     replies = generate_many(stack.coordinator_address, requests)
     observed = Counter(tuple(r.token_ids) for r in replies)
-    verdict = judge(CASE, observed, law, n, sum(r.stats.proposed_tokens for r in replies),
-                    sum(r.stats.accepted_tokens for r in replies))
+    verdict = judge(
+        CASE,
+        observed,
+        law,
+        n,
+        sum(r.stats.proposed_tokens for r in replies),
+        sum(r.stats.accepted_tokens for r in replies),
+    )
     assert verdict.passed, verdict
     assert all(r.stats.draft_fallbacks == 0 and r.stats.proposed_tokens > 0 for r in replies)
 
@@ -79,10 +91,12 @@ def test_exactness_through_the_stack(stack, models):
 def test_greedy_equals_transformers_generate(stack, models, k):
     _, target = models
     prompt = [3, 9, 3, 9, 14, 2]
-    expected = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
-                               pad_token_id=0)[0, len(prompt):].tolist()
+    expected = target.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     reply = stub(stack.coordinator_address).Generate(
-        request(prompt, k=k, temperature=0.0, max_new_tokens=40, ignore_eos=True))
+        request(prompt, k=k, temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    )
     assert list(reply.token_ids) == expected
     assert reply.stats.draft_fallbacks == 0 and reply.stats.proposed_tokens > 0
     for child in stack.children:

@@ -3,6 +3,7 @@
 It is compiled here on first use; where it cannot run (no AVX-512F, no C compiler) the tests that
 need it are skipped with the reason, and the lean pass keeps torch's product (tested as well).
 """
+
 from __future__ import annotations
 
 import copy
@@ -67,8 +68,9 @@ def test_lean_product_sends_one_to_four_rows_to_the_kernel(monkeypatch):
 
 def _probe(env: dict) -> str:
     code = "from specdec.modeling import fewrow; print(fewrow.unavailable_reason())"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env={**os.environ, **env}).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ, **env}
+    ).stdout.strip()
 
 
 def test_switch_turns_the_kernel_off():
@@ -86,13 +88,15 @@ def test_kernel_is_built_once_into_the_cache(tmp_path):
 
 
 def test_without_a_compiler_it_says_so_once_and_products_fall_back(tmp_path):
-    code = ("import torch; from specdec.modeling import fewrow, ops\n"
-            "x, w = torch.randn(3, 32), torch.randn(8, 32)\n"
-            "assert torch.allclose(ops.product(x, w), x @ w.t(), atol=1e-5)\n"
-            "ops.product(x, w)\n"
-            "print(fewrow.unavailable_reason())")
+    code = (
+        "import torch; from specdec.modeling import fewrow, ops\n"
+        "x, w = torch.randn(3, 32), torch.randn(8, 32)\n"
+        "assert torch.allclose(ops.product(x, w), x @ w.t(), atol=1e-5)\n"
+        "ops.product(x, w)\n"
+        "print(fewrow.unavailable_reason())"
+    )
     env = {**os.environ, "PATH": str(tmp_path), "CC": str(tmp_path / "no-cc"), "SPECDEC_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert result.returncode == 0, result.stderr
     # (on a CPU without AVX-512F that is the reason given first)
     assert ("no C compiler" if fewrow._cpu_has_avx512f() else "AVX-512F") in result.stdout
@@ -105,12 +109,22 @@ def kernel_llama(seed: int = 0, num_layers: int = 2):
     (head_dim 16, hidden 64, MLP 128); 64 tokens."""
     from specdec.modeling.tiny import tiny_llama
 
-    return tiny_llama(vocab_size=64, seed=seed, hidden_size=64, num_layers=num_layers, num_heads=4, num_kv_heads=2,
-                      init_range=0.2, max_positions=512)
+    return tiny_llama(
+        vocab_size=64,
+        seed=seed,
+        hidden_size=64,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        init_range=0.2,
+        max_positions=512,
+    )
 
 
-needs_layers = pytest.mark.skipif(REASON is not None or not fewrow.layers_available(),
-                                  reason=f"layer kernel unavailable: {REASON or 'SPECDEC_FEWROW_LAYERS=0'}")
+needs_layers = pytest.mark.skipif(
+    REASON is not None or not fewrow.layers_available(),
+    reason=f"layer kernel unavailable: {REASON or 'SPECDEC_FEWROW_LAYERS=0'}",
+)
 
 
 @needs_layers
@@ -135,8 +149,12 @@ def test_layer_kernel_equals_the_torch_layers_through_steps_and_rollbacks():
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
         length = kernel_cache.length
         for name in ("keys", "values"):
-            torch.testing.assert_close(getattr(kernel_cache, name)[:, :, :length],
-                                       getattr(torch_cache, name)[:, :, :length], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                getattr(kernel_cache, name)[:, :, :length],
+                getattr(torch_cache, name)[:, :, :length],
+                rtol=1e-5,
+                atol=1e-5,
+            )
         drop = step % rows
         if drop:
             kernel_cache.crop(-drop)
@@ -155,10 +173,10 @@ def test_a_block_gives_bit_for_bit_what_one_row_passes_give(rows):
     one_by_one, whole = lean.new_cache(), lean.new_cache()
     lean.forward(prompt, one_by_one, 1)
     lean.forward(prompt, whole, 1)
-    singles = torch.cat([lean.forward(block[i:i + 1], one_by_one, 1) for i in range(rows)])
+    singles = torch.cat([lean.forward(block[i : i + 1], one_by_one, 1) for i in range(rows)])
     assert torch.equal(lean.forward(block, whole, rows), singles)
-    assert torch.equal(whole.keys[:, :, :whole.length], one_by_one.keys[:, :, :one_by_one.length])
-    assert torch.equal(whole.values[:, :, :whole.length], one_by_one.values[:, :, :one_by_one.length])
+    assert torch.equal(whole.keys[:, :, : whole.length], one_by_one.keys[:, :, : one_by_one.length])
+    assert torch.equal(whole.values[:, :, : whole.length], one_by_one.values[:, :, : one_by_one.length])
 
 
 def test_layer_kernel_declines_what_it_does_not_cover(monkeypatch):
@@ -184,9 +202,22 @@ def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
     def refused(x, start=0, keys=cache.keys, rows_cos=None):
         before = x.clone()
         rows = x.shape[0]
-        rows_cos = cos[start:start + rows] if rows_cos is None else rows_cos
-        declined = not fewrow.few_row_layers(x, lean._kernel_layers, keys, cache.values, start, rows_cos,
-                                             sin[start:start + rows], 4, 2, 16, 128, lean.eps, lean.scaling)
+        rows_cos = cos[start : start + rows] if rows_cos is None else rows_cos
+        declined = not fewrow.few_row_layers(
+            x,
+            lean._kernel_layers,
+            keys,
+            cache.values,
+            start,
+            rows_cos,
+            sin[start : start + rows],
+            4,
+            2,
+            16,
+            128,
+            lean.eps,
+            lean.scaling,
+        )
         return declined and torch.equal(x, before)
 
     assert refused(torch.randn(5, 64))  # more than 4 rows
@@ -195,8 +226,21 @@ def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
     assert refused(torch.randn(3, 64), keys=cache.keys.transpose(2, 3))  # not the cache layout
     assert refused(torch.randn(64, 3).t())  # non-contiguous rows
     assert torch.equal(cache.keys, keys_before)
-    assert fewrow.few_row_layers(torch.randn(3, 64), lean._kernel_layers, cache.keys, cache.values, 0, cos[:3],
-                                 sin[:3], 4, 2, 16, 128, lean.eps, lean.scaling)  # the same call, well formed
+    assert fewrow.few_row_layers(
+        torch.randn(3, 64),
+        lean._kernel_layers,
+        cache.keys,
+        cache.values,
+        0,
+        cos[:3],
+        sin[:3],
+        4,
+        2,
+        16,
+        128,
+        lean.eps,
+        lean.scaling,
+    )  # the same call, well formed
 
 
 @needs_layers
@@ -205,8 +249,8 @@ def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
 def test_statistical_exactness_through_the_layer_kernel(params, k):
     """Speculative runs whose target and draft passes go through the layer kernel follow the law
     transformers' forward gives (alpha = selftest.ALPHA = 1e-3, fixed seeds: deterministic)."""
-    from specdec.engine.draft import DraftEngine
     from specdec.apps import selftest
+    from specdec.engine.draft import DraftEngine
     from specdec.modeling.tiny import perturbed
 
     target = kernel_llama(seed=11, num_layers=1)
@@ -226,7 +270,10 @@ def test_only_weights_that_are_bf16_values_get_a_twin():
     assert fewrow.lossless_bf16(torch.randn(64, 32)) is None  # float32 values: a twin would round them
     late = exact.clone()
     late[-1, -1] += 1e-4  # past the first 4096 values checked up front: the full check must catch it
-    assert fewrow.lossless_bf16(torch.cat([exact] * 3)) is not None and fewrow.lossless_bf16(torch.cat([exact] * 2 + [late])) is None
+    assert (
+        fewrow.lossless_bf16(torch.cat([exact] * 3)) is not None
+        and fewrow.lossless_bf16(torch.cat([exact] * 2 + [late])) is None
+    )
 
 
 @needs_kernel
@@ -246,7 +293,7 @@ def test_a_model_of_bf16_values_runs_its_layers_and_head_from_twins_with_the_sam
             param.copy_(param.bfloat16().float())
     twinned, reference = lean_llama.LeanLlama(model), lean_llama.LeanLlama(copy.deepcopy(model))
     assert all(slot.bf16 == 1 for slot in twinned._kernel_layers) and twinned._head_twin is not None
-    for slot, (_, wqkv, wo, _, wgu, wdown) in zip(reference._kernel_layers, reference.layers):
+    for slot, (_, wqkv, wo, _, wgu, wdown) in zip(reference._kernel_layers, reference.layers, strict=True):
         slot.bf16 = 0  # the reference reads the float32 weights
         slot.wqkv, slot.wo, slot.wgu, slot.wdown = wqkv.data_ptr(), wo.data_ptr(), wgu.data_ptr(), wdown.data_ptr()
     reference._head_twin = None

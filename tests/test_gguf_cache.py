@@ -1,6 +1,7 @@
 """The converted copy of a GGUF model: written by the first float32 load, read by the next ones,
 bit-identical to the dequantized tensors, keyed so a changed file never reuses a stale copy, and
 never in the way (an unwritable cache is skipped, a switch turns it off)."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -61,17 +62,21 @@ def test_default_target_first_load_writes_the_copy_and_the_next_load_reads_it(tm
     the copy's tokenizer is the GGUF's, and the second load says where it loaded from."""
     monkeypatch.setenv(gguf_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(gguf_cache.SWITCH_ENV, raising=False)
-    script = ("import sys, torch; from specdec.modeling.loading import load_model; "
-              "m = load_model('smollm2', 'cpu', torch.float32); torch.save(m.state_dict(), sys.argv[1])")
-    first = subprocess.run([sys.executable, "-c", script, str(tmp_path / "a.pt")], capture_output=True, text=True,
-                           timeout=600)
+    script = (
+        "import sys, torch; from specdec.modeling.loading import load_model; "
+        "m = load_model('smollm2', 'cpu', torch.float32); torch.save(m.state_dict(), sys.argv[1])"
+    )
+    first = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "a.pt")], capture_output=True, text=True, timeout=600, check=False
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     assert "converted copy" not in first.stderr
     source = resolve("smollm2")
     folder = gguf_cache.find_converted(Path(source.location) / source.gguf_file)
     assert folder is not None and folder.parent == tmp_path / "cache" / "gguf"
-    second = subprocess.run([sys.executable, "-c", script, str(tmp_path / "b.pt")], capture_output=True, text=True,
-                            timeout=600)
+    second = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "b.pt")], capture_output=True, text=True, timeout=600, check=False
+    )
     assert second.returncode == 0, second.stderr[-2000:]
     assert f"from its converted copy {folder}" in second.stderr
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")

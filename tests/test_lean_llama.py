@@ -4,6 +4,7 @@ Logits are compared with transformers' own forward (same weights, its DynamicCac
 prefill, single- and multi-row steps, rollbacks (crop) and the growth of the preallocated cache;
 models the pass does not cover must fall back to transformers.
 """
+
 from __future__ import annotations
 
 import copy
@@ -12,17 +13,25 @@ import pytest
 import torch
 
 from specdec.engine.sessions import SessionStore
-from specdec.modeling.dimensions import kv_bytes_per_token
-from specdec.modeling.cache import LeanCache
-from specdec.modeling.lean_llama import LeanLlama, lean_runner
 from specdec.exact.sampling import SamplingParams
+from specdec.modeling.cache import LeanCache
+from specdec.modeling.dimensions import kv_bytes_per_token
+from specdec.modeling.lean_llama import LeanLlama, lean_runner
 from specdec.modeling.tiny import tiny_llama
 
 
 def grouped_llama(seed: int = 0):
     """4 query heads sharing 2 key/value heads (grouped-query attention, as SmolLM2), 2 layers."""
-    return tiny_llama(vocab_size=64, seed=seed, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      init_range=0.2, max_positions=256)
+    return tiny_llama(
+        vocab_size=64,
+        seed=seed,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        init_range=0.2,
+        max_positions=256,
+    )
 
 
 def hf_logits(model, cache, ids: list[int], rows: int) -> torch.Tensor:
@@ -41,16 +50,24 @@ def test_logits_match_transformers_through_steps_rollbacks_and_growth():
     ids = lambda n: torch.randint(0, 64, (n,), generator=generator).tolist()  # noqa: E731
     hf_cache, lean_cache = DynamicCache(config=reference.config), lean.new_cache()
     prompt = ids(40)
-    torch.testing.assert_close(lean.forward(torch.tensor(prompt), lean_cache, 3),
-                               hf_logits(reference, hf_cache, prompt, 3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        lean.forward(torch.tensor(prompt), lean_cache, 3),
+        hf_logits(reference, hf_cache, prompt, 3),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     # Steps of 1-5 rows, each followed by a rollback of part of it, until the cache has grown
     # past its initial capacity twice (64 -> 128 -> 256 positions).
     step = 0
     while lean_cache.length < 150:
         rows = 1 + step % 5
         block = ids(rows)
-        torch.testing.assert_close(lean.forward(torch.tensor(block), lean_cache, rows),
-                                   hf_logits(reference, hf_cache, block, rows), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            lean.forward(torch.tensor(block), lean_cache, rows),
+            hf_logits(reference, hf_cache, block, rows),
+            rtol=1e-5,
+            atol=1e-5,
+        )
         drop = step % rows  # 0 .. rows-1 positions rejected
         if drop:
             lean_cache.crop(-drop)
@@ -60,8 +77,7 @@ def test_logits_match_transformers_through_steps_rollbacks_and_growth():
     assert lean_cache.capacity >= 150
     # The model object itself still computes the same (its weights are views of the fused ones).
     probe = ids(12)
-    torch.testing.assert_close(hf_logits(model, None, probe, 12), hf_logits(reference, None, probe, 12),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(hf_logits(model, None, probe, 12), hf_logits(reference, None, probe, 12), rtol=0, atol=0)
 
 
 def test_greedy_continuation_matches_transformers_generate():
@@ -69,8 +85,9 @@ def test_greedy_continuation_matches_transformers_generate():
     reference = copy.deepcopy(model)
     lean = LeanLlama(model)
     prompt = [5, 17, 2, 40, 33]
-    expected = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
+    expected = reference.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     cache, tokens, feed = lean.new_cache(), [], prompt
     for _ in range(30):
         token = int(lean.forward(torch.tensor(feed), cache, 1)[-1].argmax())
@@ -93,13 +110,22 @@ def test_session_store_uses_the_lean_pass_only_where_it_applies(monkeypatch):
     assert lean_runner(grouped_llama()) is None
 
 
-@pytest.mark.parametrize("change", [{"attention_bias": True}, {"hidden_act": "gelu"},
-                                    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}])
+@pytest.mark.parametrize(
+    "change",
+    [{"attention_bias": True}, {"hidden_act": "gelu"}, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}],
+)
 def test_models_it_does_not_cover_fall_back_to_transformers(change):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, **change)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **change,
+    )
     model = LlamaForCausalLM(config).eval()
     assert lean_runner(model) is None
     store = SessionStore(model)

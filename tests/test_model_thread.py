@@ -4,18 +4,19 @@ Why it matters (specdec/runtime/model_thread.py): PyTorch's CPU kernels run on a
 calling thread; passes spread over a thread pool gave the target service one team per pool thread
 and made a SmolLM2 Verify 1.5-2.5x slower on the 2-core machine.
 """
+
 import asyncio
 import threading
 
-from specdec.runtime.peers import GrpcDraft, GrpcTarget
-from specdec.engine.draft import DraftEngine
 from draft_service.server import DraftServicer
-from specdec.runtime import grpc_server as srv
-from specdec.engine.sessions import Commit
-from specdec.runtime.model_thread import on_model_thread
-from specdec.exact.sampling import SamplingParams
-from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
+from specdec.engine.commits import Commit
+from specdec.engine.draft import DraftEngine
 from specdec.engine.target import TargetEngine
+from specdec.exact.sampling import SamplingParams
+from specdec.runtime import grpc_server as srv
+from specdec.runtime.model_thread import on_model_thread
+from specdec.runtime.peers import GrpcDraft, GrpcTarget
+from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 from target_service.server import TargetServicer
 
 
@@ -34,6 +35,7 @@ class ThreadLog:
             self.threads.append((name, threading.get_ident()))
             self.calls.append((name, args))
             return method(*args, **kwargs)
+
         return call
 
     def __getattr__(self, name):
@@ -74,6 +76,7 @@ def test_concurrent_sessions_run_every_engine_call_on_the_model_thread(target_mo
         address = f"127.0.0.1:{port}"
         t_peer, d_peer = GrpcTarget(address), GrpcDraft(address)
         try:
+
             async def session(i):
                 sid, prompt = f"s{i}", [1, 2, 3 + i]
                 params = SamplingParams(temperature=1.0, seed=i + 1)

@@ -1,12 +1,18 @@
 """The adaptive speculation policy (specdec/loop/policy.py): its choice of k, and that a run's state
 can be rebuilt from what it committed (what a coordinator taking over a request relies on)."""
+
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from specdec.loop.policy import AdaptiveK, FixedK, StepCost, make_policy
+
+
+def flat(steps: list[list[int]]) -> list[int]:
+    return [token for step in steps for token in step]
 
 
 def test_step_cost_parse_and_validation():
@@ -16,7 +22,7 @@ def test_step_cost_parse_and_validation():
         StepCost.parse("0.2")
     with pytest.raises(ValueError, match=">= 0"):
         StepCost(-0.1, 0.1)
-    for bad in (dict(k=0), dict(k=2, decay=0.0), dict(k=2, max_probe_gap=0)):
+    for bad in ({"k": 0}, {"k": 2, "decay": 0.0}, {"k": 2, "max_probe_gap": 0}):
         with pytest.raises(ValueError):
             AdaptiveK(**bad)
 
@@ -42,8 +48,8 @@ def test_blocks_below_break_even_pause_speculation_and_probes_back_off():
     ks = drive(AdaptiveK(2), lambda step, k: step % 2, 300)
     assert ks[0] == 2  # the optimistic start speculates (one block that fails is enough to pause)
     blocks = [i for i, k in enumerate(ks) if k]
-    gaps = [b - a for a, b in zip(blocks, blocks[1:])]
-    assert 1 < max(gaps) and gaps[-5:] == [17] * 5  # backed off to 16 target-only steps between probes
+    gaps = [b - a for a, b in itertools.pairwise(blocks)]
+    assert max(gaps) > 1 and gaps[-5:] == [17] * 5  # backed off to 16 target-only steps between probes
     assert len(blocks) < 40
     assert set(ks) == {0, 2}  # a probe is a block of the request's k, nothing in between
 
@@ -83,8 +89,12 @@ def test_replay_from_committed_step_lengths_rebuilds_the_same_state(seed):
         replayed.replay(lengths[:cut])
         if cut < 300:
             assert replayed.next_k() == ks[cut], cut
-    assert (replayed.emitted, replayed.weight, replayed.idle, replayed.probe_gap) == \
-        (live.emitted, live.weight, live.idle, live.probe_gap)
+    assert (replayed.emitted, replayed.weight, replayed.idle, replayed.probe_gap) == (
+        live.emitted,
+        live.weight,
+        live.idle,
+        live.probe_gap,
+    )
 
 
 # -- in the loop (tiny random Llamas, real engines) ------------------------------------------
@@ -94,8 +104,17 @@ def run_steps(target, draft, params, committed=(), committed_steps=None, cost=St
 
     from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun
 
-    run = SpeculativeRun(LocalTarget(target), LocalDraft(draft), [1, 2, 3, 4, 5], params, 3,
-                         committed=list(committed), committed_steps=committed_steps, adaptive=True, step_cost=cost)
+    run = SpeculativeRun(
+        LocalTarget(target),
+        LocalDraft(draft),
+        [1, 2, 3, 4, 5],
+        params,
+        3,
+        committed=list(committed),
+        committed_steps=committed_steps,
+        adaptive=True,
+        step_cost=cost,
+    )
 
     async def collect():
         return [tokens async for tokens in run.steps()]
@@ -105,16 +124,16 @@ def run_steps(target, draft, params, committed=(), committed_steps=None, cost=St
 
 def test_an_adaptive_run_is_exact_and_skips_a_useless_draft(target_model, draft_model):
     from specdec.engine.draft import DraftEngine
-    from specdec.loop.generate import speculative_generate
-    from specdec.exact.sampling import SamplingParams
-    from specdec.modeling.tiny import negated_head
     from specdec.engine.target import TargetEngine
+    from specdec.exact.sampling import SamplingParams
+    from specdec.loop.generate import speculative_generate
+    from specdec.modeling.tiny import negated_head
 
     target = TargetEngine(target_model)
     greedy = SamplingParams(temperature=0.0, seed=1, max_new_tokens=40, ignore_eos=True)
     alone = speculative_generate(target, None, [1, 2, 3, 4, 5], greedy, 0).token_ids
-    steps, stats = run_steps(target, DraftEngine(draft_model), greedy)
-    assert sum(steps, []) == alone  # any k sequence gives the target's own greedy tokens
+    steps, _stats = run_steps(target, DraftEngine(draft_model), greedy)
+    assert flat(steps) == alone  # any k sequence gives the target's own greedy tokens
     _, useless = run_steps(target, DraftEngine(negated_head(target_model)), greedy, cost=StepCost())
     assert useless.accepted_tokens == 0 and useless.drafts <= useless.target_passes // 3  # mostly target-only
 
@@ -122,18 +141,18 @@ def test_an_adaptive_run_is_exact_and_skips_a_useless_draft(target_model, draft_
 @pytest.mark.parametrize("cut", [1, 4, 9])
 def test_an_adaptive_run_resumed_from_its_committed_steps_continues_identically(target_model, draft_model, cut):
     from specdec.engine.draft import DraftEngine
-    from specdec.exact.sampling import SamplingParams
     from specdec.engine.target import TargetEngine
+    from specdec.exact.sampling import SamplingParams
 
     target, draft = TargetEngine(target_model), DraftEngine(draft_model)
     params = SamplingParams(temperature=1.0, seed=99, max_new_tokens=60, ignore_eos=True)
     steps, stats = run_steps(target, draft, params)
     assert 0 < stats.drafts < stats.target_passes  # k changed along the way: blocks and target-only steps
     done = steps[:cut]
-    rest, _ = run_steps(target, draft, params, sum(done, []), [len(s) for s in done])
-    assert sum(done, []) + sum(rest, []) == sum(steps, [])
+    rest, _ = run_steps(target, draft, params, flat(done), [len(s) for s in done])
+    assert flat(done) + flat(rest) == flat(steps)
     with pytest.raises(ValueError, match="committed_steps"):
-        run_steps(target, draft, params, sum(done, []), None)
+        run_steps(target, draft, params, flat(done), None)
 
 
 def test_the_stored_request_pins_the_defaults_it_was_given():
@@ -166,7 +185,7 @@ def test_the_stored_request_pins_the_defaults_it_was_given():
 def test_coordinator_flags_and_serve_app_args_select_the_policy():
     import argparse
 
-    from coordinator import serve_app
+    from coordinator import serve_app, settings
     from coordinator.server import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
@@ -177,10 +196,15 @@ def test_coordinator_flags_and_serve_app_args_select_the_policy():
     assert not fixed.default_adaptive and fixed.step_cost == StepCost(0.3, 0.1)
     with pytest.raises(SystemExit):
         parser.parse_args(["--target", "h:1", "--step-cost", "0.3"])
-    app = serve_app.config_from_args({"adaptive": "false", "step_cost": "0.2,0.1", "redis_url": "redis://x:1/0"})
+    # the Serve application's args are the same settings under the same names
+    values = serve_app.config_values({"fixed_k": "true", "step_cost": "0.2,0.1", "redis": "redis://x:1/0"})
+    app = settings.config_from(values)
     assert not app.default_adaptive and app.step_cost == StepCost(0.2, 0.1)
-    with pytest.raises(ValueError, match="adaptive"):
-        serve_app.config_from_args({"adaptive": "maybe", "redis_url": "redis://x:1/0"})
+    assert settings.config_from(serve_app.config_values({"fixed_k": False, "redis": "redis://x:1/0"})).default_adaptive
+    with pytest.raises(ValueError, match="fixed_k"):
+        serve_app.config_values({"fixed_k": "maybe", "redis": "redis://x:1/0"})
+    with pytest.raises(ValueError, match="unknown coordinator settings"):
+        serve_app.config_values({"adaptive": True, "redis": "redis://x:1/0"})
 
 
 def test_requests_get_the_adaptive_policy_by_default_only_with_a_draft_model():

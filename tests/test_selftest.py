@@ -1,4 +1,5 @@
 """The statistical certificate runs in CI, exactly as a user runs it."""
+
 import json
 import subprocess
 import sys
@@ -6,20 +7,35 @@ from pathlib import Path
 
 import pytest
 
-REQUIRED = {"temperature_1", "temperature_0.7", "top_k", "top_p", "min_p", "penalties_and_bias", "greedy",
-            "k1", "k5_boundary", "disjoint_support_forced_rejection", "q_equals_p_bonus", "ngram", "reduced_head",
-            "feature_draft"}
+REQUIRED = {
+    "temperature_1",
+    "temperature_0.7",
+    "top_k",
+    "top_p",
+    "min_p",
+    "penalties_and_bias",
+    "greedy",
+    "k1",
+    "k5_boundary",
+    "disjoint_support_forced_rejection",
+    "q_equals_p_bonus",
+    "ngram",
+    "reduced_head",
+    "feature_draft",
+}
 
 
 @pytest.mark.slow
 @pytest.mark.statistical
 def test_selftest_json_reports_every_case_passed():
     specdec = Path(sys.executable).with_name("specdec")
-    proc = subprocess.run([str(specdec), "selftest", "--json"], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [str(specdec), "selftest", "--json"], capture_output=True, text=True, timeout=900, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     names = {case["name"] for case in report["cases"]}
-    assert REQUIRED <= names
+    assert names >= REQUIRED
     for case in report["cases"]:
         assert {"name", "n", "p_value", "tv", "passed"} <= set(case)
         assert case["passed"], case

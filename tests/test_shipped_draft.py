@@ -2,23 +2,34 @@
 bf16, reduced output head), it pairs with the default target (same tokenizer), greedy speculation
 with it is the target's own greedy output, and the statistical exactness cases pass with it as the
 draft through the real engines (exactness never depends on draft quality; this checks the real one)."""
+
 import json
 
 import pytest
 import torch
 
-from specdec.engine.draft import DraftEngine
 from specdec.apps import selftest
-from specdec.modeling.heads import HEAD_VOCAB_FILE, SubsetHead
-from specdec.loop.generate import speculative_generate
-from specdec.modeling.loading import (default_draft_for, encode_prompt, load_model, load_tokenizer, resolve,
-                            shipped_models_dir, tokenizer_fingerprint)
-from specdec.exact.sampling import SamplingParams
+from specdec.engine.draft import DraftEngine
 from specdec.engine.target import TargetEngine
+from specdec.exact.sampling import SamplingParams
+from specdec.loop.generate import speculative_generate
+from specdec.modeling.heads import HEAD_VOCAB_FILE, SubsetHead
+from specdec.modeling.loading import (
+    default_draft_for,
+    encode_prompt,
+    load_model,
+    load_tokenizer,
+    resolve,
+    shipped_models_dir,
+    tokenizer_fingerprint,
+)
 
 FOLDER = shipped_models_dir() / "smollm2-draft"
 # Held-out bench prompts: never seen by the distillation (benchmarks/prompts.jsonl, split heldout).
-HELD_OUT = ["What causes the tides in the ocean?", "How do I read a CSV file with pandas and print its first five rows?"]
+HELD_OUT = [
+    "What causes the tides in the ocean?",
+    "How do I read a CSV file with pandas and print its first five rows?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +43,15 @@ def test_shipped_files_are_small_bf16_with_a_card():
     weights = FOLDER / "model.safetensors"
     assert weights.stat().st_size <= 30_000_000  # the issue: at most 30 MB
     with safe_open(str(weights), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert {f.get_tensor(k).dtype for k in f} == {torch.bfloat16}
     head = json.loads((FOLDER / HEAD_VOCAB_FILE).read_text())["token_ids"]
     assert head == sorted(set(head)) and 0 < len(head) < 49152
     card = (FOLDER / "README.md").read_text()
     assert "acceptance" in card.lower() and "specdec distill" in card
-    assert json.loads((FOLDER / "distill.json").read_text())["kl_end"] < json.loads((FOLDER / "distill.json").read_text())["kl_start"]
+    assert (
+        json.loads((FOLDER / "distill.json").read_text())["kl_end"]
+        < json.loads((FOLDER / "distill.json").read_text())["kl_start"]
+    )
 
 
 def test_default_draft_is_the_shipped_one_for_the_default_target():
@@ -64,8 +78,13 @@ def test_greedy_with_the_shipped_draft_is_the_targets_greedy(draft, smollm2):
     proposed = accepted = 0
     for prompt in HELD_OUT:
         ids = encode_prompt(tokenizer, prompt, chat=True)
-        expected = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
-                                   pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+        expected = target.generate(
+            torch.tensor([ids]),
+            do_sample=False,
+            max_new_tokens=32,
+            min_new_tokens=32,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(ids) :].tolist()
         params = SamplingParams(temperature=0.0, seed=0, max_new_tokens=32, ignore_eos=True)
         result = speculative_generate(TargetEngine(target), DraftEngine(draft), ids, params, 4)
         assert result.token_ids == expected
@@ -82,10 +101,20 @@ RUNS = 400  # per case; each run prefills and decodes SmolLM2 (~0.15 s on this C
 # without testing anything more; each transform is covered at N=1000 by `specdec selftest`.
 PROMPT = "My favourite fruit is"
 CASES = [
-    selftest.Case("shipped_draft_top_k", "SmolLM2 target + shipped draft, temperature 1, top-k 5, k=2",
-                  {"temperature": 1.0, "top_k": 5}, k=2, tokens=2),
-    selftest.Case("shipped_draft_penalties_top_p", "temperature 0.8, top-p 0.6, repetition 1.3, k=1",
-                  {"temperature": 0.8, "top_p": 0.6, "repetition_penalty": 1.3}, k=1, tokens=2),
+    selftest.Case(
+        "shipped_draft_top_k",
+        "SmolLM2 target + shipped draft, temperature 1, top-k 5, k=2",
+        {"temperature": 1.0, "top_k": 5},
+        k=2,
+        tokens=2,
+    ),
+    selftest.Case(
+        "shipped_draft_penalties_top_p",
+        "temperature 0.8, top-p 0.6, repetition 1.3, k=1",
+        {"temperature": 0.8, "top_p": 0.6, "repetition_penalty": 1.3},
+        k=1,
+        tokens=2,
+    ),
 ]
 
 
@@ -101,4 +130,3 @@ def test_statistical_exactness_with_the_shipped_draft(case, draft, smollm2):
     result = selftest.check_pair(case, target, DraftEngine(draft), runs=RUNS)
     assert result.passed, f"{result.name}: p={result.p_value:.2e} tv={result.tv:.3f} {result.detail}"
     assert 0.0 < result.acceptance_rate < 1.0  # both the accept and the residual paths were exercised
-

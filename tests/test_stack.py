@@ -1,5 +1,6 @@
 """The distributed system, for real: target, draft and coordinator (on Ray) as separate processes
 on tiny random models, exercised through the public gRPC API."""
+
 from __future__ import annotations
 
 import os
@@ -9,14 +10,12 @@ from collections import Counter
 import grpc
 import pytest
 import torch
+from otlp_collector import start_collector
+from stack_util import generate_many, live_sessions, request, scrape, stub
 
 from specdec.apps.launcher import local_stack
-from specdec.apps.selftest import (BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, case_runs, exact_law,
-                              judge)
+from specdec.apps.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, case_runs, exact_law, judge
 from specdec.modeling.tiny import perturbed, word_tokenizer
-
-from otlp_collector import start_collector
-from stack_util import generate_many, live_sessions, request, stub
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,20 +45,40 @@ def collector():
 def stack(models, collector, tmp_path_factory):
     root, _ = models
     logs = tmp_path_factory.mktemp("stack") / "logs"  # not there yet: the stack creates it
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector[1]}", "OTEL_BSP_SCHEDULE_DELAY": "200",
-           "OTEL_BSP_MAX_QUEUE_SIZE": "200000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector[1]}",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "OTEL_BSP_MAX_QUEUE_SIZE": "200000",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096",
+    }
     from specdec.apps.launcher import free_port
 
     metrics_ports = {name: free_port() for name in ("coordinator", "target", "draft")}
-    with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=3, log_dir=logs,
-                     extra_target=["--max-sessions", str(MAX_TARGET_SESSIONS), "--threads", "1",
-                                   "--metrics-port", str(metrics_ports["target"])],
-                     extra_draft=["--threads", "1", "--metrics-port", str(metrics_ports["draft"])],
-                     extra_coordinator=["--max-speculative-tokens", "8",
-                                        "--metrics-port", str(metrics_ports["coordinator"]),
-                                        # the adaptive_k case's block cost, for its requests through the stack
-                                        "--step-cost", ",".join(map(str, ADAPTIVE_CASE.adaptive_cost))],
-                     env=env) as s:
+    with local_stack(
+        str(root / "target"),
+        str(root / "draft"),
+        num_speculative_tokens=3,
+        log_dir=logs,
+        extra_target=[
+            "--max-sessions",
+            str(MAX_TARGET_SESSIONS),
+            "--threads",
+            "1",
+            "--metrics-port",
+            str(metrics_ports["target"]),
+        ],
+        extra_draft=["--threads", "1", "--metrics-port", str(metrics_ports["draft"])],
+        extra_coordinator=[
+            "--max-speculative-tokens",
+            "8",
+            "--metrics-port",
+            str(metrics_ports["coordinator"]),
+            # the adaptive_k case's block cost, for its requests through the stack
+            "--step-cost",
+            ",".join(map(str, ADAPTIVE_CASE.adaptive_cost)),
+        ],
+        env=env,
+    ) as s:
         s.logs = logs
         s.metrics_ports = metrics_ports
         yield s
@@ -72,7 +91,8 @@ def addresses(stack):
 def test_trace_spans_all_three_services(stack, collector):
     col, _ = collector
     reply = stub(stack.coordinator_address).Generate(
-        request([1, 2, 3], k=3, temperature=1.0, seed=3, max_new_tokens=10, ignore_eos=True))
+        request([1, 2, 3], k=3, temperature=1.0, seed=3, max_new_tokens=10, ignore_eos=True)
+    )
     wanted = {"specdec-coordinator", "specdec-draft", "specdec-target"}
     deadline = time.monotonic() + 60
     trace_id = None
@@ -84,11 +104,16 @@ def test_trace_spans_all_three_services(stack, collector):
                 trace_id = tid
                 assert {"specdec.request", "specdec.step", "draft.propose", "target.verify"} <= names
         time.sleep(0.3)
-    assert trace_id is not None, [(tid, sorted({(s[0], s[2], str(s[3].get("specdec.request_id"))) for s in col.spans_of(tid)})) for tid in col.services_by_trace()][:3]
+    assert trace_id is not None, [
+        (tid, sorted({(s[0], s[2], str(s[3].get("specdec.request_id"))) for s in col.spans_of(tid)}))
+        for tid in col.services_by_trace()
+    ][:3]
     steps = [s for s in col.spans_of(trace_id) if s[2] == "specdec.step"]
     assert len(steps) == reply.stats.target_passes
-    assert all({"specdec.step", "specdec.k", "specdec.accepted", "specdec.first_rejected", "specdec.emitted"} <= set(s[3])
-               for s in steps)
+    assert all(
+        {"specdec.step", "specdec.k", "specdec.accepted", "specdec.first_rejected", "specdec.emitted"} <= set(s[3])
+        for s in steps
+    )
 
 
 STACK_CASES = [c for c in CASES if c.draft in ("model", "ngram") and c.top_m == 0]
@@ -106,8 +131,10 @@ def test_exactness_through_the_stack(stack, models, case):
     method = "ngram" if case.draft == "ngram" else "draft_model"
     sampling = dict(case.params, max_new_tokens=case.tokens, ignore_eos=True)
     adaptive = case.adaptive_cost is not None  # each case as the selftest runs it: fixed k unless it says
-    requests = [request(list(case.prompt), k=case.k, method=method, seed=BASE_SEED + i, adaptive=adaptive, **sampling)
-                for i in range(n)]
+    requests = [
+        request(list(case.prompt), k=case.k, method=method, seed=BASE_SEED + i, adaptive=adaptive, **sampling)
+        for i in range(n)
+    ]
     replies = generate_many(stack.coordinator_address, requests)
     observed = Counter(tuple(r.token_ids) for r in replies)
     proposed = sum(r.stats.proposed_tokens for r in replies)
@@ -121,17 +148,19 @@ def test_exactness_through_the_stack(stack, models, case):
 
 def hf_greedy(model, prompt, n):
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("method, k", [("draft_model", 3), ("draft_model", 8), ("ngram", 4), ("none", 3),
-                                       ("draft_model", 0)])
+@pytest.mark.parametrize(
+    "method, k", [("draft_model", 3), ("draft_model", 8), ("ngram", 4), ("none", 3), ("draft_model", 0)]
+)
 def test_greedy_equals_transformers_generate(stack, models, method, k):
     _, target = models
     prompt = [3, 9, 3, 9, 14, 2]
     expected = hf_greedy(target, prompt, 30)
     reply = stub(stack.coordinator_address).Generate(
-        request(prompt, k=k, method=method, temperature=0.0, max_new_tokens=30, ignore_eos=True))
+        request(prompt, k=k, method=method, temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    )
     assert list(reply.token_ids) == expected
     assert reply.finish_reason == "length"
     if method == "none" or k == 0:
@@ -160,8 +189,10 @@ def test_unseeded_request_reports_its_seed(stack):
 
 
 def test_concurrent_requests_equal_sequential(stack):
-    reqs = [request([1 + i, 2, 3], k=1 + i % 4, temperature=1.0, seed=100 + i, max_new_tokens=16, ignore_eos=True)
-            for i in range(8)]
+    reqs = [
+        request([1 + i, 2, 3], k=1 + i % 4, temperature=1.0, seed=100 + i, max_new_tokens=16, ignore_eos=True)
+        for i in range(8)
+    ]
     s = stub(stack.coordinator_address)
     one_by_one = [list(s.Generate(r).token_ids) for r in reqs]
     together = [list(r.token_ids) for r in generate_many(stack.coordinator_address, reqs, concurrency=8)]
@@ -192,16 +223,16 @@ def test_cancel_mid_stream_frees_both_sessions(stack):
 
 
 BAD = [
-    ("negative temperature", dict(prompt_ids=[1, 2], temperature=-0.5), "sampling.temperature"),
-    ("top_p above 1", dict(prompt_ids=[1, 2], top_p=1.5), "sampling.top_p"),
-    ("top_p zero", dict(prompt_ids=[1, 2], top_p=0.0), "sampling.top_p"),
-    ("k beyond the maximum", dict(prompt_ids=[1, 2], k=9), "speculation.num_speculative_tokens"),
-    ("negative k", dict(prompt_ids=[1, 2], k=-1), "speculation.num_speculative_tokens"),
-    ("empty prompt", dict(), "prompt"),
-    ("unknown method", dict(prompt_ids=[1, 2], method="medusa"), "speculation.method"),
-    ("prompt longer than the context", dict(prompt_ids=[1] * 200), "prompt"),
-    ("token ids outside the vocabulary", dict(prompt_ids=[1, 16]), "prompt_token_ids"),
-    ("logit bias outside the vocabulary", dict(prompt_ids=[1, 2], logit_bias={99: 1.0}), "sampling.logit_bias"),
+    ("negative temperature", {"prompt_ids": [1, 2], "temperature": -0.5}, "sampling.temperature"),
+    ("top_p above 1", {"prompt_ids": [1, 2], "top_p": 1.5}, "sampling.top_p"),
+    ("top_p zero", {"prompt_ids": [1, 2], "top_p": 0.0}, "sampling.top_p"),
+    ("k beyond the maximum", {"prompt_ids": [1, 2], "k": 9}, "speculation.num_speculative_tokens"),
+    ("negative k", {"prompt_ids": [1, 2], "k": -1}, "speculation.num_speculative_tokens"),
+    ("empty prompt", {}, "prompt"),
+    ("unknown method", {"prompt_ids": [1, 2], "method": "medusa"}, "speculation.method"),
+    ("prompt longer than the context", {"prompt_ids": [1] * 200}, "prompt"),
+    ("token ids outside the vocabulary", {"prompt_ids": [1, 16]}, "prompt_token_ids"),
+    ("logit bias outside the vocabulary", {"prompt_ids": [1, 2], "logit_bias": {99: 1.0}}, "sampling.logit_bias"),
 ]
 
 
@@ -244,7 +275,9 @@ def test_over_capacity_is_resource_exhausted_and_recovers(stack):
     codes = Counter(asyncio.run(all_of_them()))
     assert codes["RESOURCE_EXHAUSTED"] >= 1 and codes["OK"] >= MAX_TARGET_SESSIONS // 2, codes
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
-    assert len(stub(stack.coordinator_address).Generate(request([1, 2], max_new_tokens=4, ignore_eos=True)).token_ids) == 4
+    assert (
+        len(stub(stack.coordinator_address).Generate(request([1, 2], max_new_tokens=4, ignore_eos=True)).token_ids) == 4
+    )
 
 
 def test_public_port_answers_standard_health_and_reflection(stack):
@@ -256,7 +289,8 @@ def test_public_port_answers_standard_health_and_reflection(stack):
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     responses = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
     names = {s.name for r in responses for s in r.list_services_response.service}
     assert "specdec.v1.Coordinator" in names
 
@@ -267,39 +301,55 @@ def test_specdec_generate_cli(stack):
     from pathlib import Path
 
     specdec = str(Path(sys.executable).with_name("specdec"))
-    ok = subprocess.run([specdec, "generate", "--addr", stack.coordinator_address, "w1 w2 w3", "--raw", "-k", "2",
-                         "--max-new-tokens", "6", "--ignore-eos", "--seed", "4"], capture_output=True, text=True,
-                        timeout=120)
+    ok = subprocess.run(
+        [
+            specdec,
+            "generate",
+            "--addr",
+            stack.coordinator_address,
+            "w1 w2 w3",
+            "--raw",
+            "-k",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--seed",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert ok.returncode == 0, ok.stderr
     assert len(ok.stdout.split()) == 6 and "acceptance rate" in ok.stderr and "seed=4" in ok.stderr
-    bad = subprocess.run([specdec, "generate", "--addr", stack.coordinator_address, "w1", "--raw", "-k", "99"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [specdec, "generate", "--addr", stack.coordinator_address, "w1", "--raw", "-k", "99"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert bad.returncode == 2
     assert "INVALID_ARGUMENT" in bad.stderr and "speculation.num_speculative_tokens" in bad.stderr
     assert "Traceback" not in bad.stderr
-    local = subprocess.run([specdec, "generate", "--addr", stack.coordinator_address, "w1", "--top-p", "2"],
-                           capture_output=True, text=True, timeout=120)  # refused before it is sent
+    local = subprocess.run(
+        [specdec, "generate", "--addr", stack.coordinator_address, "w1", "--top-p", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # refused before it is sent
     assert local.returncode == 2 and "top_p" in local.stderr and "Traceback" not in local.stderr
-
-
-def scrape(port: int) -> dict[str, float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + "".join(f"|{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[key] = sample.value
-    return out
 
 
 def test_metrics_counters_equal_the_returned_stats(stack):
     before = scrape(stack.metrics_ports["coordinator"])
-    reqs = [request([1 + i % 5, 2, 3], k=1 + i % 4, temperature=1.0, seed=500 + i, max_new_tokens=10 + i,
-                    ignore_eos=True) for i in range(12)]
+    reqs = [
+        request([1 + i % 5, 2, 3], k=1 + i % 4, temperature=1.0, seed=500 + i, max_new_tokens=10 + i, ignore_eos=True)
+        for i in range(12)
+    ]
     replies = generate_many(stack.coordinator_address, reqs, concurrency=4)
     with pytest.raises(grpc.RpcError):
         stub(stack.coordinator_address).Generate(request([1, 2], top_p=2.0))
@@ -314,7 +364,8 @@ def test_metrics_counters_equal_the_returned_stats(stack):
     assert delta("specdec_request_errors_total|code=INVALID_ARGUMENT") == 1
     for position in range(4):
         assert delta(f"specdec_accepted_tokens_by_position_total|position={position}") == sum(
-            r.stats.accepted_per_position[position] for r in replies if len(r.stats.accepted_per_position) > position)
+            r.stats.accepted_per_position[position] for r in replies if len(r.stats.accepted_per_position) > position
+        )
     assert delta("specdec_time_to_first_token_seconds_count") == len(replies)
     assert delta("specdec_request_latency_seconds_count") == len(replies)
     for service in ("target", "draft"):

@@ -1,5 +1,7 @@
-"""The primer's §5 toy lab, reproduced with the library's own functions, plus its variations and
-a seeded statistical check of the split verifier (target_verify + decide) on dense p and q."""
+"""The toy lab of docs/exactness.md (one position, three tokens, worked by hand), reproduced with
+the library's own functions, plus its variations and a seeded statistical check of the split
+verifier (target_verify + decide) on dense p and q."""
+
 import math
 from collections import Counter
 
@@ -91,8 +93,10 @@ def test_convergence_tv_shrinks_like_inverse_sqrt_n():
     target = np.array(p)
 
     def mean_tv(n):
-        tvs = [0.5 * np.abs(_one_step_frequencies(p, q, n, seed_offset=10**6 * (r + 1)) / n - target).sum()
-               for r in range(6)]
+        tvs = [
+            0.5 * np.abs(_one_step_frequencies(p, q, n, seed_offset=10**6 * (r + 1)) / n - target).sum()
+            for r in range(6)
+        ]
         return float(np.mean(tvs))
 
     small, large = mean_tv(250), mean_tv(4000)

@@ -1,4 +1,5 @@
 """Tensor-parallel target (--tp N, gloo on CPU): sharding changes nothing the client sees."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,18 +13,17 @@ from collections import Counter
 import grpc
 import pytest
 import torch
+from stack_util import generate_many, request, stub
 
-from specdec.runtime.peers import GrpcTarget
-from specdec.engine.draft import DraftEngine
-from specdec.loop.generate import LocalDraft, generate_async
 from specdec.apps.launcher import Child, Stack, free_port, local_stack
+from specdec.apps.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, exact_law, judge
+from specdec.engine.draft import DraftEngine
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
-from specdec.apps.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, exact_law, judge
 from specdec.exact.sparse import SparseDist
+from specdec.loop.generate import LocalDraft, generate_async
 from specdec.modeling.tiny import negated_head, perturbed, word_tokenizer
-
-from stack_util import generate_many, request, stub
+from specdec.runtime.peers import GrpcTarget
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,10 +41,28 @@ def models(tmp_path_factory):
 
 def start_target(model_dir, tp: int, logs, timeout: float = 300) -> Child:
     port = free_port()
-    out = open(logs / f"target-tp{tp}-{port}.log", "wb")
-    process = subprocess.Popen([sys.executable, "-m", "specdec", "target", "--model", str(model_dir), "--tp",
-                                str(tp), "--host", "127.0.0.1", "--port", str(port), "--threads", "1"],
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    out = open(logs / f"target-tp{tp}-{port}.log", "wb")  # noqa: SIM115 - the ranks write it all their life
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specdec",
+            "target",
+            "--model",
+            str(model_dir),
+            "--tp",
+            str(tp),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     child = Child(f"target-tp{tp}", f"127.0.0.1:{port}", process)
     Stack().wait_healthy(child, timeout)
     return child
@@ -74,37 +92,49 @@ def test_sharded_verifier_output_equals_unsharded(targets):
         peer = GrpcTarget(address)
         await peer.info()
         out = []
-        for i, params in enumerate([SamplingParams(temperature=1.0, seed=5), SamplingParams(top_p=0.8, seed=6),
-                                    SamplingParams(repetition_penalty=1.5, seed=7)]):
+        for i, params in enumerate(
+            [
+                SamplingParams(temperature=1.0, seed=5),
+                SamplingParams(top_p=0.8, seed=6),
+                SamplingParams(repetition_penalty=1.5, seed=7),
+            ]
+        ):
             sid = f"s{i}"
             await peer.start(sid, [1, 2, 3, 4], params)
-            block = DraftProposal([5, 6, 7], [SparseDist.of([5, 9], [0.6, 0.4]), SparseDist.one_hot(6),
-                                              SparseDist.of([7, 1, 2], [0.2, 0.5, 0.3])])
+            block = DraftProposal(
+                [5, 6, 7],
+                [SparseDist.of([5, 9], [0.6, 0.4]), SparseDist.one_hot(6), SparseDist.of([7, 1, 2], [0.2, 0.5, 0.3])],
+            )
             out.append(await peer.verify(sid, 1, block, None))
             await peer.release(sid)
         await peer.close()
         return out
 
     sharded, plain = targets
-    for a, b in zip(asyncio.run(verdicts(sharded.address)), asyncio.run(verdicts(plain.address))):
+    for a, b in zip(asyncio.run(verdicts(sharded.address)), asyncio.run(verdicts(plain.address)), strict=True):
         assert a.p_proposed == pytest.approx(b.p_proposed, rel=1e-5, abs=1e-6)
         assert a.recovered == b.recovered and a.bonus == b.bonus
 
 
 def test_sharded_target_returns_the_unsharded_features(targets):
     """What a feature draft reads: the final hidden states, from a sharded target as from a whole one."""
+
     async def features(address):
         peer = GrpcTarget(address)
         await peer.info()
         prompt = await peer.start("f", [1, 2, 3, 4, 5], SamplingParams(temperature=1.0, seed=5), return_features=True)
-        verdict = await peer.verify("f", 1, DraftProposal([6, 7], [SparseDist.one_hot(6), SparseDist.one_hot(7)]),
-                                    None, return_features=True)
+        verdict = await peer.verify(
+            "f", 1, DraftProposal([6, 7], [SparseDist.one_hot(6), SparseDist.one_hot(7)]), None, return_features=True
+        )
         await peer.release("f")
         await peer.close()
         return prompt, verdict.features
 
     sharded, plain = targets
-    (prompt_a, block_a), (prompt_b, block_b) = asyncio.run(features(sharded.address)), asyncio.run(features(plain.address))
+    (prompt_a, block_a), (prompt_b, block_b) = (
+        asyncio.run(features(sharded.address)),
+        asyncio.run(features(plain.address)),
+    )
     assert prompt_a.shape == (4, 32) and block_a.shape == (3, 32)
     torch.testing.assert_close(prompt_a, prompt_b, rtol=2e-3, atol=2e-3)  # float16 on the wire
     torch.testing.assert_close(block_a, block_b, rtol=2e-3, atol=2e-3)
@@ -129,15 +159,21 @@ def test_forced_rejection_then_decoding_matches_plain_decoding(models, targets):
     the caches on both ranks must roll back identically, or greedy decoding would diverge."""
     _, target_model = models
     prompt = [3, 1, 4, 1, 5]
-    expected = target_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
-                                     pad_token_id=0)[0, len(prompt):].tolist()
+    expected = target_model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40, pad_token_id=0
+    )[0, len(prompt) :].tolist()
 
     async def run():
         peer = GrpcTarget(targets[0].address)
         await peer.info()
         draft = DraftEngine(negated_head(target_model))
-        result = await generate_async(peer, LocalDraft(draft), prompt,
-                                      SamplingParams(temperature=0.0, seed=1, max_new_tokens=40, ignore_eos=True), 3)
+        result = await generate_async(
+            peer,
+            LocalDraft(draft),
+            prompt,
+            SamplingParams(temperature=0.0, seed=1, max_new_tokens=40, ignore_eos=True),
+            3,
+        )
         await peer.close()
         return result
 
@@ -160,7 +196,8 @@ def test_killing_one_rank_takes_the_group_down_cleanly(models, tmp_path_factory)
     while time.monotonic() - started < 10 and group.process.poll() is None:
         try:
             reply = health_pb2_grpc.HealthStub(grpc.insecure_channel(group.address)).Check(
-                health_pb2.HealthCheckRequest(), timeout=1)
+                health_pb2.HealthCheckRequest(), timeout=1
+            )
             states.append(reply.status)
         except grpc.RpcError as exc:
             states.append(exc.code().name)
@@ -175,19 +212,26 @@ def test_killing_one_rank_takes_the_group_down_cleanly(models, tmp_path_factory)
 @pytest.fixture(scope="module")
 def tp_stack(models, tmp_path_factory):
     root, _ = models
-    with local_stack(str(root / "target"), str(root / "draft"), num_speculative_tokens=3,
-                     log_dir=tmp_path_factory.mktemp("tp-stack-logs"),
-                     extra_target=["--tp", "2", "--threads", "1"], extra_draft=["--threads", "1"]) as s:
+    with local_stack(
+        str(root / "target"),
+        str(root / "draft"),
+        num_speculative_tokens=3,
+        log_dir=tmp_path_factory.mktemp("tp-stack-logs"),
+        extra_target=["--tp", "2", "--threads", "1"],
+        extra_draft=["--threads", "1"],
+    ) as s:
         yield s
 
 
 def test_greedy_through_the_stack_with_tp2_equals_transformers(models, tp_stack):
     _, target_model = models
     prompt = [3, 9, 3, 9, 14, 2]
-    expected = target_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30,
-                                     pad_token_id=0)[0, len(prompt):].tolist()
+    expected = target_model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     reply = stub(tp_stack.coordinator_address).Generate(
-        request(prompt, k=3, temperature=0.0, max_new_tokens=30, ignore_eos=True))
+        request(prompt, k=3, temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    )
     assert list(reply.token_ids) == expected
 
 
@@ -201,10 +245,18 @@ def test_exactness_through_the_stack_with_tp2(models, tp_stack, case):
     n = 300
     law = exact_law(target_model, case.prompt, case_params(case), case.tokens)
     sampling = dict(case.params, max_new_tokens=case.tokens, ignore_eos=True)
-    replies = generate_many(tp_stack.coordinator_address,
-                            [request(list(case.prompt), k=case.k, seed=BASE_SEED + i, **sampling) for i in range(n)])
-    verdict = judge(case, Counter(tuple(r.token_ids) for r in replies), law, n,
-                    sum(r.stats.proposed_tokens for r in replies), sum(r.stats.accepted_tokens for r in replies))
+    replies = generate_many(
+        tp_stack.coordinator_address,
+        [request(list(case.prompt), k=case.k, seed=BASE_SEED + i, **sampling) for i in range(n)],
+    )
+    verdict = judge(
+        case,
+        Counter(tuple(r.token_ids) for r in replies),
+        law,
+        n,
+        sum(r.stats.proposed_tokens for r in replies),
+        sum(r.stats.accepted_tokens for r in replies),
+    )
     assert verdict.passed, verdict
 
 
@@ -214,18 +266,25 @@ def test_default_smollm2_target_with_tp3_equals_transformers(smollm2, tmp_path_f
 
     model, tokenizer = smollm2
     ids = encode_prompt(tokenizer, "Explain why the sky is blue.", chat=True)
-    expected = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24,
-                              pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+    expected = model.generate(
+        torch.tensor([ids]), do_sample=False, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id
+    )[0, len(ids) :].tolist()
     group = start_target("smollm2", 3, tmp_path_factory.mktemp("tp3"))
     try:
+
         async def run():
             from specdec.engine.ngram import NgramDraft
 
             peer = GrpcTarget(group.address)
             info = await peer.info()
             assert info.tp_size == 3 and len(info.rank_param_bytes) == 3
-            result = await generate_async(peer, LocalDraft(NgramDraft(info.vocab_size)), ids,
-                                          SamplingParams(temperature=0.0, seed=0, max_new_tokens=24), 3)
+            result = await generate_async(
+                peer,
+                LocalDraft(NgramDraft(info.vocab_size)),
+                ids,
+                SamplingParams(temperature=0.0, seed=0, max_new_tokens=24),
+                3,
+            )
             await peer.close()
             return result.token_ids
 
@@ -235,8 +294,13 @@ def test_default_smollm2_target_with_tp3_equals_transformers(smollm2, tmp_path_f
 
 
 def test_a_model_that_cannot_be_split_is_refused_clearly():
-    proc = subprocess.run([sys.executable, "-m", "specdec", "target", "--model", "smollm2", "--tp", "2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec", "target", "--model", "smollm2", "--tp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2
     assert "cannot be split 2 ways" in proc.stderr and "num_attention_heads=9" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -20,6 +20,7 @@ One run, one stack, the same prompts, models and sampling settings for every mod
 Plus a concurrency sweep (aggregate tokens/s with 1, 4, 16 streams) and Leviathan et al.'s
 predicted speedup from the measured acceptance and step times, next to the achieved one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.training.prompts import BENCH_PROMPTS, load_prompts
-
 
 
 @dataclass
@@ -60,10 +60,14 @@ class Mode:
     adaptive: bool = False
 
     @classmethod
-    def of_summary(cls, summary: dict) -> "Mode":
+    def of_summary(cls, summary: dict) -> Mode:
         name = summary["mode"]
-        return cls(name, summary["k"], "ngram" if name == "speculative-ngram" else "draft_model",
-                   name == "speculative-adaptive")
+        return cls(
+            name,
+            summary["k"],
+            "ngram" if name == "speculative-ngram" else "draft_model",
+            name == "speculative-adaptive",
+        )
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -90,7 +94,11 @@ async def stream_one(stub, request) -> Sample:
         if chunk.finish_reason:
             s = chunk.stats
             sample.passes, sample.drafts, sample.proposed, sample.accepted = (
-                s.target_passes, s.drafts, s.proposed_tokens, s.accepted_tokens)
+                s.target_passes,
+                s.drafts,
+                s.proposed_tokens,
+                s.accepted_tokens,
+            )
             sample.per_position = list(s.accepted_per_position)
             sample.draft_s, sample.verify_s, sample.server_s = s.draft_seconds, s.verify_seconds, s.total_seconds
     sample.tokens, sample.seconds = tokens, time.perf_counter() - started
@@ -134,28 +142,40 @@ def summarize(mode: Mode, temperature: float, runs: list[list[Sample]]) -> dict:
     server = sum(s.server_s for s in samples)
     itl = [x for s in samples for x in s.itl]
     out = {
-        "mode": mode.mode, "k": mode.k, "temperature": temperature,
+        "mode": mode.mode,
+        "k": mode.k,
+        "temperature": temperature,
         "tokens_per_s": statistics.median(rates) if rates else 0.0,
-        "tokens_per_s_min": min(rates) if rates else 0.0, "tokens_per_s_max": max(rates) if rates else 0.0,
-        "repeats": len(rates), "tokens": tokens,
+        "tokens_per_s_min": min(rates) if rates else 0.0,
+        "tokens_per_s_max": max(rates) if rates else 0.0,
+        "repeats": len(rates),
+        "tokens": tokens,
         "ttft_s_median": statistics.median([s.ttft for s in samples if s.ttft is not None])
-        if any(s.ttft is not None for s in samples) else None,
-        "itl_s_p50": percentile(itl, 50), "itl_s_p90": percentile(itl, 90), "itl_s_p99": percentile(itl, 99),
+        if any(s.ttft is not None for s in samples)
+        else None,
+        "itl_s_p50": percentile(itl, 50),
+        "itl_s_p90": percentile(itl, 90),
+        "itl_s_p99": percentile(itl, 99),
     }
     if passes:
-        out.update({
-            "target_passes_per_token": passes / tokens if tokens else None,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            # vLLM's count: accepted proposals + the recovered/bonus token, per verified draft block
-            "mean_accepted_length": (accepted + drafts) / drafts if drafts else None,
-            "acceptance_per_position": [c / drafts for c in per_position] if drafts else [],
-            "time_split": {"draft": sum(s.draft_s for s in samples) / server,
-                           "verify": sum(s.verify_s for s in samples) / server,
-                           "coordination_network": max(0.0, 1 - (sum(s.draft_s + s.verify_s for s in samples)) / server)}
-            if server else None,
-            "draft_s_per_proposed_token": sum(s.draft_s for s in samples) / proposed if proposed else None,
-            "verify_s_per_pass": sum(s.verify_s for s in samples) / passes,
-        })
+        out.update(
+            {
+                "target_passes_per_token": passes / tokens if tokens else None,
+                "acceptance_rate": accepted / proposed if proposed else None,
+                # vLLM's count: accepted proposals + the recovered/bonus token, per verified draft block
+                "mean_accepted_length": (accepted + drafts) / drafts if drafts else None,
+                "acceptance_per_position": [c / drafts for c in per_position] if drafts else [],
+                "time_split": {
+                    "draft": sum(s.draft_s for s in samples) / server,
+                    "verify": sum(s.verify_s for s in samples) / server,
+                    "coordination_network": max(0.0, 1 - (sum(s.draft_s + s.verify_s for s in samples)) / server),
+                }
+                if server
+                else None,
+                "draft_s_per_proposed_token": sum(s.draft_s for s in samples) / proposed if proposed else None,
+                "verify_s_per_pass": sum(s.verify_s for s in samples) / passes,
+            }
+        )
     return out
 
 
@@ -190,8 +210,8 @@ def run(args) -> dict:
     import grpc
 
     from specdec.apps.launcher import local_stack
-    from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
     from specdec.modeling.loading import default_draft_for, encode_prompt, load_model, load_tokenizer
+    from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
     from specdec.v1 import coordinator_pb2_grpc
 
     say = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -212,8 +232,10 @@ def run(args) -> dict:
     hf_modes = [] if args.no_hf else [Mode("hf-generate")]
     if not args.no_hf and (args.assistant_model or not draft_is_model):  # else nothing can assist
         hf_modes += [Mode("hf-assisted", k) for k in ks]
-    say(f"{len(prompts)} prompts x {len(temperatures)} settings x {len(modes) + len(hf_modes)} modes x "
-        f"{args.repeats} repeats, {args.max_new_tokens} new tokens each")
+    say(
+        f"{len(prompts)} prompts x {len(temperatures)} settings x {len(modes) + len(hf_modes)} modes x "
+        f"{args.repeats} repeats, {args.max_new_tokens} new tokens each"
+    )
 
     tokenizer = load_tokenizer(args.target_model)
     hf_target = hf_draft = None
@@ -227,9 +249,14 @@ def run(args) -> dict:
     prompt_ids = {p["id"]: encode_prompt(tokenizer, p["text"], chat=True) for p in prompts}
     results: dict[tuple, list[list[Sample]]] = {}
     largest = max(ks + ngram_ks + _ks(args.adaptive_ks))
-    with local_stack(args.target_model, args.draft_model if draft_is_model else "ngram",
-                     num_speculative_tokens=largest, extra_coordinator=["--max-speculative-tokens", str(largest)],
-                     log_dir=Path(args.log_dir) if args.log_dir else None) as stack:
+    with local_stack(
+        args.target_model,
+        args.draft_model if draft_is_model else "ngram",
+        num_speculative_tokens=largest,
+        extra_coordinator=["--max-speculative-tokens", str(largest)],
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    ) as stack:
+
         async def measure():
             async with grpc.aio.insecure_channel(stack.coordinator_address) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -239,7 +266,7 @@ def run(args) -> dict:
                 for rep in range(args.repeats):
                     for pi, prompt in enumerate(prompts):
                         for temperature in temperatures:
-                            ordered = (modes + hf_modes)[pi % 3:] + (modes + hf_modes)[: pi % 3]  # interleave
+                            ordered = (modes + hf_modes)[pi % 3 :] + (modes + hf_modes)[: pi % 3]  # interleave
                             for mode in ordered:
                                 seed = 1000 * rep + pi
                                 if mode.mode.startswith("hf"):
@@ -247,12 +274,20 @@ def run(args) -> dict:
                                     lookup = mode.k if mode.mode == "hf-assisted" else 0
                                     # The model thread, as in the services: passes spread over a pool's
                                     # threads run slower on CPU (specdec/runtime/model_thread.py).
-                                    sample = await on_model_thread(hf_one, hf_target, prompt_ids[prompt["id"]],
-                                                                   args.max_new_tokens, temperature, seed,
-                                                                   assistant, lookup)
+                                    sample = await on_model_thread(
+                                        hf_one,
+                                        hf_target,
+                                        prompt_ids[prompt["id"]],
+                                        args.max_new_tokens,
+                                        temperature,
+                                        seed,
+                                        assistant,
+                                        lookup,
+                                    )
                                 else:
-                                    sample = await stream_one(stub, build_request(prompt, mode, temperature,
-                                                                                  args.max_new_tokens, seed))
+                                    sample = await stream_one(
+                                        stub, build_request(prompt, mode, temperature, args.max_new_tokens, seed)
+                                    )
                                 runs = results.setdefault((mode, temperature), [])
                                 while len(runs) <= rep:
                                     runs.append([])
@@ -267,8 +302,11 @@ def run(args) -> dict:
         sweep = []
         if concurrency:
             best = _best(summaries, temperatures[0])
-            sweep = asyncio.run(_concurrency(stack.coordinator_address, prompts, best, temperatures[0],
-                                             args.max_new_tokens, concurrency, say))
+            sweep = asyncio.run(
+                _concurrency(
+                    stack.coordinator_address, prompts, best, temperatures[0], args.max_new_tokens, concurrency, say
+                )
+            )
     return report(summaries, sweep, args)
 
 
@@ -309,13 +347,20 @@ async def _concurrency(address, prompts, best: Mode, temperature, max_new_tokens
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         for level in levels:
             for mode in (Mode("target-only", 0, "none"), best):
-                reqs = [build_request(prompts[i % len(prompts)], mode, temperature, max_new_tokens, i)
-                        for i in range(level)]
+                reqs = [
+                    build_request(prompts[i % len(prompts)], mode, temperature, max_new_tokens, i) for i in range(level)
+                ]
                 started = time.perf_counter()
                 samples = await asyncio.gather(*(stream_one(stub, r) for r in reqs))
                 wall = time.perf_counter() - started
-                out.append({"concurrency": level, "mode": mode.mode, "k": mode.k,
-                            "aggregate_tokens_per_s": sum(s.tokens for s in samples) / wall})
+                out.append(
+                    {
+                        "concurrency": level,
+                        "mode": mode.mode,
+                        "k": mode.k,
+                        "aggregate_tokens_per_s": sum(s.tokens for s in samples) / wall,
+                    }
+                )
                 say(f"concurrency {level} {mode.mode} k={mode.k}: {out[-1]['aggregate_tokens_per_s']:.1f} tokens/s")
     return out
 
@@ -336,18 +381,27 @@ def report(summaries: list[dict], sweep: list[dict], args) -> dict:
     best_assisted = max(assisted, key=lambda s: s["tokens_per_s"]) if assisted else None
     split = (best or {}).get("time_split") or {}
     return {
-        "settings": {"target_model": args.target_model, "draft_model": args.draft_model,
-                     "assistant_model": getattr(args, "assistant_model", None), "ks": args.ks,
-                     "temperatures": args.temperatures, "max_new_tokens": args.max_new_tokens,
-                     "repeats": args.repeats, "prompts": args.prompts, "num_prompts": args.num_prompts,
-                     "headline_temperature": headline_t},
+        "settings": {
+            "target_model": args.target_model,
+            "draft_model": args.draft_model,
+            "assistant_model": getattr(args, "assistant_model", None),
+            "ks": args.ks,
+            "temperatures": args.temperatures,
+            "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats,
+            "prompts": args.prompts,
+            "num_prompts": args.num_prompts,
+            "headline_temperature": headline_t,
+        },
         "modes": summaries,
         "best": {"mode": best["mode"], "k": best["k"]} if best else None,
         "speedup_vs_target_only": best["speedup_vs_target_only"] if best else None,
         "speedup_vs_hf_assisted": best["tokens_per_s"] / best_assisted["tokens_per_s"]
-        if best and best_assisted else None,
+        if best and best_assisted
+        else None,
         "speedup_vs_hf_generate": best["tokens_per_s"] / by[("hf-generate", 0, headline_t)]["tokens_per_s"]
-        if best and ("hf-generate", 0, headline_t) in by else None,
+        if best and ("hf-generate", 0, headline_t) in by
+        else None,
         "acceptance_rate": best.get("acceptance_rate") if best else None,
         "mean_accepted_length": best.get("mean_accepted_length") if best else None,
         "predicted_speedup": best.get("predicted_speedup") if best else None,
@@ -359,10 +413,14 @@ def report(summaries: list[dict], sweep: list[dict], args) -> dict:
 
 def table(rep: dict) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    lines = [f"{'mode':<20} {'k':>2} {'T':>4} {'tok/s':>7} {'(min-max)':>13} {'x base':>6} {'pred':>5} "
-             f"{'accept':>6} {'len':>5} {'pass/tok':>8} {'ttft':>6} {'itl p50/p99':>13} {'draft/verify/other':>20}"]
+    lines = [
+        f"{'mode':<20} {'k':>2} {'T':>4} {'tok/s':>7} {'(min-max)':>13} {'x base':>6} {'pred':>5} "
+        f"{'accept':>6} {'len':>5} {'pass/tok':>8} {'ttft':>6} {'itl p50/p99':>13} {'draft/verify/other':>20}"
+    ]
     for s in sorted(rep["modes"], key=lambda s: (s["temperature"], s["mode"], s["k"])):
         split = s.get("time_split")
+        parts = ("draft", "verify", "coordination_network")
+        time_split = " / ".join(f"{split[k]:.0%}" for k in parts) if split else "-"
         lines.append(
             f"{s['mode']:<20} {s['k']:>2} {s['temperature']:>4.1f} {s['tokens_per_s']:>7.1f} "
             f"{fmt(s['tokens_per_s_min'], '.1f') + '-' + fmt(s['tokens_per_s_max'], '.1f'):>13} "
@@ -370,14 +428,19 @@ def table(rep: dict) -> str:
             f"{fmt(s.get('acceptance_rate'), '.2f'):>6} {fmt(s.get('mean_accepted_length'), '.2f'):>5} "
             f"{fmt(s.get('target_passes_per_token'), '.2f'):>8} {fmt(s.get('ttft_s_median'), '.3f'):>6} "
             f"{fmt(s.get('itl_s_p50'), '.3f') + '/' + fmt(s.get('itl_s_p99'), '.3f'):>13} "
-            f"{(' / '.join(f'{split[k]:.0%}' for k in ('draft', 'verify', 'coordination_network'))) if split else '-':>20}")
+            f"{time_split:>20}"
+        )
     for c in rep["concurrency"]:
-        lines.append(f"concurrency {c['concurrency']:>2}: {c['mode']} k={c['k']}: "
-                     f"{c['aggregate_tokens_per_s']:.1f} tokens/s aggregate")
-    lines.append(f"best: {rep['best']}, speedup vs target-only {fmt(rep['speedup_vs_target_only'], '.2f')}x "
-                 f"(predicted {fmt(rep['predicted_speedup'], '.2f')}x), vs transformers assisted "
-                 f"{fmt(rep['speedup_vs_hf_assisted'], '.2f')}x, acceptance {fmt(rep['acceptance_rate'], '.2f')}, "
-                 f"mean accepted length {fmt(rep['mean_accepted_length'], '.2f')}")
+        lines.append(
+            f"concurrency {c['concurrency']:>2}: {c['mode']} k={c['k']}: "
+            f"{c['aggregate_tokens_per_s']:.1f} tokens/s aggregate"
+        )
+    lines.append(
+        f"best: {rep['best']}, speedup vs target-only {fmt(rep['speedup_vs_target_only'], '.2f')}x "
+        f"(predicted {fmt(rep['predicted_speedup'], '.2f')}x), vs transformers assisted "
+        f"{fmt(rep['speedup_vs_hf_assisted'], '.2f')}x, acceptance {fmt(rep['acceptance_rate'], '.2f')}, "
+        f"mean accepted length {fmt(rep['mean_accepted_length'], '.2f')}"
+    )
     return "\n".join(lines)
 
 
@@ -395,8 +458,12 @@ def plot(rep: dict, path: str) -> None:
                 continue
             ax1.plot([k for k, _ in pts], [s["tokens_per_s"] for _, s in pts], marker="o", label=f"{s_mode} T={t}")
             if s_mode != "hf-assisted":
-                ax2.plot([k for k, _ in pts], [s.get("acceptance_rate") or 0 for _, s in pts], marker="o",
-                         label=f"{s_mode} T={t}")
+                ax2.plot(
+                    [k for k, _ in pts],
+                    [s.get("acceptance_rate") or 0 for _, s in pts],
+                    marker="o",
+                    label=f"{s_mode} T={t}",
+                )
         base = [s for s in rep["modes"] if s["mode"] == "target-only"]
     for s in base:
         ax1.axhline(s["tokens_per_s"], linestyle="--", color="grey")
@@ -414,12 +481,18 @@ def plot(rep: dict, path: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2")
-    p.add_argument("--draft-model", default="auto",
-                   help="draft model spec, 'ngram', or 'auto' (the stack's default: the shipped distilled draft "
-                        "for the default target, else n-gram)")
-    p.add_argument("--assistant-model", default="auto",
-                   help="the draft of transformers' assisted generation (the peer): 'auto' = the stack's draft, or "
-                        "for a feature draft the standalone distilled draft of the default target; 'none' = skip")
+    p.add_argument(
+        "--draft-model",
+        default="auto",
+        help="draft model spec, 'ngram', or 'auto' (the stack's default: the shipped distilled draft "
+        "for the default target, else n-gram)",
+    )
+    p.add_argument(
+        "--assistant-model",
+        default="auto",
+        help="the draft of transformers' assisted generation (the peer): 'auto' = the stack's draft, or "
+        "for a feature draft the standalone distilled draft of the default target; 'none' = skip",
+    )
     p.add_argument("--ngram-ks", default=None, help="k sweep of the n-gram draft (default: --ks; '' = skip)")
     p.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSONL file of {id, category, text}")
     p.add_argument("--split", default=None, help="only prompts with this split (e.g. heldout)")

@@ -1,4 +1,5 @@
 """The ``specdec`` command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,17 @@ def sampling_from_args(args):
     from specdec.exact.sampling import SamplingParams
 
     return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed, max_new_tokens=args.max_new_tokens,
-        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
     )
 
 
@@ -41,11 +49,17 @@ def cmd_run(args) -> int:
     from specdec.apps.client import build_request, stream_to, summary
     from specdec.apps.launcher import local_stack
 
-    with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model,
-                     num_speculative_tokens=args.num_speculative_tokens, extra_coordinator=_policy_flags(args),
-                     extra_target=_device_flags(args), extra_draft=_device_flags(args)) as stack:
-        request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
-                                chat=not args.raw)
+    with local_stack(
+        args.target_model,
+        None if args.draft_model == "none" else args.draft_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        extra_coordinator=_policy_flags(args),
+        extra_target=_device_flags(args),
+        extra_draft=_device_flags(args),
+    ) as stack:
+        request = build_request(
+            prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens, chat=not args.raw
+        )
         if args.compare:  # neither measured request should pay the stack's first-request costs
             warm_up(stack.coordinator_address, args)
         print(f"\n> {args.prompt}\n", flush=True)
@@ -63,8 +77,9 @@ def warm_up(address: str, args) -> None:
 
     params = replace(sampling_from_args(args), max_new_tokens=8)
     for k, method in ((args.num_speculative_tokens, ""), (0, "none")):
-        stream_to(address, build_request(prompt=args.prompt, params=params, k=k, method=method, chat=not args.raw),
-                  out=None)
+        stream_to(
+            address, build_request(prompt=args.prompt, params=params, k=k, method=method, chat=not args.raw), out=None
+        )
 
 
 def compare_without_speculation(address: str, args, answer) -> str:
@@ -87,8 +102,10 @@ def compare_without_speculation(address: str, args, answer) -> str:
             fast.append(rate(stream_to(address, with_spec, out=None)))
     plain, slow = plains[0], [rate(p) for p in plains]
     fast_m, slow_m = statistics.median(fast), statistics.median(slow)
-    line = (f"without speculation (target only, same stack): {slow_m:.1f} tokens/s, with: {fast_m:.1f} "
-            f"(medians of {len(slow)} runs each) -> speculation is {fast_m / slow_m if slow_m else float('nan'):.2f}x")
+    line = (
+        f"without speculation (target only, same stack): {slow_m:.1f} tokens/s, with: {fast_m:.1f} "
+        f"(medians of {len(slow)} runs each) -> speculation is {fast_m / slow_m if slow_m else float('nan'):.2f}x"
+    )
     if params.greedy:
         line += "; identical tokens: " + ("yes" if plain.token_ids == answer.token_ids else "NO (a bug: please report)")
     return line
@@ -103,16 +120,25 @@ def cmd_serve(args) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with local_stack(args.target_model, None if args.draft_model == "none" else args.draft_model, port=args.port,
-                     num_speculative_tokens=args.num_speculative_tokens, host=args.host,
-                     extra_target=_device_flags(args, "target") + ["--tp", str(args.target_tp)],
-                     extra_draft=_device_flags(args, "draft"), extra_coordinator=_policy_flags(args),
-                     draft_replicas=args.draft_replicas, target_replicas=args.target_replicas) as stack:
-        print(f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)\n"
-              f"  registry and session log: {stack.redis_url}"
-              f"{' (embedded redis-server)' if stack.embedded_redis else ''}\n"
-              f"  add a draft replica: specdec draft --model {stack.draft_model} --port PORT --redis {stack.redis_url}",
-              flush=True)
+    with local_stack(
+        args.target_model,
+        None if args.draft_model == "none" else args.draft_model,
+        port=args.port,
+        num_speculative_tokens=args.num_speculative_tokens,
+        host=args.host,
+        extra_target=[*_device_flags(args, "target"), "--tp", str(args.target_tp)],
+        extra_draft=_device_flags(args, "draft"),
+        extra_coordinator=_policy_flags(args),
+        draft_replicas=args.draft_replicas,
+        target_replicas=args.target_replicas,
+    ) as stack:
+        print(
+            f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)\n"
+            f"  registry and session log: {stack.redis_url}"
+            f"{' (embedded redis-server)' if stack.embedded_redis else ''}\n"
+            f"  add a draft replica: specdec draft --model {stack.draft_model} --port PORT --redis {stack.redis_url}",
+            flush=True,
+        )
         try:
             while not stop.wait(1.0):
                 dead = stack.any_exited()
@@ -129,9 +155,15 @@ def cmd_generate(args) -> int:
 
     from specdec.apps.client import build_request, stream_to, summary
 
-    request = build_request(prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens,
-                            method=args.method, request_id=args.request_id, chat=not args.raw,
-                            adaptive=args.adaptive)
+    request = build_request(
+        prompt=args.prompt,
+        params=sampling_from_args(args),
+        k=args.num_speculative_tokens,
+        method=args.method,
+        request_id=args.request_id,
+        chat=not args.raw,
+        adaptive=args.adaptive,
+    )
     try:
         answer = stream_to(args.addr, request, timeout=args.timeout)
     except grpc.RpcError as exc:  # print the status, not a traceback
@@ -163,16 +195,22 @@ def _policy_flags(args) -> list[str]:
 
 def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-model", default="auto",
-                   help="draft model spec, 'ngram', 'none' (no speculation), or 'auto' (default: the shipped "
-                        "distilled draft 'smollm2-draft' for the default target, 'ngram' for any other)")
-    # 2: the best k of the held-out CPU bench with the shipped draft (README Performance): 1.14x / 1.15x /
-    # 1.12x in three runs vs 1.10x / 1.14x / 1.10x at k=1 (3-row verifies are cheap: specdec/modeling/fewrow.py)
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=2,
-                   help="tokens a draft block proposes (default 2)")
-    p.add_argument("--fixed-k", action="store_true",
-                   help="a block every step (default: adaptive, target-only steps while blocks do not pay; "
-                        "specdec/loop/policy.py)")
+    p.add_argument(
+        "--draft-model",
+        default="auto",
+        help="draft model spec, 'ngram', 'none' (no speculation), or 'auto' (default: the shipped "
+        "distilled draft 'smollm2-draft' for the default target, 'ngram' for any other)",
+    )
+    # 2: the best k of the held-out CPU bench with the shipped draft (docs/performance.md)
+    p.add_argument(
+        "-k", "--num-speculative-tokens", type=int, default=2, help="tokens a draft block proposes (default 2)"
+    )
+    p.add_argument(
+        "--fixed-k",
+        action="store_true",
+        help="a block every step (default: adaptive, target-only steps while blocks do not pay; "
+        "specdec/loop/policy.py)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
 
@@ -202,16 +240,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact, distributed speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("selftest", help="the statistical exactness certificate on tiny random models",
-                       add_help=False)
+    p = sub.add_parser("selftest", help="the statistical exactness certificate on tiny random models", add_help=False)
     p.set_defaults(func=None)
 
     p = sub.add_parser("run", help="bring the local stack up, stream one answer with its stats, shut down")
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    p.add_argument("--compare", action="store_true",
-                   help="then run the same request without speculation and print the speed-up")
-    p.add_argument("--compare-runs", type=_positive_int, default=3,
-                   help="with --compare: runs of each, alternated (medians are compared)")
+    p.add_argument(
+        "--compare", action="store_true", help="then run the same request without speculation and print the speed-up"
+    )
+    p.add_argument(
+        "--compare-runs",
+        type=_positive_int,
+        default=3,
+        help="with --compare: runs of each, alternated (medians are compared)",
+    )
     _stack_flags(p)
     add_sampling_flags(p)
     p.set_defaults(func=cmd_run)
@@ -233,10 +275,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="default: the server's")
     p.add_argument("--method", default="", choices=["", "draft_model", "ngram", "none"])
     policy = p.add_mutually_exclusive_group()
-    policy.add_argument("--adaptive", dest="adaptive", action="store_const", const=True, default=None,
-                        help="target-only steps while draft blocks do not pay (default: the server's choice)")
-    policy.add_argument("--fixed-k", dest="adaptive", action="store_const", const=False,
-                        help="a draft block every step")
+    policy.add_argument(
+        "--adaptive",
+        dest="adaptive",
+        action="store_const",
+        const=True,
+        default=None,
+        help="target-only steps while draft blocks do not pay (default: the server's choice)",
+    )
+    policy.add_argument(
+        "--fixed-k", dest="adaptive", action="store_const", const=False, help="a draft block every step"
+    )
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     add_sampling_flags(p)
@@ -277,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _interrupt(signum, frame):
+def _interrupt(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 

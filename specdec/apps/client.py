@@ -1,4 +1,5 @@
 """A small client for the public API (what ``specdec generate`` and ``specdec run`` use)."""
+
 from __future__ import annotations
 
 import sys
@@ -10,9 +11,16 @@ import grpc
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
-def build_request(prompt: str | None = None, prompt_token_ids=None, params=None, k: int | None = None,
-                  method: str = "", request_id: str = "", chat: bool = False,
-                  adaptive: bool | None = None) -> coordinator_pb2.GenerateRequest:
+def build_request(
+    prompt: str | None = None,
+    prompt_token_ids=None,
+    params=None,
+    k: int | None = None,
+    method: str = "",
+    request_id: str = "",
+    chat: bool = False,
+    adaptive: bool | None = None,
+) -> coordinator_pb2.GenerateRequest:
     """``adaptive``: None leaves the choice (adaptive or fixed k) to the server's default."""
     from specdec.runtime.wire import sampling_to_proto
 
@@ -69,11 +77,16 @@ def summary(answer: StreamedAnswer) -> str:
     passes = s.target_passes if s else 0
     accept = s.accepted_tokens / s.proposed_tokens if s and s.proposed_tokens else 0.0
     drafts = s.drafts if s else 0
-    mean_len = (s.accepted_tokens + drafts) / drafts if drafts else 0.0  # per draft block, vLLM's count
+    mean_len = (s.accepted_tokens + drafts) / drafts if s and drafts else 0.0  # per draft block, vLLM's count
     rate = len(answer.token_ids) / answer.seconds if answer.seconds else 0.0
-    speculation = (f"acceptance rate {accept:.2f}, mean accepted length {mean_len:.2f}" if drafts
-                   else "no speculation (target only)")
+    speculation = (
+        f"acceptance rate {accept:.2f}, mean accepted length {mean_len:.2f}"
+        if drafts
+        else "no speculation (target only)"
+    )
     paused = f" ({passes - drafts} without a draft block)" if drafts and passes > drafts else ""
-    return (f"[{len(answer.token_ids)} tokens, finish={answer.finish_reason}, seed={answer.seed}]\n"
-            f"{speculation}, {rate:.1f} tokens/s, {passes} target passes{paused}, "
-            f"time to first token {answer.first_token_seconds or 0:.2f}s")
+    return (
+        f"[{len(answer.token_ids)} tokens, finish={answer.finish_reason}, seed={answer.seed}]\n"
+        f"{speculation}, {rate:.1f} tokens/s, {passes} target passes{paused}, "
+        f"time to first token {answer.first_token_seconds or 0:.2f}s"
+    )

@@ -4,6 +4,7 @@ Starts the target service, the draft service and the coordinator (which starts o
 each as its own process running the same ``specdec`` CLI, waits until each answers the standard
 gRPC health check, and stops them all (SIGTERM, then SIGKILL after a grace period) on exit.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +15,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from specdec.errors import SpecdecError
 from specdec.modeling.loading import default_draft_for, resolve
@@ -29,13 +30,13 @@ class StackError(SpecdecError):
 
     code = "UNAVAILABLE"
 
+
 DEFAULT_TARGET = "smollm2"
 DEFAULT_DRAFT = "auto"  # the shipped distilled draft for the default target, else n-gram
 # The local stack puts the target and the draft on one machine's cores. A draft of a few layers
-# gains little from a second CPU thread (the distilled SmolLM2 draft alone: 7.8-9.7 ms per k=2
-# proposal with two threads, 9.4-11.7 ms with one), but its OpenMP team then competes with the
-# target's for the same cores: through the stack, one thread was faster (server-side Propose
-# 12.5-13.7 ms vs 14.8-15.0 ms). A caller's own --threads wins.
+# gains little from a second CPU thread, but its OpenMP team then competes with the target's for
+# the same cores: through the stack, one thread was faster (docs/performance.md). A caller's own
+# --threads wins.
 DRAFT_THREADS = "1"
 
 
@@ -43,7 +44,7 @@ def draft_flags(extra: list[str] | None) -> list[str]:
     """The draft service's flags in the local stack: the caller's, with one CPU thread unless
     they chose a thread count (see DRAFT_THREADS)."""
     flags = list(extra or [])
-    return flags if "--threads" in flags else flags + ["--threads", DRAFT_THREADS]
+    return flags if "--threads" in flags else [*flags, "--threads", DRAFT_THREADS]
 
 
 def free_port() -> int:
@@ -64,7 +65,7 @@ class Child:
 
 
 @dataclass
-class Stack:  # noqa: D101
+class Stack:
     children: list[Child] = field(default_factory=list)
     coordinator_address: str = ""
     redis_url: str = ""
@@ -80,13 +81,29 @@ class Stack:  # noqa: D101
     def start_replica(self, kind: str, model: str, extra: list[str], name: str) -> Child:
         """Start one draft/target replica registered in the stack's Redis (not waited for)."""
         address = f"{self.host}:{free_port()}"
-        args = [kind, "--model", model, "--host", self.host, "--port", address.rsplit(":", 1)[1],
-                "--redis", self.redis_url, "--replica-id", name, *extra]
+        args = [
+            kind,
+            "--model",
+            model,
+            "--host",
+            self.host,
+            "--port",
+            address.rsplit(":", 1)[1],
+            "--redis",
+            self.redis_url,
+            "--replica-id",
+            name,
+            *extra,
+        ]
         return self.start(name, args, address, self.log_dir, {"OTEL_SERVICE_NAME": f"specdec-{kind}", **self.env})
 
     def add_replica(self, kind: str, name: str, timeout: float = 120.0) -> Child:
         """Scale a pool out at run time (a new replica registers itself; no restart needed)."""
-        model, extra = (self.draft_model, self.extra_draft) if kind == "draft" else (self.target_model, self.extra_target)
+        model, extra = (
+            (self.draft_model, self.extra_draft) if kind == "draft" else (self.target_model, self.extra_target)
+        )
+        if model is None:
+            raise StackError(f"this stack runs no {kind} model to start another replica of")
         child = self.start_replica(kind, model, extra, name)
         self.wait_healthy(child, timeout)
         return child
@@ -98,11 +115,15 @@ class Stack:  # noqa: D101
         out = None
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)  # --log-dir names a folder that may not exist yet
-            out = open(Path(log_dir) / f"{name}.log", "ab")
+            out = open(Path(log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - the child writes it all its life
         with _signals_deferred():  # a child started but not recorded could never be stopped
-            process = subprocess.Popen(specdec_command() + args, stdout=out or None,
-                                       stderr=subprocess.STDOUT if out else None,
-                                       env={**os.environ, **(env or {})}, start_new_session=True)
+            process = subprocess.Popen(
+                specdec_command() + args,
+                stdout=out or None,
+                stderr=subprocess.STDOUT if out else None,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
             child = Child(name, address, process)
             self.children.append(child)
         return child
@@ -111,8 +132,10 @@ class Stack:  # noqa: D101
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if child.process.poll() is not None:
-                raise StackError(f"the {child.name} service exited with code {child.process.returncode} before "
-                                 f"it was ready (see its output above{' or in ' + str(log) if log else ''})")
+                raise StackError(
+                    f"the {child.name} service exited with code {child.process.returncode} before "
+                    f"it was ready (see its output above{' or in ' + str(log) if log else ''})"
+                )
             # One probe at a time with SIGTERM/SIGINT held until it returns (at most ~2 s): the
             # KeyboardInterrupt they become must not land inside grpc.aio's event loop, which can
             # abort the interpreter at exit (seen once in CI: `specdec run` exited -6 on SIGTERM).
@@ -156,8 +179,10 @@ def _signals_deferred() -> Iterator[None]:
         yield
         return
     pending: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, _frame: pending.append(signum))
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         yield
     finally:
@@ -172,12 +197,22 @@ def _say(message: str) -> None:
 
 
 @contextmanager
-def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DEFAULT_DRAFT, port: int = 0,
-                num_speculative_tokens: int = 4, host: str = "127.0.0.1", log_dir: Path | None = None,
-                extra_target: list[str] | None = None, extra_draft: list[str] | None = None,
-                extra_coordinator: list[str] | None = None, startup_timeout: float = 300.0,
-                env: dict | None = None, draft_replicas: int = 1, target_replicas: int = 1,
-                redis_url: str | None = None) -> Iterator[Stack]:
+def local_stack(
+    target_model: str = DEFAULT_TARGET,
+    draft_model: str | None = DEFAULT_DRAFT,
+    port: int = 0,
+    num_speculative_tokens: int = 4,
+    host: str = "127.0.0.1",
+    log_dir: Path | None = None,
+    extra_target: list[str] | None = None,
+    extra_draft: list[str] | None = None,
+    extra_coordinator: list[str] | None = None,
+    startup_timeout: float = 300.0,
+    env: dict | None = None,
+    draft_replicas: int = 1,
+    target_replicas: int = 1,
+    redis_url: str | None = None,
+) -> Iterator[Stack]:
     """Bring the stack up (yields it once the coordinator is SERVING); always tear it down.
 
     Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here."""
@@ -214,12 +249,26 @@ def local_stack(target_model: str = DEFAULT_TARGET, draft_model: str | None = DE
         coord_port = port or free_port()
         coord_addr = f"{host}:{coord_port}"
         _say(f"starting coordinator on {coord_addr} (Ray)...")
-        args = ["coordinator", "--redis", redis_url, "--host", host, "--port", str(coord_port),
-                "--num-speculative-tokens", str(num_speculative_tokens)]
+        args = [
+            "coordinator",
+            "--redis",
+            redis_url,
+            "--host",
+            host,
+            "--port",
+            str(coord_port),
+            "--num-speculative-tokens",
+            str(num_speculative_tokens),
+        ]
         if not draft_model or draft_model == "none":  # no draft: requests run target-only by default
             args += ["--default-method", "none"]
-        coordinator = stack.start("coordinator", args + list(extra_coordinator or []), coord_addr, log_dir,
-                                  {"OTEL_SERVICE_NAME": "specdec-coordinator", **(env or {})})
+        coordinator = stack.start(
+            "coordinator",
+            args + list(extra_coordinator or []),
+            coord_addr,
+            log_dir,
+            {"OTEL_SERVICE_NAME": "specdec-coordinator", **(env or {})},
+        )
         stack.wait_healthy(coordinator, startup_timeout, log_dir / "coordinator.log" if log_dir else None)
         stack.coordinator_address = coord_addr
         _say(f"coordinator is SERVING on {coord_addr}")

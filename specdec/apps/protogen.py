@@ -3,6 +3,7 @@
 Run ``python -m specdec.apps.protogen`` after editing a .proto file; a test regenerates into a
 temporary folder and fails if the checked-in modules differ.
 """
+
 from __future__ import annotations
 
 import sys
@@ -22,8 +23,13 @@ def generate(out_dir: Path) -> None:
     from grpc_tools import protoc
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}"] + [str(p.relative_to(PROTO_DIR)) for p in proto_files()]
+    args = [
+        "protoc",
+        f"-I{PROTO_DIR}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+    ] + [str(p.relative_to(PROTO_DIR)) for p in proto_files()]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
 

@@ -11,6 +11,7 @@ Outcomes with an expected count below 5 are pooled into one bin (the usual valid
 the chi-square approximation); an observed outcome with exact probability 0 fails the case
 outright.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,28 +56,66 @@ CASES: tuple[Case, ...] = (
     Case("top_k", "top-k filtering (k=4) on p and q", {"temperature": 0.9, "top_k": 4}),
     Case("top_p", "top-p (nucleus 0.8) on p and q", {"top_p": 0.8}),
     Case("min_p", "min-p (0.15) on p and q", {"min_p": 0.15}),
-    Case("penalties_and_bias", "repetition 1.8, presence 0.5, frequency 0.4, logit bias; position-wise history",
-         {"repetition_penalty": 1.8, "presence_penalty": 0.5, "frequency_penalty": 0.4,
-          "logit_bias": {5: 1.5, 7: -2.0}}, prompt=(5, 7, 5, 9)),
+    Case(
+        "penalties_and_bias",
+        "repetition 1.8, presence 0.5, frequency 0.4, logit bias; position-wise history",
+        {"repetition_penalty": 1.8, "presence_penalty": 0.5, "frequency_penalty": 0.4, "logit_bias": {5: 1.5, 7: -2.0}},
+        prompt=(5, 7, 5, 9),
+    ),
     Case("greedy", "temperature 0: one-hot p and q, every run identical", {"temperature": 0.0}),
     Case("k1", "k=1 blocks, 3 steps' worth of tokens", {"temperature": 1.0}, k=1),
     Case("k5_boundary", "k=5 > max_new_tokens=3: the block is cut at the boundary", {"temperature": 1.0}, k=5),
-    Case("disjoint_support_forced_rejection", "draft support disjoint from the target's top-k: every proposal "
-         "rejected, output all from the residual", {"top_k": 3}, draft="negated", expect_acceptance=0.0),
-    Case("q_equals_p_bonus", "draft == target: every proposal accepted, bonus path", {"temperature": 1.0},
-         draft="same", expect_acceptance=1.0),
-    Case("sparse_q_top_m", "draft ships a truncated q (top-M=3): sampling from exactly the shipped q",
-         {"temperature": 1.0}, top_m=3),
-    Case("ngram", "n-gram / prompt-lookup draft with one-hot q", {"temperature": 1.0},
-         draft="ngram", prompt=(4, 6, 4, 6, 4, 6, 4)),
-    Case("reduced_head", "draft with a reduced-vocabulary head (10 of 16 tokens, as distilled drafts ship): "
-         "q = 0 outside it, the residual supplies the rest", {"temperature": 1.0}, draft="subset"),
-    Case("feature_draft", "feature draft (EAGLE-style): proposals from the target's hidden states, then from its "
-         "own fed-back predictions, reduced head; k=2 over 4 tokens", {"temperature": 1.0}, k=2, draft="feature",
-         tokens=4),
-    Case("adaptive_k", "adaptive policy (block cost 1.5 + 0.3k): whether a step is a k=3 block or target-only "
-         "depends on the acceptance so far (k=3, 0, 3 ... over 4 tokens)", {"temperature": 1.0}, tokens=4,
-         adaptive_cost=(0.5, 0.3)),
+    Case(
+        "disjoint_support_forced_rejection",
+        "draft support disjoint from the target's top-k: every proposal rejected, output all from the residual",
+        {"top_k": 3},
+        draft="negated",
+        expect_acceptance=0.0,
+    ),
+    Case(
+        "q_equals_p_bonus",
+        "draft == target: every proposal accepted, bonus path",
+        {"temperature": 1.0},
+        draft="same",
+        expect_acceptance=1.0,
+    ),
+    Case(
+        "sparse_q_top_m",
+        "draft ships a truncated q (top-M=3): sampling from exactly the shipped q",
+        {"temperature": 1.0},
+        top_m=3,
+    ),
+    Case(
+        "ngram",
+        "n-gram / prompt-lookup draft with one-hot q",
+        {"temperature": 1.0},
+        draft="ngram",
+        prompt=(4, 6, 4, 6, 4, 6, 4),
+    ),
+    Case(
+        "reduced_head",
+        "draft with a reduced-vocabulary head (10 of 16 tokens, as distilled drafts ship): "
+        "q = 0 outside it, the residual supplies the rest",
+        {"temperature": 1.0},
+        draft="subset",
+    ),
+    Case(
+        "feature_draft",
+        "feature draft (EAGLE-style): proposals from the target's hidden states, then from its "
+        "own fed-back predictions, reduced head; k=2 over 4 tokens",
+        {"temperature": 1.0},
+        k=2,
+        draft="feature",
+        tokens=4,
+    ),
+    Case(
+        "adaptive_k",
+        "adaptive policy (block cost 1.5 + 0.3k): whether a step is a k=3 block or target-only "
+        "depends on the acceptance so far (k=3, 0, 3 ... over 4 tokens)",
+        {"temperature": 1.0},
+        tokens=4,
+        adaptive_cost=(0.5, 0.3),
+    ),
 )
 SUBSET_HEAD = (0, 1, 2, 3, 5, 8, 9, 11, 12, 14)
 
@@ -116,8 +156,13 @@ def build_draft(kind: str, target, top_m: int):
         from specdec.engine.draft import FeatureDraftEngine
         from specdec.training.distill_features import build_feature_draft
 
-        draft = build_feature_draft(target, list(SUBSET_HEAD), embed_size=8, heads=4, kv_heads=2, intermediate=64,
-                                    seed=DRAFT_SEED).eval().requires_grad_(False)
+        draft = (
+            build_feature_draft(
+                target, list(SUBSET_HEAD), embed_size=8, heads=4, kv_heads=2, intermediate=64, seed=DRAFT_SEED
+            )
+            .eval()
+            .requires_grad_(False)
+        )
         return FeatureDraftEngine(draft, top_m=top_m, eps=0.0)
     model = {
         "model": lambda: perturbed(target, scale=0.04, seed=DRAFT_SEED),
@@ -141,7 +186,7 @@ def exact_law(model, prompt: tuple[int, ...], params: SamplingParams, length: in
         counts = torch.stack([token_counts(list(prompt) + list(x), vocab) for x in prefixes])
         probs = probs_from_logits(logits, params, counts, dtype=torch.float64)
         law = {
-            x + (int(v),): law[x] * float(probs[row, v])
+            (*x, int(v)): law[x] * float(probs[row, v])
             for row, x in enumerate(prefixes)
             for v in torch.nonzero(probs[row] > 0).flatten().tolist()
         }
@@ -172,8 +217,9 @@ def goodness_of_fit(observed: Counter, law: dict, n: int) -> tuple[float, float,
     return float(chi.pvalue), float(g.pvalue), tv, len(exp), ""
 
 
-def judge(case: Case, observed: Counter, law: dict, n: int, proposed: int, accepted: int,
-          seconds: float = 0.0) -> CaseResult:
+def judge(
+    case: Case, observed: Counter, law: dict, n: int, proposed: int, accepted: int, seconds: float = 0.0
+) -> CaseResult:
     """The verdict on one case from its outcomes (shared by the in-process and the stack runs)."""
     p_value, g_p, tv, bins, problem = goodness_of_fit(observed, law, n)
     acceptance = accepted / proposed if proposed else 0.0
@@ -182,8 +228,9 @@ def judge(case: Case, observed: Counter, law: dict, n: int, proposed: int, accep
         passed, problem = False, f"acceptance {acceptance:.4f}, expected exactly {case.expect_acceptance}"
     if case.draft != "ngram" and proposed == 0:
         passed, problem = False, "no proposals were made: the speculative path was not exercised"
-    return CaseResult(case.name, case.covers, n, case.k, case.tokens, p_value, g_p, tv, bins, acceptance,
-                      passed, problem, seconds)
+    return CaseResult(
+        case.name, case.covers, n, case.k, case.tokens, p_value, g_p, tv, bins, acceptance, passed, problem, seconds
+    )
 
 
 def case_params(case: Case) -> SamplingParams:
@@ -214,7 +261,9 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     n = case_runs(case, runs)
     observed: Counter = Counter()
     proposed = accepted = target_only = 0
-    policy = {} if case.adaptive_cost is None else {"adaptive": True, "step_cost": StepCost(*case.adaptive_cost)}
+    policy: dict[str, Any] = {}
+    if case.adaptive_cost is not None:
+        policy = {"adaptive": True, "step_cost": StepCost(*case.adaptive_cost)}
     for i in range(n):
         result = speculative_generate(target, draft, case.prompt, base.with_seed(BASE_SEED + i), case.k, **policy)
         observed[tuple(result.token_ids[: case.tokens])] += 1
@@ -234,8 +283,9 @@ def _run_case_by_name(args: tuple[str, int]) -> CaseResult:
     return run_case(next(c for c in CASES if c.name == name), runs)
 
 
-def run_all(runs: int = DEFAULT_RUNS, workers: int = 2, cases: list[str] | None = None,
-            progress=None) -> list[CaseResult]:
+def run_all(
+    runs: int = DEFAULT_RUNS, workers: int = 2, cases: list[str] | None = None, progress=None
+) -> list[CaseResult]:
     selected = [c for c in CASES if cases is None or c.name in cases]
     jobs = [(c.name, runs) for c in selected]
     results: dict[str, CaseResult] = {}
@@ -256,9 +306,11 @@ def run_all(runs: int = DEFAULT_RUNS, workers: int = 2, cases: list[str] | None 
 
 def format_row(r: CaseResult) -> str:
     verdict = "PASS" if r.passed else "FAIL"
-    line = (f"{r.name:<36} n={r.n:<5} k={r.k} T={r.tokens} bins={r.bins:<4} p={r.p_value:<8.4f} "
-            f"G-p={r.g_test_p_value:<8.4f} TV={r.tv:.4f} acc={r.acceptance_rate:.3f} {verdict} "
-            f"({r.seconds:.0f}s)")
+    line = (
+        f"{r.name:<36} n={r.n:<5} k={r.k} T={r.tokens} bins={r.bins:<4} p={r.p_value:<8.4f} "
+        f"G-p={r.g_test_p_value:<8.4f} TV={r.tv:.4f} acc={r.acceptance_rate:.3f} {verdict} "
+        f"({r.seconds:.0f}s)"
+    )
     return line + (f"  <- {r.detail}" if r.detail else "")
 
 
@@ -274,14 +326,27 @@ def main(argv: list[str] | None = None) -> int:
         if name not in names:
             parser.error(f"unknown case {name!r}; choose from {', '.join(names)}")
     out = sys.stderr if args.json else sys.stdout
-    print(f"specdec selftest: {len(args.case or names)} cases, N={args.runs} seeded runs each, "
-          f"chi-square at alpha={ALPHA}, vocab={VOCAB}", file=out, flush=True)
+    print(
+        f"specdec selftest: {len(args.case or names)} cases, N={args.runs} seeded runs each, "
+        f"chi-square at alpha={ALPHA}, vocab={VOCAB}",
+        file=out,
+        flush=True,
+    )
     results = run_all(args.runs, args.workers, args.case, progress=lambda r: print(format_row(r), file=out, flush=True))
     failed = [r.name for r in results if not r.passed]
-    print(f"{len(results) - len(failed)}/{len(results)} cases passed" + (f"; FAILED: {', '.join(failed)}" if failed else ""),
-          file=out, flush=True)
+    print(
+        f"{len(results) - len(failed)}/{len(results)} cases passed"
+        + (f"; FAILED: {', '.join(failed)}" if failed else ""),
+        file=out,
+        flush=True,
+    )
     if args.json:
-        report = {"alpha": ALPHA, "vocab_size": VOCAB, "base_seed": BASE_SEED, "passed": not failed,
-                  "cases": [asdict(r) for r in results]}
+        report = {
+            "alpha": ALPHA,
+            "vocab_size": VOCAB,
+            "base_seed": BASE_SEED,
+            "passed": not failed,
+            "cases": [asdict(r) for r in results],
+        }
         print(json.dumps(report, indent=2))
     return 1 if failed else 0

@@ -9,14 +9,16 @@ the target, penalties seeing the proposals before i), with the uniform keyed by
   reads the target's hidden state before each committed token (they arrive with the prompt and
   with every commit) and drafts from its own predicted features.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
+from specdec.engine.commits import Commit
+from specdec.engine.sessions import CacheLimits, Session, SessionEngine, SessionStore, cache_nbytes
 from specdec.errors import InvalidArgumentError
-from specdec.engine.sessions import CacheLimits, Commit, Session, SessionEngine, SessionStore, cache_nbytes
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import Purpose, uniform
 from specdec.exact.sampling import SamplingParams, greedy_tokens, probs_from_logits
@@ -33,7 +35,9 @@ class _Proposer(SessionEngine):
         self.top_m = top_m
         self.eps = eps
 
-    def _draw(self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int) -> tuple[int, SparseDist]:
+    def _draw(
+        self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int
+    ) -> tuple[int, SparseDist]:
         if session.params.greedy:  # q is the one-hot: skip building (and truncating) the dense row
             y = int(greedy_tokens(logits, session.params, counts))
             q = SparseDist.one_hot(y)
@@ -52,9 +56,13 @@ class DraftEngine(_Proposer):
     kind = "model"
     feature_size = 0
 
-    def __init__(self, model, limits: CacheLimits | None = None, top_m: int = 64, eps: float = 1e-4,
-                 name: str = "draft"):
+    def __init__(
+        self, model, limits: CacheLimits | None = None, top_m: int = 64, eps: float = 1e-4, name: str = "draft"
+    ):
         super().__init__(SessionStore(model, limits, name=name), top_m, eps)
+
+    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        self._start(session_id, prompt, params)
 
     def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
         session = self.store.get(session_id)
@@ -62,7 +70,8 @@ class DraftEngine(_Proposer):
             if commit is not None:
                 self.store.commit(session, commit)
             self.store.check_step(session, step)
-            tokens, qs = [], []
+            tokens: list[int] = []
+            qs: list[SparseDist] = []
             counts = session.counts.clone()
             first = len(session.tokens)
             for i in range(self._room(session, k)):
@@ -71,6 +80,12 @@ class DraftEngine(_Proposer):
                 tokens.append(y)
                 qs.append(q)
             return DraftProposal(tokens, qs)
+
+
+def _features(session: Session) -> torch.Tensor:
+    """A feature-draft session's pending target features (set when it starts, never None after)."""
+    assert session.features is not None, "a feature-draft session always holds its pending features"
+    return session.features
 
 
 class FeatureDraftEngine(_Proposer):
@@ -83,25 +98,30 @@ class FeatureDraftEngine(_Proposer):
 
     kind = "feature"
 
-    def __init__(self, model, limits: CacheLimits | None = None, top_m: int = 64, eps: float = 1e-4,
-                 name: str = "draft"):
-        store = SessionStore(model, limits, name=name)
-        store._new_cache = model.new_cache  # one decoder layer: a one-layer LeanCache
-        super().__init__(store, top_m, eps)
+    def __init__(
+        self, model, limits: CacheLimits | None = None, top_m: int = 64, eps: float = 1e-4, name: str = "draft"
+    ):
+        # one decoder layer: a one-layer LeanCache
+        super().__init__(SessionStore(model, limits, name=name, new_cache=model.new_cache), top_m, eps)
         self.model = model
         self.feature_size = int(model.config.hidden_size)
 
     def _check_features(self, features: torch.Tensor | None, rows: int, field: str) -> torch.Tensor:
         if features is None:
-            raise InvalidArgumentError(field, "a feature draft needs the target's features (the coordinator sends "
-                                              "them when the draft reports draft_kind 'feature')")
+            raise InvalidArgumentError(
+                field,
+                "a feature draft needs the target's features (the coordinator sends "
+                "them when the draft reports draft_kind 'feature')",
+            )
         if features.ndim != 2 or features.shape[0] != rows or features.shape[1] != self.feature_size:
-            raise InvalidArgumentError(field, f"expected [{rows}, {self.feature_size}] features, got "
-                                              f"{list(features.shape)}")
+            raise InvalidArgumentError(
+                field, f"expected [{rows}, {self.feature_size}] features, got {list(features.shape)}"
+            )
         return features.to(dtype=torch.float32)
 
-    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
-                features: torch.Tensor | None = None) -> None:
+    def prefill(
+        self, session_id: str, prompt: Sequence[int], params: SamplingParams, features: torch.Tensor | None = None
+    ) -> None:
         """``features``: the target's feature after each prompt token but the last, [len - 1, H]."""
         features = self._check_features(features, max(0, len(prompt) - 1), "features")
         session = self.store.create(session_id, prompt, params)
@@ -124,7 +144,7 @@ class FeatureDraftEngine(_Proposer):
         before = len(session.tokens)
         self.store.commit(session, commit)
         if len(session.tokens) > before:  # not a retry of a commit already applied
-            session.features = torch.cat((session.features, features))
+            session.features = torch.cat((_features(session), features))
 
     def _feed(self, session: Session, upto: int) -> torch.Tensor | None:
         """Feed committed tokens [len(cached), upto) with their target features; returns the
@@ -135,13 +155,13 @@ class FeatureDraftEngine(_Proposer):
         self.store._check_bytes(session, upto)
         offset = session.features_from
         tokens = torch.tensor(session.tokens[start:upto], dtype=torch.long, device=self.store.device)
-        fed = session.features[start - offset:upto - offset].to(self.store.device)
+        fed = _features(session)[start - offset : upto - offset].to(self.store.device)
         hidden = self.model.extend(tokens, fed, session.cache)
         session.cached.extend(session.tokens[start:upto])
         # Features of positions now cached are needed again only for the last one (re-fed when a
         # propose arrives without a new commit); drop the rest.
         keep_from = max(offset, upto - 1)
-        session.features = session.features[keep_from - offset:]
+        session.features = _features(session)[keep_from - offset :]
         session.features_from = keep_from
         session.kv_bytes = cache_nbytes(session.cache)
         return hidden
@@ -157,8 +177,11 @@ class FeatureDraftEngine(_Proposer):
             if k == 0:
                 return DraftProposal([], [])
             self.store.sync_cache(session, min_feed=1)  # the last committed token's output starts the block
-            hidden = self._feed(session, len(session.tokens))[-1:]
-            tokens, qs = [], []
+            fed = self._feed(session, len(session.tokens))
+            assert fed is not None  # sync_cache left the last committed token to feed
+            hidden = fed[-1:]
+            tokens: list[int] = []
+            qs: list[SparseDist] = []
             counts = session.counts.clone()
             first = len(session.tokens)
             try:

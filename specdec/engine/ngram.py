@@ -6,16 +6,21 @@ proposal is deterministic, so it ships a one-hot q, which keeps the verifier exa
 sampling settings (acceptance of y is then simply p(y)). With no match it proposes nothing and the
 step is a plain target step.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from specdec.errors import InvalidArgumentError, ResourceExhaustedError, SessionExistsError, SessionNotFoundError
-from specdec.engine.sessions import Commit
-from specdec.errors import StaleStepError
+from specdec.engine.commits import Commit, CommitLedger
+from specdec.errors import (
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    SessionExistsError,
+    SessionNotFoundError,
+)
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
@@ -37,11 +42,14 @@ def ngram_lookup(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) 
 
 @dataclass
 class _NgramSession:
+    session_id: str
     tokens: list[int]
     last_used: float = field(default_factory=time.monotonic)
-    committed_step: int = 0
-    last_commit: Commit | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    ledger: CommitLedger = field(init=False)  # where the session stands in the commit protocol
+
+    def __post_init__(self) -> None:
+        self.ledger = CommitLedger(self.session_id)
 
 
 class NgramDraft:
@@ -73,8 +81,10 @@ class NgramDraft:
             if session_id in self._sessions:
                 raise SessionExistsError(f"ngram draft: session {session_id!r} already exists")
             if len(self._sessions) >= self.max_sessions:
-                raise ResourceExhaustedError(f"ngram draft: {len(self._sessions)} live sessions, the cap is {self.max_sessions}")
-            self._sessions[session_id] = _NgramSession([int(t) for t in prompt])
+                raise ResourceExhaustedError(
+                    f"ngram draft: {len(self._sessions)} live sessions, the cap is {self.max_sessions}"
+                )
+            self._sessions[session_id] = _NgramSession(session_id, [int(t) for t in prompt])
             self.sessions_started += 1
 
     def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
@@ -82,23 +92,14 @@ class NgramDraft:
         with session.lock:
             if commit is not None:
                 self._commit(session, commit)
-            if step <= session.committed_step:
-                raise StaleStepError(f"step {step} is stale: committed step is {session.committed_step}")
+            session.ledger.check_step(step)
             tokens = ngram_lookup(session.tokens, k, self.max_n, self.min_n) if k > 0 else []
             return DraftProposal(tokens, [SparseDist.one_hot(t) for t in tokens])
 
     def _commit(self, session: _NgramSession, commit: Commit) -> None:
-        if commit.step <= session.committed_step:
-            if commit == session.last_commit:
-                return
-            raise StaleStepError(f"commit for step {commit.step} refused: committed step is {session.committed_step}")
-        if commit.base_len != len(session.tokens):
-            raise StaleStepError(
-                f"commit for step {commit.step} assumes {commit.base_len} tokens, session has {len(session.tokens)}"
-            )
-        session.tokens.extend(int(t) for t in commit.tokens)
-        session.committed_step = commit.step
-        session.last_commit = commit
+        if session.ledger.admits(commit, len(session.tokens)):
+            session.tokens.extend(int(t) for t in commit.tokens)
+            session.ledger.applied(commit)
 
     def commit(self, session_id: str, commit: Commit) -> None:
         session = self._get(session_id)

@@ -3,30 +3,32 @@
 The one invariant everything rests on: ``session.cached`` is *exactly* the token sequence whose
 keys/values the cache holds. Before any forward pass the cache is cut back to the longest common
 prefix of ``cached`` and the committed tokens (and never past the last committed token, whose
-logits the next pass needs), so rejected proposals can never leak into a later step (the primer's
-§6 cache bug). Commits are applied in step order, are idempotent, and a stale or out-of-order
+logits the next pass needs), so rejected proposals can never leak into a later step (the cache bug
+of docs/exactness.md). Commits are applied in step order, are idempotent, and a stale or out-of-order
 commit is refused, never applied.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any
 
 import torch
 
+from specdec.engine.commits import Commit, CommitLedger
 from specdec.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     SessionExistsError,
     SessionNotFoundError,
-    StaleStepError,
 )
+from specdec.exact.sampling import SamplingParams, token_counts
 from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import context_length, kv_bytes_per_token
 from specdec.modeling.lean_llama import lean_runner
-from specdec.exact.sampling import SamplingParams, token_counts
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -49,36 +51,25 @@ def cache_nbytes(cache) -> int:
     return total
 
 
-@dataclass(frozen=True)
-class Commit:
-    """"The committed sequence was ``base_len`` tokens; append ``tokens``" for step ``step``.
-
-    ``features`` (for a feature draft only): [len(tokens), H], the target's hidden state before
-    each new token. Not part of a commit's identity: a retried commit is the same commit."""
-
-    step: int
-    base_len: int
-    tokens: tuple[int, ...]
-    features: torch.Tensor | None = field(default=None, compare=False, repr=False)
-
-
 @dataclass
 class Session:
     session_id: str
     tokens: list[int]  # committed sequence: prompt + generated
     prompt_len: int
     params: SamplingParams  # seed already resolved
-    cache: object
+    cache: Any  # a LeanCache, or a transformers Cache (models the lean pass does not cover); None once released
+    counts: torch.Tensor  # token counts of ``tokens`` (penalty history)
     cached: list[int] = field(default_factory=list)
-    counts: torch.Tensor | None = None  # token counts of ``tokens`` (penalty history)
-    committed_step: int = 0
-    last_commit: Commit | None = None
     kv_bytes: int = 0
     # feature drafts only: the target's feature before each committed token from ``features_from`` on
     features: torch.Tensor | None = None
     features_from: int = 0
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.RLock = field(default_factory=threading.RLock)
+    ledger: CommitLedger = field(init=False)  # where the session stands in the commit protocol
+
+    def __post_init__(self) -> None:
+        self.ledger = CommitLedger(self.session_id)
 
     @property
     def seed(self) -> int:
@@ -100,8 +91,16 @@ class CacheLimits:
 class SessionStore:
     """Sessions of one model: creation with validation, caps, forward passes, commits."""
 
-    def __init__(self, model, limits: CacheLimits | None = None, name: str = "engine", kv_shards: int = 1):
-        """``kv_shards``: tensor-parallel ranks the KV heads are split over (bytes are per rank)."""
+    def __init__(
+        self,
+        model,
+        limits: CacheLimits | None = None,
+        name: str = "engine",
+        kv_shards: int = 1,
+        new_cache: Callable[[], Any] | None = None,
+    ):
+        """``kv_shards``: tensor-parallel ranks the KV heads are split over (bytes are per rank).
+        ``new_cache``: makes a session's cache, for a model with its own kind (a feature draft)."""
         self.model = model
         self.name = name
         self.limits = limits or CacheLimits()
@@ -115,6 +114,7 @@ class SessionStore:
         # transformers' forward, whose layers carry the collective operations.
         self.runner = lean_runner(model) if kv_shards == 1 else None
         self.sessions_started = 0
+        self._make_cache = new_cache
 
     # -- table --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -189,23 +189,28 @@ class SessionStore:
         """Release sessions unused for ``ttl_seconds`` (abandoned by a dead coordinator)."""
         return [sid for sid in self.stale_sessions(ttl_seconds) if self.release(sid)]
 
-    def _new_cache(self):
+    def _new_cache(self) -> Any:
+        if self._make_cache is not None:
+            return self._make_cache()
         if self.runner is not None:
             return self.runner.new_cache()
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
 
-    def _run(self, cache, feed: list[int], rows: int, feature_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(
+        self, cache, feed: list[int], rows: int, feature_rows: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the last ``rows`` of ``feed`` (appended to ``cache``), [rows, V], and with
         ``feature_rows`` the model's final hidden states (what its head reads) of the last
         ``feature_rows`` positions, [feature_rows, H] (else None)."""
         input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)
         if self.runner is not None:
             return self.runner.forward_with_features(input_ids[0], cache, rows, feature_rows)
-        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=rows,
-                         output_hidden_states=feature_rows > 0)
-        features = out.hidden_states[-1][0, len(feed) - feature_rows:] if feature_rows else None
+        out = self.model(
+            input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=rows, output_hidden_states=feature_rows > 0
+        )
+        features = out.hidden_states[-1][0, len(feed) - feature_rows :] if feature_rows else None
         return out.logits[0], features
 
     # -- caps ---------------------------------------------------------------------------------
@@ -234,25 +239,13 @@ class SessionStore:
     # -- steps and commits --------------------------------------------------------------------
     @staticmethod
     def check_step(session: Session, step: int) -> None:
-        if step <= session.committed_step:
-            raise StaleStepError(
-                f"step {step} is stale: session {session.session_id!r} has committed step {session.committed_step}"
-            )
+        session.ledger.check_step(step)
 
     def commit(self, session: Session, commit: Commit) -> None:
-        """Append committed tokens; idempotent for a repeated commit, refuses stale/out-of-order."""
-        if commit.step <= session.committed_step:
-            if commit == session.last_commit:
-                return  # a retry of the commit already applied
-            raise StaleStepError(
-                f"commit for step {commit.step} refused: session {session.session_id!r} already committed "
-                f"step {session.committed_step}"
-            )
-        if commit.base_len != len(session.tokens):
-            raise StaleStepError(
-                f"commit for step {commit.step} assumes {commit.base_len} committed tokens, session "
-                f"{session.session_id!r} has {len(session.tokens)}: out of order"
-            )
+        """Append committed tokens (the protocol of specdec.engine.commits: idempotent for a
+        repeated commit, refuses stale and out-of-order ones)."""
+        if not session.ledger.admits(commit, len(session.tokens)):
+            return  # a retry of the commit already applied
         new = [int(t) for t in commit.tokens]
         if any(not 0 <= t < self.vocab_size for t in new):
             raise InvalidArgumentError("commit.tokens", "token id outside the vocabulary")
@@ -261,8 +254,7 @@ class SessionStore:
         session.tokens.extend(new)
         for t in new:
             session.counts[t] += 1.0
-        session.committed_step = commit.step
-        session.last_commit = commit
+        session.ledger.applied(commit)
         self.sync_cache(session)  # free rejected KV now, not at the next step
 
     def sync_cache(self, session: Session, extra: Sequence[int] = (), min_feed: int = 1) -> None:
@@ -282,8 +274,9 @@ class SessionStore:
         return self.forward_with_features(session, extra, rows, with_features=False)[0]
 
     @torch.inference_mode()
-    def forward_with_features(self, session: Session, extra: Sequence[int] = (), rows: int = 1,
-                              with_features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with_features(
+        self, session: Session, extra: Sequence[int] = (), rows: int = 1, with_features: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, and the final hidden states of the same ``rows`` positions (float32,
         CPU, [rows, H]) when ``with_features``: what a feature draft reads."""
         extra = [int(t) for t in extra]
@@ -340,8 +333,9 @@ class SessionEngine:
     def context_length(self) -> int:
         return self.store.context_length
 
-    def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
-                return_features: bool = False) -> torch.Tensor | None:
+    def _start(
+        self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False
+    ) -> torch.Tensor | None:
         """Start a session; with ``return_features`` return the model's final hidden states of
         every prompt position but the last, [len(prompt) - 1, H] (what a feature draft reads)."""
         session = self.store.create(session_id, prompt, params)

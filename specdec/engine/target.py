@@ -5,13 +5,17 @@ y_1..y_k], turns the last k + 1 logit rows into p_1..p_{k+1} with the shared tra
 (penalties position-wise), validates every shipped q, and returns the target side of the
 verifier (p_i(y_i), recovered draws, bonus draw). Dense p never leaves this object.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
-from specdec.engine.sessions import CacheLimits, Commit, SessionEngine, SessionStore
-from specdec.exact.sampling import block_token_counts, greedy_tokens, probs_from_logits
+import torch
+
+from specdec.engine.commits import Commit
+from specdec.engine.sessions import CacheLimits, SessionEngine, SessionStore
+from specdec.exact.sampling import SamplingParams, block_token_counts, greedy_tokens, probs_from_logits
 from specdec.exact.sparse import SparseDist
 from specdec.exact.verify import TargetVerdict, target_verify, target_verify_greedy, validate_block
 
@@ -19,6 +23,13 @@ from specdec.exact.verify import TargetVerdict, target_verify, target_verify_gre
 class TargetEngine(SessionEngine):
     def __init__(self, model, limits: CacheLimits | None = None, name: str = "target", kv_shards: int = 1):
         super().__init__(SessionStore(model, limits, name=name, kv_shards=kv_shards))
+
+    def prefill(
+        self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False
+    ) -> torch.Tensor | None:
+        """Start a session; with ``return_features`` the target's final hidden states of every
+        prompt position but the last, [len(prompt) - 1, H] (what a feature draft reads)."""
+        return self._start(session_id, prompt, params, return_features)
 
     def target_probs(self, session_id: str, proposals: Sequence[int]):
         """p_1..p_{k+1} for a block (dense; for tests and introspection, not for the wire)."""
@@ -38,8 +49,15 @@ class TargetEngine(SessionEngine):
         logits, counts, features = self._block_logits(session, proposals, with_features)
         return probs_from_logits(logits, session.params, counts), features
 
-    def verify(self, session_id: str, step: int, proposals: Sequence[int], q_block: Sequence[SparseDist],
-               commit: Commit | None = None, return_features: bool = False) -> TargetVerdict:
+    def verify(
+        self,
+        session_id: str,
+        step: int,
+        proposals: Sequence[int],
+        q_block: Sequence[SparseDist],
+        commit: Commit | None = None,
+        return_features: bool = False,
+    ) -> TargetVerdict:
         """``return_features``: the verdict carries the block's features (for a feature draft)."""
         session = self.store.get(session_id)
         with session.lock:

@@ -9,18 +9,19 @@ operation on their identical engine, so the forward passes' collectives line up 
 rollbacks are applied on every rank in the same order. Operations are serialized by one lock on
 rank 0 (collectives must be issued in the same order everywhere).
 
-If any rank dies the supervisor tells rank 0 (SIGUSR1: health NOT_SERVING, deregister, stop at
-once), kills the group and exits non-zero: a broken group never hangs a caller.
+The ranks are started and watched by ``target_service.supervisor``: if any rank dies (or fails an
+operation for another reason than a bad request, see :func:`worker_loop`) the group goes down,
+and the coordinator's target failover takes over.
 """
+
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
-import sys
 import threading
-import time
+from typing import Any
+
+from specdec.errors import InvalidArgumentError, SpecdecError
 
 log = logging.getLogger("specdec.tp")
 
@@ -29,17 +30,22 @@ SHUTDOWN = "__shutdown__"
 
 def check_divisible(config, tp: int) -> None:
     """A clear error when the model cannot be split ``tp`` ways."""
-    from specdec.errors import InvalidArgumentError
-
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     inter = int(getattr(config, "intermediate_size", 0) or 0)
-    problems = [f"{name}={value}" for name, value in
-                (("num_attention_heads", heads), ("num_key_value_heads", kv_heads), ("intermediate_size", inter))
-                if value and value % tp]
+    problems = [
+        f"{name}={value}"
+        for name, value in (
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv_heads),
+            ("intermediate_size", inter),
+        )
+        if value and value % tp
+    ]
     if problems:
-        raise InvalidArgumentError("tp", f"this model cannot be split {tp} ways: {', '.join(problems)} "
-                                         f"must be divisible by {tp}")
+        raise InvalidArgumentError(
+            "tp", f"this model cannot be split {tp} ways: {', '.join(problems)} must be divisible by {tp}"
+        )
 
 
 def local_param_bytes(model) -> int:
@@ -53,8 +59,6 @@ def local_param_bytes(model) -> int:
 
 class DistributedTargetEngine:
     """Rank 0's engine: mirrors every state-changing call on all ranks, in one global order."""
-
-    MIRRORED = ("prefill", "verify", "commit", "release", "expire_idle", "target_probs")
 
     def __init__(self, engine, tp: int):
         self.engine = engine
@@ -108,30 +112,44 @@ class DistributedTargetEngine:
 def _gather_rank_stats(engine) -> list[dict]:
     import torch.distributed as dist
 
-    mine = {"rank": dist.get_rank(), "param_bytes": local_param_bytes(engine.store.model),
-            "kv_bytes": engine.store.total_kv_bytes}
-    out = [None] * dist.get_world_size()
+    mine = {
+        "rank": dist.get_rank(),
+        "param_bytes": local_param_bytes(engine.store.model),
+        "kv_bytes": engine.store.total_kv_bytes,
+    }
+    out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return out
 
 
-def worker_loop(engine) -> None:
-    """Ranks > 0: perform whatever rank 0 broadcasts, forever (until shutdown)."""
+def worker_loop(engine) -> int:
+    """Ranks > 0: perform whatever rank 0 broadcasts until it says shutdown; returns the exit code.
+
+    An operation that fails with a request error (a ``SpecdecError``: bad input, an unknown
+    session) fails the same way on rank 0, from the same state, and rank 0 reports it to its
+    caller, so the group goes on. Any other exception means this rank's shard of the sessions may
+    no longer match the others': it is logged with its traceback and the rank exits non-zero, and
+    the supervisor takes the whole group down (a target that might compute wrong logits must not
+    serve)."""
     import torch.distributed as dist
 
+    rank = dist.get_rank()
     while True:
-        box = [None]
+        box: list = [None]
         dist.broadcast_object_list(box, src=0)
         name, args = box[0]
         if name == SHUTDOWN:
-            return
+            return 0
         if name == "rank_stats":
             _gather_rank_stats(engine)
             continue
         try:
             getattr(engine, name)(*args)
-        except Exception:  # noqa: BLE001 - rank 0 gets the same (deterministic) error and reports it
-            pass
+        except SpecdecError as exc:
+            log.debug("rank %d: %s refused (%s), as on rank 0", rank, name, exc)
+        except Exception:
+            log.exception("rank %d: %s failed; this rank may now differ from rank 0, failing the group", rank, name)
+            return 1
 
 
 def init_rank(device_arg: str | None):
@@ -149,62 +167,3 @@ def init_rank(device_arg: str | None):
         device = "cpu"
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     return rank, world, device
-
-
-def supervise(argv: list[str], tp: int) -> int:
-    """Start ``tp`` ranks of ``specdec target ... --tp N`` and watch them."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(tp):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(tp), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SPECDEC_TP_RANK_PROCESS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "specdec", *argv], env=env))
-    print(f"[specdec] target: {tp} tensor-parallel ranks, pids {[p.pid for p in procs]}", file=sys.stderr, flush=True)
-
-    stopping = {"flag": False}
-
-    def forward(sig, _frame):
-        stopping["flag"] = True
-        if procs[0].poll() is None:
-            procs[0].send_signal(signal.SIGTERM)  # rank 0 drains, then tells the others to stop
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    try:
-        while True:
-            dead = [(i, p) for i, p in enumerate(procs) if p.poll() is not None]
-            if dead and (not stopping["flag"] or dead[0][0] != 0):
-                if stopping["flag"] and all(p.poll() is not None for p in procs):
-                    return max(p.returncode or 0 for p in procs)
-                if not stopping["flag"]:
-                    rank, proc = dead[0]
-                    print(f"[specdec] target: rank {rank} exited ({proc.returncode}); taking the group down",
-                          file=sys.stderr, flush=True)
-                    if procs[0].poll() is None:
-                        procs[0].send_signal(signal.SIGUSR1)  # NOT_SERVING + deregister, at once
-                    deadline = time.monotonic() + 3.0
-                    while procs[0].poll() is None and time.monotonic() < deadline:
-                        time.sleep(0.1)
-                    for p in procs:
-                        if p.poll() is None:
-                            p.kill()
-                    for p in procs:
-                        p.wait()
-                    return 1
-            if stopping["flag"] and procs[0].poll() is not None:
-                deadline = time.monotonic() + 10.0
-                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                return procs[0].returncode or 0
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()

@@ -1,4 +1,5 @@
 """The draft's answer to one Propose: the block and, per position, q as shipped."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,4 +21,4 @@ class DraftProposal:
 
     def q_of_proposals(self) -> list[float]:
         """q_i(y_i) under the shipped (normalised) law, for the coordinator's decision."""
-        return [q.prob(y) for y, q in zip(self.tokens, self.q)]
+        return [q.prob(y) for y, q in zip(self.tokens, self.q, strict=True)]

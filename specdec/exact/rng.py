@@ -4,12 +4,13 @@ A draw is keyed by (request seed, absolute position in the sequence, purpose). N
 from one draw to the next, so the same seed gives the same output whatever the timing, the
 replica that served a step, or how many other sessions were interleaved with it. Each key is
 consumed by at most one decision that reaches the output, which is what the exactness proof needs
-(see design.md §2).
+(see docs/exactness.md).
 
 The generator is BLAKE2b of the packed key, truncated to 53 bits: a keyed hash is the simplest
 counter-based generator with no statistical structure to worry about, and it costs about a
 microsecond.
 """
+
 from __future__ import annotations
 
 import hashlib

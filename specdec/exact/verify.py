@@ -1,4 +1,4 @@
-"""The exact verifier, split the way the system is (design.md §2).
+"""The exact verifier, split the way the system is (docs/exactness.md, docs/protocol.md).
 
 Target side (:func:`target_verify`): from the dense target rows p_1..p_{k+1} and the shipped
 sparse q_1..q_k, return p_i(y_i), a recovered draw r_i ~ normalize(max(0, p_i - q_i)) at every
@@ -18,10 +18,11 @@ Greedy (temperature 0) is not a separate algorithm: p and q are one-hot, so acce
 Shapes: k proposals; ``p_rows`` is [k + 1, V]; absolute position of proposal i (0-based) is
 ``first_position + i`` and of the bonus ``first_position + k``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -55,7 +56,7 @@ def residual(p: torch.Tensor, q_dense: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EmissionLaw:
-    """One position's exact bookkeeping (primer §5), for a dense target p and draft q."""
+    """One position's exact bookkeeping (docs/exactness.md), for a dense target p and draft q."""
 
     accepted_mass: list[float]  # q(x) * min(1, p(x)/q(x)) = min(p(x), q(x))
     residual_mass: list[float]  # max(0, p(x) - q(x))
@@ -65,15 +66,15 @@ class EmissionLaw:
     @property
     def emitted(self) -> list[float]:
         """Accepted mass plus residual mass: equals p, which is the whole point."""
-        return [a + r for a, r in zip(self.accepted_mass, self.residual_mass)]
+        return [a + r for a, r in zip(self.accepted_mass, self.residual_mass, strict=True)]
 
 
 def emission_law(p: Sequence[float], q: Sequence[float]) -> EmissionLaw:
     """Where the emitted token's probability comes from. Never divides by q (q may be 0)."""
     if len(p) != len(q):
         raise ValueError("p and q must have the same length")
-    accepted = [min(pi, qi) for pi, qi in zip(p, q)]
-    res = [max(0.0, pi - qi) for pi, qi in zip(p, q)]
+    accepted = [min(pi, qi) for pi, qi in zip(p, q, strict=True)]
+    res = [max(0.0, pi - qi) for pi, qi in zip(p, q, strict=True)]
     total = sum(res)
     corrected = [r / total for r in res] if total > 0 else None
     return EmissionLaw(accepted, res, total, corrected)
@@ -104,8 +105,7 @@ def target_verify(
         raise ValueError(f"need k + 1 = {k + 1} target rows and k q's, got {p_rows.shape[0]} and {len(q_block)}")
     p_proposed = [float(p_rows[i, y]) for i, y in enumerate(proposals)]
     recovered = [
-        recovered_draw(p_rows[i], q_block[i], uniform(seed, first_position + i, Purpose.RECOVERED))
-        for i in range(k)
+        recovered_draw(p_rows[i], q_block[i], uniform(seed, first_position + i, Purpose.RECOVERED)) for i in range(k)
     ]
     bonus = sample_dense(p_rows[k], uniform(seed, first_position + k, Purpose.BONUS))
     return TargetVerdict(p_proposed, recovered, bonus)
@@ -121,16 +121,18 @@ def target_verify_greedy(argmax_rows: Sequence[int], proposals: Sequence[int]) -
     if len(argmax_rows) != k + 1:
         raise ValueError(f"need k + 1 = {k + 1} rows, got {len(argmax_rows)}")
     rows = [int(a) for a in argmax_rows]
-    return TargetVerdict([1.0 if int(y) == a else 0.0 for y, a in zip(proposals, rows)], rows[:k], rows[k])
+    return TargetVerdict(
+        [1.0 if int(y) == a else 0.0 for y, a in zip(proposals, rows, strict=False)], rows[:k], rows[k]
+    )
 
 
 def validate_block(proposals: Sequence[int], q_block: Sequence[SparseDist], vocab_size: int) -> None:
-    """Every shipped q must be well formed and contain its proposal (design.md §3)."""
+    """Every shipped q must be well formed and contain its proposal (docs/exactness.md, "Sparse q")."""
     from specdec.errors import MalformedProposalError
 
     if len(proposals) != len(q_block):
         raise MalformedProposalError("q", f"{len(proposals)} proposals but {len(q_block)} distributions")
-    for i, (y, q) in enumerate(zip(proposals, q_block)):
+    for i, (y, q) in enumerate(zip(proposals, q_block, strict=True)):
         if not 0 <= y < vocab_size:
             raise MalformedProposalError("proposals", f"token {y} at index {i} is outside the vocabulary")
         try:
@@ -150,44 +152,8 @@ def decide(
 
     ``q_proposed[i]`` is q_i(y_i) read from the shipped q (> 0 for a valid block).
     """
-    for i, y in enumerate(proposals):
+    for i in range(len(proposals)):
         u = uniform(seed, first_position + i, Purpose.ACCEPT)
         if not u * q_proposed[i] < verdict.p_proposed[i]:
-            return StepDecision(i, list(proposals[:i]) + [verdict.recovered[i]], rejected_at=i)
-    return StepDecision(len(proposals), list(proposals) + [verdict.bonus])
-
-
-@dataclass
-class StepStats:
-    """Running speculation statistics of one request (names as in the public API)."""
-
-    target_passes: int = 0
-    proposed_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    total_seconds: float = 0.0
-    draft_fallbacks: int = 0
-    draft_failovers: int = 0
-    target_failovers: int = 0
-    drafts: int = 0
-
-    def record(self, decision: StepDecision, num_proposed: int) -> None:
-        self.target_passes += 1
-        self.drafts += 1 if num_proposed else 0
-        self.proposed_tokens += num_proposed
-        self.accepted_tokens += decision.num_accepted
-        if len(self.accepted_per_position) < num_proposed:
-            self.accepted_per_position.extend([0] * (num_proposed - len(self.accepted_per_position)))
-        for i in range(decision.num_accepted):
-            self.accepted_per_position[i] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verified draft block, counting the recovered/bonus token (vLLM's count)."""
-        return (self.accepted_tokens + self.drafts) / self.drafts if self.drafts else 0.0
+            return StepDecision(i, [*proposals[:i], verdict.recovered[i]], rejected_at=i)
+    return StepDecision(len(proposals), [*proposals, verdict.bonus])

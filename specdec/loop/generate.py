@@ -1,6 +1,6 @@
 """The speculative loop: one implementation, used in process and by the coordinator service.
 
-One step (design.md §2): propose (draft) -> verify (target, one pass) -> decide (here, with our
+One step (docs/protocol.md): propose (draft) -> verify (target, one pass) -> decide (here, with our
 own uniforms) -> stop conditions -> commit to both (riding on the next propose/verify, applied
 before anything is computed). The loop talks to its peers through two small async interfaces,
 :class:`DraftPeer` and :class:`TargetPeer`: in process they wrap the engines
@@ -10,100 +10,34 @@ The draft is an optimization: any failure of it (error, timeout, malformed block
 the rest of the request and the loop continues with target-only steps; the output law is the
 target's either way. Target failures propagate: without the target there is no answer.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
+from specdec.engine.commits import Commit
 from specdec.errors import InvalidArgumentError, MalformedProposalError, PeerError
-from specdec.engine.sessions import Commit
-from specdec.loop.policy import StepCost, make_policy
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import SamplingParams
+from specdec.exact.verify import TargetVerdict, decide
+from specdec.loop.policy import StepCost, make_policy
+from specdec.loop.stats import StepStats
+from specdec.loop.stopping import FINISH_LENGTH, StopChecker
 from specdec.telemetry.tracing import tracer
-from specdec.exact.verify import StepStats, TargetVerdict, decide
 
 log = logging.getLogger("specdec.loop.generate")
 
-FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 EMPTY = DraftProposal([], [])
-
-
-class StopChecker:
-    """Applies max_new_tokens, EOS and stop strings to emitted tokens, one token at a time, so a
-    stop inside a block cuts the block exactly there."""
-
-    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int] = (), tokenizer=None):
-        if params.stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-        self.params = params
-        self.eos = frozenset(int(t) for t in eos_token_ids)
-        self.tokenizer = tokenizer
-        self.generated: list[int] = []
-        self.finish_reason: str | None = None
-        self._stop_at: int | None = None  # character index where the matched stop string starts
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def feed(self, tokens: Sequence[int]) -> list[int]:
-        """Append tokens until a stop condition; return those that made it into the output."""
-        taken: list[int] = []
-        for token in tokens:
-            if self.finished:
-                break
-            self.generated.append(int(token))
-            taken.append(int(token))
-            if not self.params.ignore_eos and token in self.eos:
-                self.finish_reason = FINISH_EOS
-            elif self.params.stop and self._find_stop() is not None:
-                self.finish_reason = FINISH_STOP
-            elif len(self.generated) >= self.params.max_new_tokens:
-                self.finish_reason = FINISH_LENGTH
-        return taken
-
-    def finish(self, reason: str) -> None:
-        if not self.finished:
-            self.finish_reason = reason
-
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.generated, skip_special_tokens=True)
-
-    def _find_stop(self) -> int | None:
-        text = self._decode()
-        hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
-        self._stop_at = min(hits) if hits else None
-        return self._stop_at
-
-    def text(self) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self._decode()
-        return text[: self._stop_at] if self._stop_at is not None else text
-
-
-class TextStream:
-    """Turns the growing decoded text into deltas whose concatenation is the final text. Holds
-    back a trailing U+FFFD (half of a multi-byte character) until the next token completes it."""
-
-    def __init__(self) -> None:
-        self.sent = ""
-
-    def delta(self, text: str, final: bool) -> str:
-        if not final:
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent):
-            return ""  # decoding of earlier tokens changed; send the rest when it settles
-        out, self.sent = text[len(self.sent):], text
-        return out
 
 
 # -- peers -----------------------------------------------------------------------------------
@@ -112,8 +46,9 @@ class DraftPeer(Protocol):
     # (``features``, [len(prompt) - 1, H]) and every commit the feature before each new token.
     wants_features: bool
 
-    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
-                    features: torch.Tensor | None = None) -> None: ...
+    async def start(
+        self, session_id: str, prompt: Sequence[int], params: SamplingParams, features: torch.Tensor | None = None
+    ) -> None: ...
     async def propose(self, session_id: str, step: int, k: int, commit: Commit | None) -> DraftProposal: ...
     async def release(self, session_id: str) -> None: ...
 
@@ -121,17 +56,19 @@ class DraftPeer(Protocol):
 class TargetPeer(Protocol):
     context_length: int
 
-    async def start(self, session_id: str, prompt: Sequence[int], params: SamplingParams,
-                    return_features: bool = False) -> torch.Tensor | None: ...
-    async def verify(self, session_id: str, step: int, proposal: DraftProposal,
-                     commit: Commit | None, return_features: bool = False) -> TargetVerdict: ...
+    async def start(
+        self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False
+    ) -> torch.Tensor | None: ...
+    async def verify(
+        self, session_id: str, step: int, proposal: DraftProposal, commit: Commit | None, return_features: bool = False
+    ) -> TargetVerdict: ...
     async def release(self, session_id: str) -> None: ...
 
 
 class Failover(Protocol):
     """Supplies replacement replicas when a peer fails (the coordinator's registry does this)."""
 
-    async def replace_draft(self, failed: DraftPeer) -> DraftPeer | None: ...
+    async def replace_draft(self, failed: DraftPeer | None) -> DraftPeer | None: ...
     async def replace_target(self, failed: TargetPeer) -> TargetPeer | None: ...
 
 
@@ -180,10 +117,8 @@ class LocalTarget:
 async def _release_quietly(peer, session_id: str) -> None:
     if peer is None:
         return
-    try:
+    with contextlib.suppress(Exception):  # best-effort cleanup of a peer we no longer trust
         await peer.release(session_id)
-    except Exception:  # noqa: BLE001 - best-effort cleanup of a peer we no longer trust
-        pass
 
 
 # -- the loop --------------------------------------------------------------------------------
@@ -200,11 +135,22 @@ class SpeculativeRun:
     """One request through the loop. ``async for tokens in run.steps()`` yields the tokens
     committed by each step (what a server streams); then read :meth:`result`."""
 
-    def __init__(self, target: TargetPeer, draft: DraftPeer | None, prompt: Sequence[int], params: SamplingParams,
-                 num_speculative_tokens: int, eos_token_ids: Sequence[int] = (), tokenizer=None,
-                 session_id: str | None = None, failover: Failover | None = None,
-                 committed: Sequence[int] = (), committed_steps: Sequence[int] | None = None,
-                 adaptive: bool = False, step_cost: StepCost = StepCost()):
+    def __init__(
+        self,
+        target: TargetPeer,
+        draft: DraftPeer | None,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        num_speculative_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        tokenizer=None,
+        session_id: str | None = None,
+        failover: Failover | None = None,
+        committed: Sequence[int] = (),
+        committed_steps: Sequence[int] | None = None,
+        adaptive: bool = False,
+        step_cost: StepCost = StepCost(),
+    ):
         """``committed``: tokens this request already committed in an earlier run (a resumed or
         taken-over request continues from them, with the same seed, hence the same tokens);
         ``committed_steps``: how many of them each earlier step committed (an adaptive run
@@ -227,7 +173,7 @@ class SpeculativeRun:
         self.prompt = [int(t) for t in prompt]
         self.session_id = session_id or uuid.uuid4().hex
         self.stopper = StopChecker(self.params, eos_token_ids, tokenizer)
-        self.stopper.generated.extend(int(t) for t in committed)
+        self.stopper.resume(committed)
         self.stats = StepStats()
         self.step = 0
         self.failover = failover
@@ -278,7 +224,7 @@ class SpeculativeRun:
         code = getattr(exc, "code", "")
         if self.failover is None or code not in TARGET_LOST or self.stats.target_failovers >= MAX_FAILOVERS:
             raise exc
-        failed, self.target = self.target, None
+        failed, self.target = self.target, None  # type: ignore[assignment]  # while replaced; _release_all skips None
         await _release_quietly(failed, self.session_id)
         replacement = await self.failover.replace_target(failed)
         if replacement is None:
@@ -288,7 +234,7 @@ class SpeculativeRun:
         await self._start_target(replacement)
         self.target, self.target_len = replacement, len(self.sequence)
 
-    async def steps(self) -> AsyncIterator[list[int]]:
+    async def steps(self) -> AsyncGenerator[list[int], None]:
         started = time.perf_counter()
         sid = self.session_id
         try:
@@ -313,8 +259,9 @@ class SpeculativeRun:
                     span.set_attribute("specdec.step", self.step)
                     k = self.policy.next_k()
                     proposal, verdict = await self._propose_and_verify(min(k, room))
-                    decision = decide(proposal.tokens, proposal.q_of_proposals(), verdict, self.seed,
-                                      len(self.sequence))
+                    decision = decide(
+                        proposal.tokens, proposal.q_of_proposals(), verdict, self.seed, len(self.sequence)
+                    )
                     # What the policy chose, not what the draft managed: a replay from the
                     # committed tokens (which cannot see a short or dropped block) agrees.
                     self.policy.observe(k, decision.num_accepted)
@@ -324,7 +271,9 @@ class SpeculativeRun:
                     self.sequence.extend(emitted)
                     span.set_attribute("specdec.k", len(proposal))
                     span.set_attribute("specdec.accepted", decision.num_accepted)
-                    span.set_attribute("specdec.first_rejected", -1 if decision.rejected_at is None else decision.rejected_at)
+                    span.set_attribute(
+                        "specdec.first_rejected", -1 if decision.rejected_at is None else decision.rejected_at
+                    )
                     span.set_attribute("specdec.emitted", len(emitted))
                 yield emitted
         finally:
@@ -382,7 +331,7 @@ class SpeculativeRun:
             return None
         features = None
         if with_features and self.features is not None:
-            features = self.features[peer_len - 1:len(self.sequence) - 1]
+            features = self.features[peer_len - 1 : len(self.sequence) - 1]
         return Commit(self.step - 1, peer_len, tuple(self.sequence[peer_len:]), features)
 
     async def _release_all(self) -> None:
@@ -400,24 +349,61 @@ class SpeculativeRun:
         )
 
 
-async def generate_async(target: TargetPeer, draft: DraftPeer | None, prompt: Sequence[int],
-                         params: SamplingParams, num_speculative_tokens: int = 4,
-                         eos_token_ids: Sequence[int] = (), tokenizer=None,
-                         session_id: str | None = None, adaptive: bool = False,
-                         step_cost: StepCost = StepCost()) -> GenerationResult:
-    run = SpeculativeRun(target, draft, prompt, params, num_speculative_tokens, eos_token_ids, tokenizer, session_id,
-                         adaptive=adaptive, step_cost=step_cost)
+async def generate_async(
+    target: TargetPeer,
+    draft: DraftPeer | None,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    num_speculative_tokens: int = 4,
+    eos_token_ids: Sequence[int] = (),
+    tokenizer=None,
+    session_id: str | None = None,
+    adaptive: bool = False,
+    step_cost: StepCost = StepCost(),
+) -> GenerationResult:
+    run = SpeculativeRun(
+        target,
+        draft,
+        prompt,
+        params,
+        num_speculative_tokens,
+        eos_token_ids,
+        tokenizer,
+        session_id,
+        adaptive=adaptive,
+        step_cost=step_cost,
+    )
     async for _ in run.steps():
         pass
     return run.result()
 
 
-def speculative_generate(target, draft, prompt: Sequence[int], params: SamplingParams,
-                         num_speculative_tokens: int = 4, eos_token_ids: Sequence[int] = (), tokenizer=None,
-                         session_id: str | None = None, adaptive: bool = False,
-                         step_cost: StepCost = StepCost()) -> GenerationResult:
+def speculative_generate(
+    target,
+    draft,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    num_speculative_tokens: int = 4,
+    eos_token_ids: Sequence[int] = (),
+    tokenizer=None,
+    session_id: str | None = None,
+    adaptive: bool = False,
+    step_cost: StepCost = StepCost(),
+) -> GenerationResult:
     """In process, over engines: generate with speculative decoding; the law is the target's."""
     target_peer = LocalTarget(target)
     draft_peer = LocalDraft(draft) if draft is not None else None
-    return asyncio.run(generate_async(target_peer, draft_peer, prompt, params, num_speculative_tokens,
-                                      eos_token_ids, tokenizer, session_id, adaptive, step_cost))
+    return asyncio.run(
+        generate_async(
+            target_peer,
+            draft_peer,
+            prompt,
+            params,
+            num_speculative_tokens,
+            eos_token_ids,
+            tokenizer,
+            session_id,
+            adaptive,
+            step_cost,
+        )
+    )

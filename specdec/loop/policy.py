@@ -1,16 +1,17 @@
 """When to speculate, step by step, within one request (the adaptive policy).
 
 A draft block costs a draft call and wider target rows whether or not it is accepted, so when
-the draft is rarely right, speculation is slower than the target alone (on the 2-core CPU machine
-the break-even is ~1.55 tokens per k=2 block). The adaptive policy follows the request's own
+the draft is rarely right, speculation is slower than the target alone (docs/performance.md has
+the break-even on the 2-core CPU machine). The adaptive policy follows the request's own
 blocks: while they emit more tokens than they cost, every step proposes the request's k; when
 they do not, it pauses (target-only steps) and probes with one block now and then, waiting twice
 as long after each probe that still does not pay (at most ``max_probe_gap`` steps).
 
 Why not re-optimise k itself every step: tried in simulation over the bench prompts' measured
-draft run lengths (a geometric model of acceptance, k chosen in [0, 4] per step), it lost 5% on
-the held-out prompts against a fixed k=2 -- acceptance comes in runs the model does not see --
-while this on/off rule matched fixed k=2 there and turned 0.84x into 0.98x on the worst prompt.
+draft run lengths (a geometric model of acceptance, k chosen in [0, 4] per step), it lost to a
+fixed k=2 on the held-out prompts -- acceptance comes in runs the model does not see -- while
+this on/off rule matched fixed k=2 there and cut the loss on the worst prompt
+(docs/performance.md).
 
 Exactness does not depend on k (any k gives the target's law). Reproducibility does: with
 sampling, the tokens depend on which k each step used. So the policy uses no clocks or timings,
@@ -19,10 +20,11 @@ each step commits accepted + 1 tokens (only a request's last step can commit few
 condition), so :meth:`AdaptiveK.replay` over the per-step token counts rebuilds the state of the
 run that wrote them. A coordinator taking over a request continues exactly as the lost one would.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class StepCost:
             raise ValueError(f"step costs must be >= 0, got fixed={self.fixed}, per_token={self.per_token}")
 
     @classmethod
-    def parse(cls, text: str) -> "StepCost":
+    def parse(cls, text: str) -> StepCost:
         """From ``"FIXED,PER_TOKEN"`` (a command-line flag)."""
         try:
             fixed, per_token = (float(x) for x in text.split(","))

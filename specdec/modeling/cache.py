@@ -1,5 +1,6 @@
 """The KV cache of one sequence as the project's own passes keep it (the lean Llama pass, the
 feature draft): preallocated, grown by doubling, cropped in O(1)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,9 @@ class LeanCache:
     """Keys and values of one sequence for every layer: [layers, kv_heads, capacity, head_dim]
     each, the first ``length`` positions valid. ``crop(-n)`` forgets the last n positions."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
-                 max_length: int, capacity: int = 64):
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, max_length: int, capacity: int = 64
+    ):
         self.shape = (layers, kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.max_length = max_length
@@ -44,9 +46,6 @@ class LeanCache:
         if n >= 0:
             raise ValueError("LeanCache.crop takes a negative count of positions to remove")
         self.length = max(0, self.length + n)
-
-    def get_seq_length(self) -> int:
-        return self.length
 
     def nbytes(self) -> int:
         """Bytes the valid positions occupy (what the session accounts for)."""

@@ -1,4 +1,5 @@
 """What a model's config says about its size: the context it accepts and the KV bytes a token costs."""
+
 from __future__ import annotations
 
 import torch

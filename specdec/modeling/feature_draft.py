@@ -18,6 +18,7 @@ A model directory holds ``config.json`` (``model_type`` = ``specdec_feature_draf
 of :class:`FeatureDraftConfig`), ``model.safetensors`` and the target's tokenizer files;
 ``specdec.modeling.loading.load_model`` recognises it.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,7 +63,7 @@ class FeatureDraftConfig:
         return json.dumps(asdict(self), indent=2)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "FeatureDraftConfig":
+    def from_dict(cls, data: dict) -> FeatureDraftConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -78,6 +79,8 @@ def is_feature_draft_dir(path: str | Path) -> bool:
 
 
 class FeatureDraft(nn.Module):
+    head_token_ids: torch.Tensor  # a buffer: the head vocabulary, [S]
+
     def __init__(self, config: FeatureDraftConfig, head_token_ids: torch.Tensor | None = None):
         super().__init__()
         c = self.config = config
@@ -142,8 +145,14 @@ class FeatureDraft(nn.Module):
     # -- inference: one sequence over a KV cache (specdec.modeling.lean_llama.LeanCache, one layer) -----
     def new_cache(self) -> LeanCache:
         c = self.config
-        return LeanCache(1, c.num_key_value_heads, c.head_dim, self.fuse.weight.dtype, self.fuse.weight.device,
-                         c.max_position_embeddings)
+        return LeanCache(
+            1,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.fuse.weight.dtype,
+            self.fuse.weight.device,
+            c.max_position_embeddings,
+        )
 
     @torch.inference_mode()
     def extend(self, token_ids: torch.Tensor, features: torch.Tensor, cache) -> torch.Tensor:
@@ -158,9 +167,14 @@ class FeatureDraft(nn.Module):
         cache.keys[0, :, start:end] = k[0]
         cache.values[0, :, start:end] = v[0]
         mask = causal_mask(n, start, x.device)
-        attended = F.scaled_dot_product_attention(q, cache.keys[:, :, :end], cache.values[:, :, :end],
-                                                  attn_mask=mask, scale=1.0 / math.sqrt(self.config.head_dim),
-                                                  enable_gqa=True)
+        attended = F.scaled_dot_product_attention(
+            q,
+            cache.keys[:, :, :end],
+            cache.values[:, :, :end],
+            attn_mask=mask,
+            scale=1.0 / math.sqrt(self.config.head_dim),
+            enable_gqa=True,
+        )
         cache.length = end
         return self.finish(x, attended)[0]
 
@@ -177,7 +191,9 @@ class FeatureDraft(nn.Module):
         t = token_ids.shape[1]
         cos, sin = self.rope(t)
         position = torch.arange(t, device=token_ids.device)
-        keys, values, outputs = [], [], []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
         previous = features
         for s in range(1, steps + 1):
             if s > 1:  # the prediction for t - 1 stands in for the target's feature at t - 1
@@ -189,9 +205,14 @@ class FeatureDraft(nn.Module):
             blocks = [position[None, :] <= position[:, None] - s + 1]  # step-1 keys
             blocks += [position[None, :] == position[:, None] - s + m for m in range(2, s + 1)]
             mask = torch.cat(blocks, dim=1)  # [T, s T]; the diagonal of block s is always allowed
-            attended = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
-                                                      attn_mask=mask, scale=1.0 / math.sqrt(self.config.head_dim),
-                                                      enable_gqa=True)
+            attended = F.scaled_dot_product_attention(
+                q,
+                torch.cat(keys, dim=2),
+                torch.cat(values, dim=2),
+                attn_mask=mask,
+                scale=1.0 / math.sqrt(self.config.head_dim),
+                enable_gqa=True,
+            )
             outputs.append(self.finish(x, attended))
         return outputs
 
@@ -201,14 +222,15 @@ class FeatureDraft(nn.Module):
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
-                 for k, v in self.state_dict().items()}
+        state = {
+            k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in self.state_dict().items()
+        }
         state["head_token_ids"] = state["head_token_ids"].to(torch.int32)  # ids < 2^31: half the bytes
         save_file(state, directory / WEIGHTS_FILE, metadata={"format": "pt", "model_type": MODEL_TYPE})
         (directory / "config.json").write_text(self.config.to_json())
 
     @classmethod
-    def load(cls, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "FeatureDraft":
+    def load(cls, directory: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> FeatureDraft:
         from safetensors.torch import load_file
 
         directory = Path(directory)

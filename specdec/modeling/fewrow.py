@@ -1,23 +1,18 @@
 """The few-row product kernel (specdec/modeling/kernels/fewrow.c): x [n, in] @ w [out, in]^T for n = 1..4.
 
-Why: the lean pass multiplies every weight of the target by k + 1 rows. On the AMD EPYC this
-project runs on, MKL's products of 3 and 4 rows took ~40% longer than of 2 rows although they read
-the same weights (SmolLM2's 121 products of one pass, its real weights, medians of 7 rounds: MKL
-17.1-18.0 ms for 2 rows, 25.0-28.2 / 25.5-26.9 ms for 3 / 4; this kernel 18.8-20.0 / 20.5-23.3 ms).
-A whole verify of k = 2 then costs what k = 1 does (23-24 ms in process, was 30-37 ms), and k = 3
-~30 ms (was 34-44). For 1-2 rows of the target it matches MKL's weight @ x^T (17.3 vs 17.2-18.1 ms
-per pass); for a draft's small matrices on its one thread it is 2-3x faster than MKL (the shipped
-draft's 8192-token head 397 -> 125 us, its 1024x256 MLP product 53 -> 21 us), so every product of
-1-4 rows comes here and 5 or more (prefill) stay with MKL.
+Why: the lean pass multiplies every weight of the target by k + 1 rows, and on the AMD EPYC this
+project was measured on, MKL's products of 3 and 4 rows took far longer than of 2 rows although
+they read the same weights. This kernel streams each weight row once for all the rows, so a
+verify of a few proposals costs about what one target token costs; it matches MKL on the
+target's 1-2-row products and beats it on a draft's small matrices, so every product of 1-4 rows
+comes here and 5 or more (prefill) stay with MKL. The figures are in docs/performance.md.
 
 The same library runs the decoder layers of a 1-4-row pass in one call (``fewrow_layers``: the
-norms, rotary, cache writes, attention, residuals and SiLU as loops around these products), since
-what a few-row pass spent outside its products was ~20 small torch operations per layer at
-~10-40 us each on this CPU. SmolLM2 in process, medians of 35 passes: 1 / 2 / 3 / 4 rows
-23.4 / 26.1 / 25.2 / 32.3 ms with torch's layers -> 18.6 / 19.2 / 19.8 / 24.5 ms; the shipped
-draft's step 0.97 -> 0.36 ms (k = 2 proposal 3.4 -> 1.6 ms). Each row is computed on its own, so
-a block's logits equal bit for bit those of one-row passes. ``SPECDEC_FEWROW_LAYERS=0`` keeps the
-layers in torch (the products stay here).
+norms, rotary, cache writes, attention, residuals and SiLU as loops around these products),
+since what a few-row pass spent outside its products was a score of small torch operations per
+layer, each with a fixed cost. Each row is computed on its own, so a block's logits equal bit for
+bit those of one-row passes. ``SPECDEC_FEWROW_LAYERS=0`` keeps the layers in torch (the products
+stay here).
 
 The C source is compiled on first use with the system C compiler into the specdec cache
 (``$SPECDEC_CACHE_DIR``, default ``~/.cache/specdec``, ``/kernels``) and loaded with ctypes; the
@@ -26,6 +21,7 @@ Where it cannot run -- not x86-64 Linux with AVX-512F, no compiler, a failed bui
 ``SPECDEC_FEWROW_KERNEL=0`` -- :func:`few_row_product` returns None and callers keep torch's product;
 :func:`unavailable_reason` says why.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -40,9 +36,9 @@ import time
 import uuid
 from pathlib import Path
 
-from specdec.paths import cache_dir
-
 import torch
+
+from specdec.paths import cache_dir
 
 SOURCE = Path(__file__).parent / "kernels" / "fewrow.c"
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -73,7 +69,7 @@ def kernel_dir() -> Path:
 def _build(compiler: str) -> Path:
     """The compiled library, built once per source, flags and compiler (atomically: processes
     starting together each build a private file and rename it into place)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
     target = kernel_dir() / f"fewrow-{key}.so"
     if target.exists():
@@ -81,13 +77,18 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
     started = time.monotonic()
-    result = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    result = subprocess.run(
+        [compiler, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
     tmp.replace(target)
-    print(f"[specdec] compiled the few-row product kernel into {target} in {time.monotonic() - started:.1f}s",
-          file=sys.stderr, flush=True)
+    print(
+        f"[specdec] compiled the few-row product kernel into {target} in {time.monotonic() - started:.1f}s",
+        file=sys.stderr,
+        flush=True,
+    )
     return target
 
 
@@ -114,9 +115,24 @@ def _load():
     bf16.restype = ctypes.c_int
     _state["bf16"] = bf16
     layers = library.fewrow_layers
-    layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                        ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int])
+    layers.argtypes = (
+        [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
+        + [ctypes.c_int64] * 4
+        + [ctypes.c_float] * 2
+        + [ctypes.c_void_p, ctypes.c_int]
+    )
     layers.restype = ctypes.c_int
     scratch = library.fewrow_layers_scratch
     scratch.argtypes = [ctypes.c_int64] * 7
@@ -134,8 +150,11 @@ def _function():
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     _state["reason"] = str(exc)
                     if not _switched_off():  # say once why passes run slower here (unless asked for)
-                        print(f"[specdec] few-row product kernel unavailable ({exc}); using torch's product",
-                              file=sys.stderr, flush=True)
+                        print(
+                            f"[specdec] few-row product kernel unavailable ({exc}); using torch's product",
+                            file=sys.stderr,
+                            flush=True,
+                        )
     return _state.get("function")
 
 
@@ -149,7 +168,8 @@ class LayerWeights(ctypes.Structure):
     """One decoder layer's weights as the kernel reads them (kernels/fewrow.c: layer_weights)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "wqkv", "wo", "norm2", "wgu", "wdown")] + [
-        ("bf16", ctypes.c_int32)]  # 1: the four matrices are bfloat16 twins (see lossless_bf16)
+        ("bf16", ctypes.c_int32)
+    ]  # 1: the four matrices are bfloat16 twins (see lossless_bf16)
 
 
 def lossless_bf16(weight: torch.Tensor) -> torch.Tensor | None:
@@ -173,9 +193,21 @@ def layers_available() -> bool:
     return _function() is not None and "layers" in _state
 
 
-def few_row_layers(x: torch.Tensor, layers, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                   intermediate: int, eps: float, scale: float) -> bool:
+def few_row_layers(
+    x: torch.Tensor,
+    layers,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    eps: float,
+    scale: float,
+) -> bool:
     """Run ``x`` [n, hidden] (1 <= n <= 4 new positions, float32, updated in place) through the
     decoder layers described by ``layers`` (a ctypes array of :class:`LayerWeights`), writing
     their keys/values at [start, start + n) of ``keys`` / ``values`` ([layers, kv_heads, capacity,
@@ -186,16 +218,44 @@ def few_row_layers(x: torch.Tensor, layers, keys: torch.Tensor, values: torch.Te
         return False
     n, hidden = x.shape if x.ndim == 2 else (0, 0)
     cache_shape = (len(layers), kv_heads, keys.shape[2] if keys.ndim == 4 else 0, head_dim)
-    if (not 1 <= n <= 4 or keys.shape != cache_shape or values.shape != cache_shape or start + n > cache_shape[2]
-            or cos.shape != (n, head_dim) or sin.shape != (n, head_dim)
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
-                   for t in (x, keys, values, cos, sin))):
+    if (
+        not 1 <= n <= 4
+        or keys.shape != cache_shape
+        or values.shape != cache_shape
+        or start + n > cache_shape[2]
+        or cos.shape != (n, head_dim)
+        or sin.shape != (n, head_dim)
+        or any(
+            t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+            for t in (x, keys, values, cos, sin)
+        )
+    ):
         return False
     run, scratch_floats = _state["layers"]
-    scratch = torch.empty(scratch_floats(n, hidden, start, heads, kv_heads, head_dim, intermediate), dtype=torch.float32)
-    status = run(x.data_ptr(), n, hidden, ctypes.addressof(layers), len(layers), keys.data_ptr(), values.data_ptr(),
-                 keys.shape[2], start, cos.data_ptr(), sin.data_ptr(), heads, kv_heads, head_dim, intermediate,
-                 eps, scale, scratch.data_ptr(), torch.get_num_threads())
+    scratch = torch.empty(
+        scratch_floats(n, hidden, start, heads, kv_heads, head_dim, intermediate), dtype=torch.float32
+    )
+    status = run(
+        x.data_ptr(),
+        n,
+        hidden,
+        ctypes.addressof(layers),
+        len(layers),
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.shape[2],
+        start,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate,
+        eps,
+        scale,
+        scratch.data_ptr(),
+        torch.get_num_threads(),
+    )
     return status == 0
 
 
@@ -203,10 +263,18 @@ def few_row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     """``x @ weight.T`` as a new [n, out] tensor for 1 <= n <= 4 float32 rows on the CPU (``weight``
     float32, or bfloat16: see :func:`lossless_bf16`), or None where the kernel does not cover the
     call (the caller then uses torch)."""
-    if (x.ndim != 2 or weight.ndim != 2 or not 1 <= x.shape[0] <= 4 or x.shape[1] != weight.shape[1]
-            or x.shape[1] % 16 or x.dtype != torch.float32 or weight.dtype not in (torch.float32, torch.bfloat16)
-            or x.device.type != "cpu" or weight.device.type != "cpu"
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no autograd here
+    if (
+        x.ndim != 2
+        or weight.ndim != 2
+        or not 1 <= x.shape[0] <= 4
+        or x.shape[1] != weight.shape[1]
+        or x.shape[1] % 16
+        or x.dtype != torch.float32
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or x.device.type != "cpu"
+        or weight.device.type != "cpu"
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):  # no autograd here
         return None
     function = _function()
     if function is None:

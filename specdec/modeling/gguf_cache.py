@@ -12,6 +12,7 @@ a changed file or another dequantizer never reuses a stale copy. The copy holds 
 tensors bit for bit (tests compare them). ``SPECDEC_GGUF_CACHE=0`` turns the cache off; a cache
 that cannot be written is skipped with a warning and the GGUF file is used as before.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,12 @@ def _identity(gguf: Path) -> dict:
     import transformers
 
     st = gguf.stat()
-    return {"gguf": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "transformers": transformers.__version__}
+    return {
+        "gguf": str(gguf.resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "transformers": transformers.__version__,
+    }
 
 
 def converted_dir(gguf: Path) -> Path | None:
@@ -91,7 +96,11 @@ def write_converted(gguf: Path, model, tokenizer) -> Path | None:
         return folder
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"[specdec] could not keep a converted copy of {gguf.name} in {folder.parent} ({exc}); "
-              f"later loads will dequantize the GGUF again (set {CACHE_DIR_ENV} to a writable folder, "
-              f"or {SWITCH_ENV}=0 to silence this)", file=sys.stderr, flush=True)
+        print(
+            f"[specdec] could not keep a converted copy of {gguf.name} in {folder.parent} ({exc}); "
+            f"later loads will dequantize the GGUF again (set {CACHE_DIR_ENV} to a writable folder, "
+            f"or {SWITCH_ENV}=0 to silence this)",
+            file=sys.stderr,
+            flush=True,
+        )
         return None

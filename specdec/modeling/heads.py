@@ -8,6 +8,7 @@ because the verifier's residual max(p - q, 0) supplies any token the draft canno
 The model directory stays a normal Hugging Face checkpoint (a full tied head loads anywhere);
 ``head_vocab.json`` is an optional speed-up that ``specdec.modeling.loading.load_model`` applies.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,8 @@ HEAD_VOCAB_FILE = "head_vocab.json"
 
 class SubsetHead(nn.Module):
     """hidden [..., H] -> logits [..., V], finite only at ``token_ids``."""
+
+    token_ids: torch.Tensor  # a buffer: the head vocabulary, [S]
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int):
         super().__init__()

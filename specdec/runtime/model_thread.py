@@ -2,20 +2,20 @@
 
 Why not ``asyncio.to_thread``: PyTorch runs its CPU kernels on an OpenMP team that belongs to the
 calling thread, so spreading forward passes over a thread pool gives the process one team per pool
-thread, and on a small CPU those teams fight for the same cores. Measured on the 2-core CI machine
-with SmolLM2-135M: one forward pass of a token took ~45 ms when every pass ran on one thread and
-70-115 ms once passes had run on two threads; through the target service (to_thread) a Verify of
-k = 0 took 90-140 ms. Running every engine call on one dedicated thread keeps a single team, and
+thread, and on a small CPU those teams fight for the same cores: a pass got about twice as slow
+(docs/performance.md). Running every engine call on one dedicated thread keeps a single team, and
 also serialises the passes, which is what a CPU (or one GPU stream) does anyway.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import functools
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
@@ -23,7 +23,7 @@ _executor: ThreadPoolExecutor | None = None
 
 def model_executor() -> ThreadPoolExecutor:
     """The process's model thread (created on first use)."""
-    global _executor
+    global _executor  # noqa: PLW0603 - one model thread per process, made on first use
     with _lock:
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-model")
@@ -33,8 +33,8 @@ def model_executor() -> ThreadPoolExecutor:
 def call_on_model_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` on the model thread, waiting for it: for loading models, which must
     happen on the thread that runs them. A model loaded on the main thread and run on this one was
-    as slow as passes spread over two threads (transformers generate in the bench process: 10-11
-    tokens/s instead of 19-20), since loading already starts the main thread's OpenMP team."""
+    as slow as passes spread over two threads, since loading already starts the main thread's
+    OpenMP team."""
     return model_executor().submit(contextvars.copy_context().run, fn, *args, **kwargs).result()
 
 

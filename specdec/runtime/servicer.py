@@ -1,22 +1,26 @@
 """Running one engine behind a grpc.aio server: the part the draft and target services share."""
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import grpc
 
-from specdec.runtime import grpc_server as srv
-from specdec.telemetry import metrics, tracing
-from specdec.runtime import wire
 from specdec.errors import DrainingError
-from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
+from specdec.runtime import grpc_server as srv
+from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method
+from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
+from specdec.runtime.registry import Heartbeat, Registry, Replica
+from specdec.telemetry import metrics, tracing
 from specdec.v1 import engine_pb2
 
 log = logging.getLogger("specdec.runtime.servicer")
@@ -26,16 +30,16 @@ log = logging.getLogger("specdec.runtime.servicer")
 class ServiceSpec:
     name: str  # "draft" / "target" (default OTEL_SERVICE_NAME: specdec-<name>)
     full_service_name: str  # e.g. specdec.v1.Draft
-    add_to_server: Callable[[object, grpc.aio.Server], None]
-    servicer: object
-    engine: object
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any  # a SessionServicer subclass
+    engine: Any  # the service's engine: stats(), expire_idle(), prefill/commit/release
     host: str
     port: int
     session_ttl: float
     grace_seconds: float = 10.0
     redis_url: str | None = None
     advertise: str | None = None  # the address others reach us at (default: host:port)
-    describe: Callable[[str, bool], "object"] | None = None  # (address, draining) -> registry.Replica
+    describe: Callable[[str, bool], Replica] | None = None  # (address, draining) -> its registry entry
     drain_seconds: float = 30.0
     on_stop: Callable[[], None] | None = None  # after the server stopped (e.g. stop the other TP ranks)
     metrics_port: int = 0
@@ -51,8 +55,11 @@ def add_replica_arguments(p) -> None:
     p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")
-    p.add_argument("--advertise", default=None, help="address coordinators use to reach this replica "
-                                                      "(default: HOST:PORT, 127.0.0.1 for a wildcard host)")
+    p.add_argument(
+        "--advertise",
+        default=None,
+        help="address coordinators use to reach this replica (default: HOST:PORT, 127.0.0.1 for a wildcard host)",
+    )
     p.add_argument("--replica-id", default=None, help="registry id (default: random)")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, wait this long for live sessions")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
@@ -64,6 +71,8 @@ class SessionServicer:
 
     kind = "engine"
     draining = False  # set on SIGTERM: live sessions finish, new ones are refused
+    engine: Any
+    model_spec: str
 
     @grpc_method
     async def StartSession(self, request, context):
@@ -74,8 +83,9 @@ class SessionServicer:
         with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
-            features = await on_model_thread(self.engine.prefill, request.session_id,
-                                             list(request.prompt_token_ids), params, *extra)
+            features = await on_model_thread(
+                self.engine.prefill, request.session_id, list(request.prompt_token_ids), params, *extra
+            )
         return engine_pb2.StartSessionResponse(features=wire.features_to_proto(features))
 
     def prefill_arguments(self, request) -> tuple:
@@ -127,11 +137,10 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
     expiry = asyncio.create_task(_expiry_loop(spec.engine, spec.session_ttl))
     heartbeat = None
     if spec.redis_url and spec.describe is not None:
-        from specdec.runtime.registry import Heartbeat, Registry
-
+        describe = spec.describe
         advertise = spec.advertise or f"{'127.0.0.1' if spec.host in ('0.0.0.0', '::', '[::]') else spec.host}:{bound}"
         registry = Registry(spec.redis_url)
-        heartbeat = Heartbeat(registry, lambda: spec.describe(advertise, spec.servicer.draining))
+        heartbeat = Heartbeat(registry, lambda: describe(advertise, spec.servicer.draining))
         heartbeat.start()
         print(f"[specdec] {spec.name} registered in {spec.redis_url} as {advertise}", file=sys.stderr, flush=True)
 
@@ -139,10 +148,8 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
         # Refuse new sessions, tell the registry at once, let live sessions finish, deregister.
         spec.servicer.draining = True
         if heartbeat is not None:
-            try:
+            with contextlib.suppress(Exception):  # the TTL will drop us anyway
                 await heartbeat.beat()
-            except Exception:  # noqa: BLE001 - the TTL will drop us anyway
-                pass
         deadline = asyncio.get_running_loop().time() + spec.drain_seconds
         while spec.engine.stats()["live_sessions"] and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.2)

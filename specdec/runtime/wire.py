@@ -1,20 +1,22 @@
 """Conversions between the core's dataclasses and the protobuf messages: the one place where
 wire formats are read and written. Reading a request validates it (InvalidArgumentError names the
 field), so servicers stay thin."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
+from specdec.engine.commits import Commit
 from specdec.errors import InvalidArgumentError
-from specdec.engine.sessions import Commit
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
+from specdec.exact.verify import TargetVerdict
+from specdec.loop.stats import StepStats
 from specdec.v1 import coordinator_pb2, draft_pb2, engine_pb2, target_pb2
-from specdec.exact.verify import StepStats, TargetVerdict
 
 
 # -- sampling params -------------------------------------------------------------------------
@@ -47,10 +49,16 @@ def sampling_from_proto(msg: coordinator_pb2.SamplingParams, default_max_new_tok
 
 def sampling_to_proto(params: SamplingParams) -> coordinator_pb2.SamplingParams:
     msg = coordinator_pb2.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, max_new_tokens=params.max_new_tokens,
-        stop=list(params.stop), ignore_eos=params.ignore_eos,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        max_new_tokens=params.max_new_tokens,
+        stop=list(params.stop),
+        ignore_eos=params.ignore_eos,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -74,7 +82,10 @@ def proposal_to_proto(proposal: DraftProposal) -> draft_pb2.ProposeResponse:
 
 
 def proposed_tokens_to_proto(proposal: DraftProposal) -> list[draft_pb2.ProposedToken]:
-    return [draft_pb2.ProposedToken(token_id=t, q=sparse_to_proto(q)) for t, q in zip(proposal.tokens, proposal.q)]
+    return [
+        draft_pb2.ProposedToken(token_id=t, q=sparse_to_proto(q))
+        for t, q in zip(proposal.tokens, proposal.q, strict=True)
+    ]
 
 
 def proposal_from_proto(tokens: Iterable[draft_pb2.ProposedToken]) -> DraftProposal:
@@ -83,14 +94,17 @@ def proposal_from_proto(tokens: Iterable[draft_pb2.ProposedToken]) -> DraftPropo
 
 
 def verdict_to_proto(verdict: TargetVerdict) -> target_pb2.VerifyResponse:
-    return target_pb2.VerifyResponse(p_proposed=verdict.p_proposed, recovered=verdict.recovered, bonus=verdict.bonus,
-                                     features=features_to_proto(verdict.features))
+    return target_pb2.VerifyResponse(
+        p_proposed=verdict.p_proposed,
+        recovered=verdict.recovered,
+        bonus=verdict.bonus,
+        features=features_to_proto(verdict.features),
+    )
 
 
 def verdict_from_proto(msg: target_pb2.VerifyResponse) -> TargetVerdict:
     features = features_from_proto(msg.features, "features") if msg.HasField("features") else None
-    return TargetVerdict([float(p) for p in msg.p_proposed], [int(r) for r in msg.recovered], int(msg.bonus),
-                         features)
+    return TargetVerdict([float(p) for p in msg.p_proposed], [int(r) for r in msg.recovered], int(msg.bonus), features)
 
 
 # -- target features (for feature drafts) ----------------------------------------------------
@@ -110,8 +124,9 @@ def features_to_proto(features: torch.Tensor | None) -> engine_pb2.Features | No
     array = features.detach().to(device="cpu", dtype=torch.float32).numpy()
     dtype = "float16" if array.size == 0 or float(np.abs(array).max()) <= FLOAT16_MAX else "float32"
     data = array.astype(_wire_dtype(dtype)).tobytes()
-    return engine_pb2.Features(rows=array.shape[0], dim=array.shape[1] if array.ndim == 2 else 0, dtype=dtype,
-                               data=data)
+    return engine_pb2.Features(
+        rows=array.shape[0], dim=array.shape[1] if array.ndim == 2 else 0, dtype=dtype, data=data
+    )
 
 
 def features_from_proto(msg: engine_pb2.Features, field_name: str = "features") -> torch.Tensor:
@@ -122,8 +137,9 @@ def features_from_proto(msg: engine_pb2.Features, field_name: str = "features") 
         raise InvalidArgumentError(field_name, f"bad shape [{msg.rows}, {msg.dim}]")
     np_dtype = _wire_dtype(msg.dtype)
     if len(msg.data) != msg.rows * msg.dim * np_dtype.itemsize:
-        raise InvalidArgumentError(field_name, f"{len(msg.data)} bytes do not hold [{msg.rows}, {msg.dim}] "
-                                               f"{msg.dtype} values")
+        raise InvalidArgumentError(
+            field_name, f"{len(msg.data)} bytes do not hold [{msg.rows}, {msg.dim}] {msg.dtype} values"
+        )
     array = np.frombuffer(msg.data, dtype=np_dtype).astype(np.float32).reshape(msg.rows, msg.dim)
     if not np.isfinite(array).all():
         raise InvalidArgumentError(field_name, "values must be finite")
@@ -133,8 +149,12 @@ def features_from_proto(msg: engine_pb2.Features, field_name: str = "features") 
 def commit_to_proto(commit: Commit | None) -> engine_pb2.Commit | None:
     if commit is None:
         return None
-    return engine_pb2.Commit(step=commit.step, base_len=commit.base_len, tokens=list(commit.tokens),
-                             features=features_to_proto(commit.features))
+    return engine_pb2.Commit(
+        step=commit.step,
+        base_len=commit.base_len,
+        tokens=list(commit.tokens),
+        features=features_to_proto(commit.features),
+    )
 
 
 def commit_from_proto(msg: engine_pb2.Commit | None) -> Commit | None:
@@ -151,20 +171,17 @@ def optional_commit(parent, field: str = "commit") -> Commit | None:
 # -- stats -----------------------------------------------------------------------------------
 def stats_to_proto(stats: StepStats) -> coordinator_pb2.SpeculationStats:
     return coordinator_pb2.SpeculationStats(
-        target_passes=stats.target_passes, proposed_tokens=stats.proposed_tokens,
-        accepted_tokens=stats.accepted_tokens, accepted_per_position=list(stats.accepted_per_position),
-        draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
-        total_seconds=stats.total_seconds, draft_fallbacks=stats.draft_fallbacks,
-        draft_failovers=stats.draft_failovers, target_failovers=stats.target_failovers, drafts=stats.drafts,
-    )
-
-
-def stats_from_proto(msg: coordinator_pb2.SpeculationStats) -> StepStats:
-    return StepStats(
-        target_passes=msg.target_passes, proposed_tokens=msg.proposed_tokens, accepted_tokens=msg.accepted_tokens,
-        accepted_per_position=list(msg.accepted_per_position), draft_seconds=msg.draft_seconds,
-        verify_seconds=msg.verify_seconds, total_seconds=msg.total_seconds, draft_fallbacks=msg.draft_fallbacks,
-        draft_failovers=msg.draft_failovers, target_failovers=msg.target_failovers, drafts=msg.drafts,
+        target_passes=stats.target_passes,
+        proposed_tokens=stats.proposed_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        accepted_per_position=list(stats.accepted_per_position),
+        draft_seconds=stats.draft_seconds,
+        verify_seconds=stats.verify_seconds,
+        total_seconds=stats.total_seconds,
+        draft_fallbacks=stats.draft_fallbacks,
+        draft_failovers=stats.draft_failovers,
+        target_failovers=stats.target_failovers,
+        drafts=stats.drafts,
     )
 
 

@@ -25,6 +25,7 @@ mean accepted length per draft block (vLLM's count, including the recovered/bonu
 share of passes without a draft block (the adaptive policy pausing, k = 0, empty n-gram lookups) =
 1 - rate(specdec_drafts_total[5m]) / rate(specdec_target_passes_total[5m]).
 """
+
 from __future__ import annotations
 
 import time
@@ -40,22 +41,30 @@ REQUEST_ERRORS = Counter("specdec_request_errors", "Failed requests by gRPC stat
 DRAFTS = Counter("specdec_drafts", "Target passes that verified a non-empty draft block", registry=REGISTRY)
 DRAFT_TOKENS = Counter("specdec_draft_tokens", "Proposed draft tokens", registry=REGISTRY)
 ACCEPTED_TOKENS = Counter("specdec_accepted_tokens", "Accepted draft tokens", registry=REGISTRY)
-ACCEPTED_BY_POSITION = Counter("specdec_accepted_tokens_by_position", "Accepted draft tokens by block position",
-                               ["position"], registry=REGISTRY)
+ACCEPTED_BY_POSITION = Counter(
+    "specdec_accepted_tokens_by_position", "Accepted draft tokens by block position", ["position"], registry=REGISTRY
+)
 TARGET_PASSES = Counter("specdec_target_passes", "Target verification passes", registry=REGISTRY)
 EMITTED_TOKENS = Counter("specdec_emitted_tokens", "Tokens streamed to clients", registry=REGISTRY)
-TTFT = Histogram("specdec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                 registry=REGISTRY)
-ITL = Histogram("specdec_inter_token_latency_seconds", "Latency per token between streamed chunks",
-                buckets=LATENCY_BUCKETS, registry=REGISTRY)
-E2E = Histogram("specdec_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS,
-                registry=REGISTRY)
+TTFT = Histogram(
+    "specdec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=REGISTRY
+)
+ITL = Histogram(
+    "specdec_inter_token_latency_seconds",
+    "Latency per token between streamed chunks",
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+E2E = Histogram(
+    "specdec_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=REGISTRY
+)
 STEP_SECONDS = Counter("specdec_step_seconds", "Time spent per step part", ["part"], registry=REGISTRY)
 
 LIVE_SESSIONS = Gauge("specdec_live_sessions", "Live sessions on this replica", registry=REGISTRY)
 KV_BYTES = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by this replica", registry=REGISTRY)
-RPC_SECONDS = Histogram("specdec_rpc_seconds", "Server-side RPC latency", ["method"], buckets=LATENCY_BUCKETS,
-                        registry=REGISTRY)
+RPC_SECONDS = Histogram(
+    "specdec_rpc_seconds", "Server-side RPC latency", ["method"], buckets=LATENCY_BUCKETS, registry=REGISTRY
+)
 
 
 def serve_metrics(port: int) -> None:
@@ -85,7 +94,7 @@ class RequestRecorder:
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
-        self.last = None
+        self.last: float | None = None
 
     def chunk(self, chunk) -> None:
         now = time.perf_counter()

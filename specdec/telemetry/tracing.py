@@ -4,12 +4,13 @@ Each process calls :func:`init_tracing` once with its default service name (OTEL
 overrides it). gRPC hops are traced by the OpenTelemetry gRPC instrumentation (W3C trace context
 travels in gRPC metadata); the step spans (propose / verify / commit) are ours.
 """
+
 from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Iterator, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -23,7 +24,7 @@ def tracing_enabled() -> bool:
 
 def init_tracing(default_service_name: str) -> bool:
     """Install an OTLP exporter if OTEL_EXPORTER_OTLP_ENDPOINT is set. Idempotent."""
-    global _enabled
+    global _enabled  # noqa: PLW0603 - the process-wide switch, set once at start-up
     if _enabled or not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         return _enabled
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -83,19 +84,6 @@ def start_span(name: str, carrier: Mapping[str, str] | None = None, attributes: 
 @contextmanager
 def span_as_current(span: trace.Span) -> Iterator[None]:
     token = otel_context.attach(trace.set_span_in_context(span))
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
-
-
-@contextmanager
-def attached_context(carrier: Mapping[str, str] | None) -> Iterator[None]:
-    """Make ``carrier``'s trace context current (the far side of a Ray call)."""
-    if not carrier:
-        yield
-        return
-    token = otel_context.attach(propagate.extract(dict(carrier)))
     try:
         yield
     finally:

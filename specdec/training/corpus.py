@@ -1,6 +1,7 @@
 """What both kinds of distillation corpus share: batching prompts for generation, and shards
 written atomically under a folder whose ``plan.json`` refuses to mix corpora made with other
 settings (an interrupted build resumes at the first missing shard)."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
     return ids, mask
 
 
@@ -37,8 +38,10 @@ def open_corpus_dir(corpus_dir: Path, settings: dict) -> None:
     corpus_dir.mkdir(parents=True, exist_ok=True)
     plan_file = corpus_dir / "plan.json"
     if plan_file.exists() and json.loads(plan_file.read_text()) != settings:
-        raise SystemExit(f"{corpus_dir} was generated with other settings ({plan_file}); use another --out "
-                         "or delete that folder to regenerate it")
+        raise SystemExit(
+            f"{corpus_dir} was generated with other settings ({plan_file}); use another --out "
+            "or delete that folder to regenerate it"
+        )
     plan_file.write_text(json.dumps(settings, indent=2))
 
 

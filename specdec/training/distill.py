@@ -27,30 +27,35 @@ trains in bf16 autocast where the device has native bf16, ``--precision``);
 schedule compressed to fit), and the draft exported is the one with the best held-out agreement
 seen at an evaluation.
 """
+
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import random
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
-from specdec.training.prompts import BENCH_PROMPTS, DEFAULT_DISTILL_PROMPTS, load_prompts
 from specdec.modeling.heads import write_head_vocab
-from specdec.training.distill_features import distill_feature_draft
 from specdec.training.corpus import left_pad, open_corpus_dir, padding_id, say, sharded_records
-from specdec.training.trainer import (check_resumable, load_checkpoint, quiet_mixed_norm, split_records,
-                                      student_autocast, student_bf16, training_data, warmup_cosine)
-
-
+from specdec.training.distill_features import distill_feature_draft
+from specdec.training.prompts import BENCH_PROMPTS, DEFAULT_DISTILL_PROMPTS, load_prompts
+from specdec.training.trainer import (
+    check_resumable,
+    load_checkpoint,
+    quiet_mixed_norm,
+    split_records,
+    student_autocast,
+    student_bf16,
+    training_data,
+    warmup_cosine,
+)
 
 # The cosine schedule's floor (a fraction of --lr) that the standalone drafts were trained with.
 LR_FLOOR = 0.1
@@ -61,9 +66,10 @@ LR_FLOOR = 0.1
 class Record:
     """One target-generated sequence: ``ids`` = prompt + generated tokens; row t of the teacher
     arrays is the target's distribution for ``ids[start + t]`` given ``ids[:start + t]``."""
+
     ids: list[int]
     start: int
-    top_ids: torch.Tensor   # [G, K] int32
+    top_ids: torch.Tensor  # [G, K] int32
     top_logp: torch.Tensor  # [G, K] float16, log-probabilities under the full vocabulary
 
     def as_dict(self) -> dict:
@@ -82,7 +88,8 @@ def plan_batches(prompt_lengths: list[int], samples: int, batch_size: int) -> li
     in every run and a resumed run skips exactly the finished ones."""
     jobs = [Job(i, j) for j in range(samples) for i in range(len(prompt_lengths))]
     jobs.sort(key=lambda job: (job.sample > 0, prompt_lengths[job.prompt_index], job.prompt_index, job.sample))
-    out, current = [], []
+    out: list[list[Job]] = []
+    current: list[Job] = []
     for job in jobs:
         if current and (current[0].sample > 0) != (job.sample > 0):
             out.append(current)
@@ -97,17 +104,35 @@ def plan_batches(prompt_lengths: list[int], samples: int, batch_size: int) -> li
 
 
 @torch.inference_mode()
-def generate_batch(target, prompts: list[list[int]], greedy: bool, new_tokens: int, teacher_top: int,
-                   eos_ids: set[int], pad_id: int, temperature: float, seed: int) -> list[Record]:
+def generate_batch(
+    target,
+    prompts: list[list[int]],
+    greedy: bool,
+    new_tokens: int,
+    teacher_top: int,
+    eos_ids: set[int],
+    pad_id: int,
+    temperature: float,
+    seed: int,
+) -> list[Record]:
     ids, mask = left_pad(prompts, pad_id)
     ids, mask = ids.to(target.device), mask.to(target.device)
-    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0,
-                                                     "top_p": 1.0}
+    sampling = (
+        {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    )
     torch.manual_seed(seed)
-    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=1,
-                          pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None, output_logits=True,
-                          return_dict_in_generate=True, **sampling)
-    generated = out.sequences[:, ids.shape[1]:]
+    out = target.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=1,
+        pad_token_id=pad_id,
+        eos_token_id=sorted(eos_ids) or None,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **sampling,
+    )
+    generated = out.sequences[:, ids.shape[1] :]
     # raw logits, step by step -> the teacher's top-K log-probabilities per row
     tops = [torch.log_softmax(step.float(), dim=-1).topk(teacher_top, dim=-1) for step in out.logits]
     top_logp = torch.stack([t.values for t in tops], dim=1).cpu()  # [B, G, K]
@@ -121,8 +146,14 @@ def generate_batch(target, prompts: list[list[int]], greedy: bool, new_tokens: i
             if token in eos_ids:
                 length = t + 1  # keep the end-of-turn token: the draft should learn to propose it
                 break
-        records.append(Record(list(prompt) + tokens[:length], len(prompt), top_ids[row, :length].to(torch.int32),
-                              top_logp[row, :length].to(torch.float16)))
+        records.append(
+            Record(
+                list(prompt) + tokens[:length],
+                len(prompt),
+                top_ids[row, :length].to(torch.int32),
+                top_logp[row, :length].to(torch.float16),
+            )
+        )
     return records
 
 
@@ -131,10 +162,17 @@ def corpus_settings(prompt_file: Path, args) -> dict:
     never silently mix with shards generated under another."""
     import hashlib
 
-    return {"prompts_sha256": hashlib.sha256(prompt_file.read_bytes()).hexdigest(), "split": args.split,
-            "num_prompts": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
-            "gen_tokens": args.gen_tokens, "gen_batch_size": args.gen_batch_size,
-            "gen_temperature": args.gen_temperature, "teacher_top": args.teacher_top, "seed": args.seed}
+    return {
+        "prompts_sha256": hashlib.sha256(prompt_file.read_bytes()).hexdigest(),
+        "split": args.split,
+        "num_prompts": args.num_prompts,
+        "samples_per_prompt": args.samples_per_prompt,
+        "gen_tokens": args.gen_tokens,
+        "gen_batch_size": args.gen_batch_size,
+        "gen_temperature": args.gen_temperature,
+        "teacher_top": args.teacher_top,
+        "seed": args.seed,
+    }
 
 
 def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path, settings: dict) -> list[Record]:
@@ -148,9 +186,17 @@ def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path,
 
     def make_batch(b: int) -> list[Record]:
         batch = plan[b]
-        return generate_batch(target, [encoded[job.prompt_index] for job in batch], batch[0].sample == 0,
-                              args.gen_tokens, args.teacher_top, eos_ids, pad_id, args.gen_temperature,
-                              args.seed * 100_003 + b)
+        return generate_batch(
+            target,
+            [encoded[job.prompt_index] for job in batch],
+            batch[0].sample == 0,
+            args.gen_tokens,
+            args.teacher_top,
+            eos_ids,
+            pad_id,
+            args.gen_temperature,
+            args.seed * 100_003 + b,
+        )
 
     return sharded_records(corpus_dir, len(plan), make_batch, Record, lambda r: len(r.top_ids))
 
@@ -194,8 +240,13 @@ def write_self_prompts(target, tokenizer, args, path: Path, exclude: set[str]) -
 
     from specdec.modeling.loading import eos_token_ids
 
-    settings = {"count": args.self_prompts, "tokens": args.self_prompt_tokens,
-                "temperature": args.self_prompt_temperature, "batch": args.gen_batch_size, "seed": args.seed}
+    settings = {
+        "count": args.self_prompts,
+        "tokens": args.self_prompt_tokens,
+        "temperature": args.self_prompt_temperature,
+        "batch": args.gen_batch_size,
+        "seed": args.seed,
+    }
     plan = path.with_suffix(".plan.json")
     if path.exists() and plan.exists() and json.loads(plan.read_text()) == settings:
         rows = load_prompts(path)
@@ -213,11 +264,18 @@ def write_self_prompts(target, tokenizer, args, path: Path, exclude: set[str]) -
         n = min(args.gen_batch_size, 2 * (args.self_prompts - len(texts)) + 8)
         ids = torch.tensor([opening] * n, device=target.device)
         torch.manual_seed(args.seed * 7919 + batch_index)
-        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                              temperature=args.self_prompt_temperature, top_k=0, top_p=1.0,
-                              max_new_tokens=args.self_prompt_tokens, pad_token_id=pad_id,
-                              eos_token_id=sorted(eos_ids) or None)
-        rows = out[:, len(opening):].cpu().tolist()
+        out = target.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=args.self_prompt_temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.self_prompt_tokens,
+            pad_token_id=pad_id,
+            eos_token_id=sorted(eos_ids) or None,
+        )
+        rows = out[:, len(opening) :].cpu().tolist()
         for message in finished_messages(rows, eos_ids, need_end=bool(eos_ids)):
             text = tokenizer.decode(message, skip_special_tokens=True).strip()
             if len(text.split()) >= 3 and text not in seen and len(texts) < args.self_prompts:
@@ -267,10 +325,21 @@ def build_student(target, layers: int, hidden: int, heads: int, kv_heads: int, i
 
     tc = target.config
     config = LlamaConfig(
-        vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=tc.max_position_embeddings,
-        rope_theta=getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
-        tie_word_embeddings=True, bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id,
+        vocab_size=tc.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": getattr(tc, "rope_theta", None)
+            or (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
+        },
+        tie_word_embeddings=True,
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
         pad_token_id=getattr(tc, "pad_token_id", None),
     )
     torch.manual_seed(seed)
@@ -284,22 +353,26 @@ def build_student(target, layers: int, hidden: int, heads: int, kv_heads: int, i
         if projected.shape[1] < hidden:
             projected = torch.cat([projected, torch.zeros(len(projected), hidden - projected.shape[1])], dim=1)
         projected = projected / projected.std() * config.initializer_range * 10
-        student.get_input_embeddings().weight.copy_(projected)
+        cast(torch.Tensor, student.get_input_embeddings().weight).copy_(projected)
     return student
 
 
 @dataclass
 class Batch:
-    ids: torch.Tensor       # [B, T]
-    mask: torch.Tensor      # [B, T] attention mask
-    rows: torch.Tensor      # [N] batch row of each supervised position
-    cols: torch.Tensor      # [N] position whose hidden state predicts the next token
-    top_ids: torch.Tensor   # [N, K]
+    ids: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T] attention mask
+    rows: torch.Tensor  # [N] batch row of each supervised position
+    cols: torch.Tensor  # [N] position whose hidden state predicts the next token
+    top_ids: torch.Tensor  # [N, K]
     top_logp: torch.Tensor  # [N, K]
 
     def to(self, device) -> Batch:
-        return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.ids, self.mask, self.rows, self.cols, self.top_ids, self.top_logp)))
+        return Batch(
+            *(
+                t.to(device, non_blocking=True)
+                for t in (self.ids, self.mask, self.rows, self.cols, self.top_ids, self.top_logp)
+            )
+        )
 
 
 def make_batch(records: list[Record], seq_len: int) -> Batch:
@@ -319,19 +392,18 @@ def make_batch(records: list[Record], seq_len: int) -> Batch:
     return Batch(ids, mask, torch.cat(rows), torch.cat(cols), torch.cat(tids), torch.cat(tlogp))
 
 
-def distill_loss(student, batch: Batch, head: torch.Tensor, slot: torch.Tensor, temperature: float,
-                 bf16: bool = False):
+def distill_loss(student, batch: Batch, head: torch.Tensor, slot: torch.Tensor, temperature: float, bf16: bool = False):
     """(KL over the head vocabulary, top-1 agreement count, positions). The teacher's top tokens
     outside the head are dropped and the rest renormalised: the draft cannot propose them anyway.
     With ``bf16`` the student's matrix products run in bf16 (autocast); the softmax and KL in fp32."""
     device = batch.ids.device
     with student_autocast(device, bf16), quiet_mixed_norm():
         hidden = student.model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state
-        h = hidden[batch.rows, batch.cols]                                # [N, H]
+        h = hidden[batch.rows, batch.cols]  # [N, H]
         weight = student.get_output_embeddings().weight
         logits = h @ weight[head].T
-    logq = F.log_softmax(logits.float() / temperature, dim=-1)            # [N, S]
-    where = slot[batch.top_ids]                                           # [N, K], -1 = outside the head
+    logq = F.log_softmax(logits.float() / temperature, dim=-1)  # [N, S]
+    where = slot[batch.top_ids]  # [N, K], -1 = outside the head
     inside = where >= 0
     logp = torch.where(inside, batch.top_logp / temperature, float("-inf"))
     keep = inside.any(-1)
@@ -340,7 +412,7 @@ def distill_loss(student, batch: Batch, head: torch.Tensor, slot: torch.Tensor, 
     logq_at = logq[keep].gather(-1, where[keep].clamp(min=0))
     kl = (p * (torch.where(inside[keep], logp, 0.0) - logq_at)).sum(-1)
     agree = (head[logq.argmax(-1)] == batch.top_ids[:, 0]).sum()
-    return kl.mean() * temperature ** 2, int(agree), len(batch.rows)
+    return kl.mean() * temperature**2, int(agree), len(batch.rows)
 
 
 @torch.no_grad()
@@ -351,7 +423,7 @@ def evaluate(student, records: list[Record], head, slot, temperature: float, seq
     device = head.device
     kl_sum = agree = total = 0.0
     for i in range(0, len(records), 32):
-        batch = make_batch(records[i:i + 32], seq_len).to(device)
+        batch = make_batch(records[i : i + 32], seq_len).to(device)
         kl, a, n = distill_loss(student, batch, head, slot, temperature)
         kl_sum += float(kl) * n
         agree += a
@@ -400,11 +472,13 @@ def check_arguments(args) -> torch.device:
         args.heads = 4 if args.heads is None else args.heads
         args.kv_heads = 2 if args.kv_heads is None else args.kv_heads
         args.intermediate = 768 if args.intermediate is None else args.intermediate
-    if problems:
+    if problems or device is None:
         raise SystemExit("specdec distill: " + "; ".join(problems))
     args.student_bf16 = student_bf16(args.precision, device)
-    say(f"training the student in {'bf16 autocast' if args.student_bf16 else 'fp32'} on {device} "
-        f"(--precision {args.precision})")
+    say(
+        f"training the student in {'bf16 autocast' if args.student_bf16 else 'fp32'} on {device} "
+        f"(--precision {args.precision})"
+    )
     return device
 
 
@@ -440,13 +514,15 @@ def distill(args) -> dict:
         self_file = out / "corpus" / "self_prompts.jsonl"
         sources.append((self_file, write_self_prompts(target, tokenizer, args, self_file, exclude)))
     if args.kind == "feature":
-        return distill_feature_draft(args, target, tokenizer, [p for _, prompts in sources for p in prompts],
-                                     out, command_started, deadline)
+        return distill_feature_draft(
+            args, target, tokenizer, [p for _, prompts in sources for p in prompts], out, command_started, deadline
+        )
     train, held_out = [], []
     for prompt_file, prompts in sources:
         # one corpus per prompt file: adding a file generates answers for that file only
-        records = build_corpus(target, tokenizer, prompts, args, out / "corpus" / prompt_file.stem,
-                               corpus_settings(prompt_file, args))
+        records = build_corpus(
+            target, tokenizer, prompts, args, out / "corpus" / prompt_file.stem, corpus_settings(prompt_file, args)
+        )
         file_train, file_held = split_records(records, args.eval_sequences)
         train += file_train
         held_out += file_held
@@ -457,12 +533,15 @@ def distill(args) -> dict:
     slot = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
     slot[head] = torch.arange(len(head), device=device)
     coverage = head_coverage(held_out, head_ids, vocab_size)
-    say(f"corpus: {len(train)} training + {len(held_out)} held-out sequences, "
+    say(
+        f"corpus: {len(train)} training + {len(held_out)} held-out sequences, "
         f"{sum(len(r.top_ids) for r in train)} supervised tokens; head vocabulary {len(head_ids)} tokens "
-        f"covers {coverage:.1%} of held-out greedy choices")
+        f"covers {coverage:.1%} of held-out greedy choices"
+    )
 
-    student = build_student(target.cpu(), args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate,
-                            args.seed).to(device)
+    student = build_student(
+        target.cpu(), args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.seed
+    ).to(device)
     del target  # the corpus holds everything training needs from the target
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
     step, before, best = 0, None, None
@@ -507,11 +586,25 @@ def distill(args) -> dict:
             kl, top1 = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
             say(f"step {step}: held-out KL {kl:.3f}, top-1 agreement {top1:.3f}")
             if best is None or top1 > best["top1"]:
-                best = {"step": step, "kl": kl, "top1": top1,
-                        "student": {k: v.detach().cpu().clone() for k, v in student.state_dict().items()}}
+                best = {
+                    "step": step,
+                    "kl": kl,
+                    "top1": top1,
+                    "student": {k: v.detach().cpu().clone() for k, v in student.state_dict().items()},
+                }
         if step % args.checkpoint_every == 0 or step == args.steps:
-            torch.save({"student": student.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "before": before, "best": best, "rng": rng.getstate(), "data": data}, ckpt)
+            torch.save(
+                {
+                    "student": student.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "before": before,
+                    "best": best,
+                    "rng": rng.getstate(),
+                    "data": data,
+                },
+                ckpt,
+            )
     progress.close()
     after = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
     exported_step = step
@@ -522,18 +615,32 @@ def distill(args) -> dict:
         say(f"exporting the step-{exported_step} weights (best held-out agreement)")
     export(student, tokenizer, out, head_ids, args.save_dtype, note=f"distilled from {args.target}")
     params = sum(p.numel() for p in student.parameters())
-    report = {"target": args.target, "steps": step, "exported_step": exported_step, "stopped_by": stopped_by,
-              "device": str(device), "train_sequences": len(train), "held_out_sequences": len(held_out),
-              "supervised_tokens": sum(len(r.top_ids) for r in train), "parameters": params,
-              "head_vocab": len(head_ids), "head_coverage_held_out": coverage,
-              "kl_start": before[0], "kl_end": after[0], "top1_start": before[1], "top1_end": after[1],
-              "train_seconds": time.monotonic() - started,
-              "total_seconds": time.monotonic() - command_started,
-              "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    report = {
+        "target": args.target,
+        "steps": step,
+        "exported_step": exported_step,
+        "stopped_by": stopped_by,
+        "device": str(device),
+        "train_sequences": len(train),
+        "held_out_sequences": len(held_out),
+        "supervised_tokens": sum(len(r.top_ids) for r in train),
+        "parameters": params,
+        "head_vocab": len(head_ids),
+        "head_coverage_held_out": coverage,
+        "kl_start": before[0],
+        "kl_end": after[0],
+        "top1_start": before[1],
+        "top1_end": after[1],
+        "train_seconds": time.monotonic() - started,
+        "total_seconds": time.monotonic() - command_started,
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+    }
     (out / "distill.json").write_text(json.dumps(report, indent=2))
     write_model_card(out, report)
-    say(f"held-out KL(target || draft) {before[0]:.3f} -> {after[0]:.3f}, top-1 agreement "
-        f"{before[1]:.3f} -> {after[1]:.3f}; {params / 1e6:.1f}M parameters saved to {out}")
+    say(
+        f"held-out KL(target || draft) {before[0]:.3f} -> {after[0]:.3f}, top-1 agreement "
+        f"{before[1]:.3f} -> {after[1]:.3f}; {params / 1e6:.1f}M parameters saved to {out}"
+    )
     return report
 
 
@@ -548,44 +655,58 @@ def export(student, tokenizer, out: Path, head_ids: list[int], save_dtype: str, 
 def write_model_card(out: Path, report: dict) -> None:
     """README.md of the draft directory: what it is, how it was made, what it measured."""
     st = report["settings"]
-    self_written = (f" and {st['self_prompts']} user messages the target wrote itself (sampled at temperature "
-                    f"{st['self_prompt_temperature']}, seed {st['seed']})") if st.get("self_prompts") else ""
+    self_written = (
+        (
+            f" and {st['self_prompts']} user messages the target wrote itself (sampled at temperature "
+            f"{st['self_prompt_temperature']}, seed {st['seed']})"
+        )
+        if st.get("self_prompts")
+        else ""
+    )
+    prompt_files_md = ", ".join("`" + Path(f).name + "`" for f in st["prompts"].split(","))
     exported = ""
     if report.get("exported_step", report["steps"]) != report["steps"]:
         exported = f"; exported the step-{report['exported_step']} weights (best held-out agreement)"
     if report.get("stopped_by") == "time budget":
         exported += f" (stopped by the {st['time_budget_minutes']}-minute time budget)"
     size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
-    (out / "README.md").write_text(f"""# Draft model for `{report['target']}` (made by `specdec distill`)
+    (out / "README.md").write_text(f"""# Draft model for `{report["target"]}` (made by `specdec distill`)
 
 A speculative-decoding draft sharing the target's tokenizer. Not a general-purpose model: it is
 trained only to predict the target's next-token distribution on the target's own answers.
 
-- **Architecture**: Llama, {st['layers']} layers, hidden {st['hidden']}, {st['heads']} heads ({st['kv_heads']} KV heads),
-  MLP {st['intermediate']}; input embeddings over the target's full vocabulary, tied output head
-  restricted to {report['head_vocab']} tokens (`head_vocab.json`, applied by `specdec.modeling.loading.load_model`;
+- **Architecture**: Llama, {st["layers"]} layers, hidden {st["hidden"]}, {st["heads"]} heads
+  ({st["kv_heads"]} KV heads), MLP {st["intermediate"]}; input embeddings over the target's full vocabulary,
+  tied output head
+  restricted to {report["head_vocab"]} tokens (`head_vocab.json`, applied by `specdec.modeling.loading.load_model`;
   other tokens get q = 0, which keeps speculative decoding exact).
-- **Size**: {report['parameters'] / 1e6:.1f}M parameters, {size_mb:.1f} MB of {st['save_dtype']} safetensors.
-- **Data**: the target's answers ({st['samples_per_prompt']} per prompt: one greedy, the rest sampled at
-  temperature {st['gen_temperature']}, up to {st['gen_tokens']} new tokens) to the prompts of
-  {', '.join('`' + Path(f).name + '`' for f in st['prompts'].split(','))} (split {st['split'] or 'all'!r}){self_written}: {report['train_sequences']} training sequences,
-  {report['supervised_tokens']} supervised positions, {report['held_out_sequences']} held-out sequences.
-- **Training**: forward KL to the target's top-{st['teacher_top']} next-token distribution (temperature
-  {st['kd_temperature']}), {report['steps']} steps of batch {st['batch_size']}, AdamW lr {st['lr']} (cosine), seed {st['seed']};
-  {report['train_seconds'] / 60:.0f} min of training on {report.get('device', 'cpu')}{exported}.
-- **Held-out**: KL(target || draft) {report['kl_start']:.3f} -> {report['kl_end']:.3f}; top-1 agreement with the target
-  (how often the draft's first choice is the target's: greedy acceptance at one position) {report['top1_start']:.3f} -> {report['top1_end']:.3f};
-  the head vocabulary covers {report['head_coverage_held_out']:.1%} of the target's held-out greedy choices.
+- **Size**: {report["parameters"] / 1e6:.1f}M parameters, {size_mb:.1f} MB of {st["save_dtype"]} safetensors.
+- **Data**: the target's answers ({st["samples_per_prompt"]} per prompt: one greedy, the rest sampled at
+  temperature {st["gen_temperature"]}, up to {st["gen_tokens"]} new tokens) to the prompts of
+  {prompt_files_md} (split {st["split"] or "all"!r}){self_written}:
+  {report["train_sequences"]} training sequences,
+  {report["supervised_tokens"]} supervised positions, {report["held_out_sequences"]} held-out sequences.
+- **Training**: forward KL to the target's top-{st["teacher_top"]} next-token distribution (temperature
+  {st["kd_temperature"]}), {report["steps"]} steps of batch {st["batch_size"]}, AdamW lr {st["lr"]} (cosine),
+  seed {st["seed"]};
+  {report["train_seconds"] / 60:.0f} min of training on {report.get("device", "cpu")}{exported}.
+- **Held-out**: KL(target || draft) {report["kl_start"]:.3f} -> {report["kl_end"]:.3f}; top-1 agreement with the
+  target (how often the draft's first choice is the target's: greedy acceptance at one position)
+  {report["top1_start"]:.3f} -> {report["top1_end"]:.3f};
+  the head vocabulary covers {report["head_coverage_held_out"]:.1%} of the target's held-out greedy choices.
 
-Reproduce: `specdec distill --target {report['target']} --out DIR` with the settings in `distill.json`.
+Reproduce: `specdec distill --target {report["target"]} --out DIR` with the settings in `distill.json`.
 """)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model spec")
     p.add_argument("--out", required=True, help="output directory (HF format)")
-    p.add_argument("--prompts", default=DEFAULT_DISTILL_PROMPTS,
-                   help="comma-separated JSONL prompt files {id, text, split}; one corpus each")
+    p.add_argument(
+        "--prompts",
+        default=DEFAULT_DISTILL_PROMPTS,
+        help="comma-separated JSONL prompt files {id, text, split}; one corpus each",
+    )
     p.add_argument("--split", default="", help="only prompts with this split ('' = all)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--samples-per-prompt", type=int, default=2, help="1 greedy + seeded samples")
@@ -594,23 +715,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-temperature", type=float, default=0.7, help="temperature of the sampled answers")
     p.add_argument("--teacher-top", type=int, default=32, help="teacher log-probabilities kept per position")
     p.add_argument("--head-vocab", type=int, default=8192, help="output-head tokens (0 = full vocabulary)")
-    p.add_argument("--kind", choices=["model", "feature"], default="model",
-                   help="model: a standalone small LM; feature: a one-layer draft that reads the target's hidden "
-                        "states (EAGLE-style; needs the stack's feature support, far higher acceptance)")
+    p.add_argument(
+        "--kind",
+        choices=["model", "feature"],
+        default="model",
+        help="model: a standalone small LM; feature: a one-layer draft that reads the target's hidden "
+        "states (EAGLE-style; needs the stack's feature support, far higher acceptance)",
+    )
     p.add_argument("--layers", type=int, default=2, help="model kind: decoder layers")
     p.add_argument("--hidden", type=int, default=256, help="model kind: width (a feature draft has the target's)")
     p.add_argument("--heads", type=int, default=None, help="attention heads (default: 4; feature kind: the target's)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: 2; feature kind: the target's)")
-    p.add_argument("--intermediate", type=int, default=None,
-                   help="MLP width (default: 768; feature kind: the target's)")
+    p.add_argument(
+        "--intermediate", type=int, default=None, help="MLP width (default: 768; feature kind: the target's)"
+    )
     p.add_argument("--embed-size", type=int, default=128, help="feature kind: width of the draft's token embedding")
-    p.add_argument("--unroll", type=int, default=3,
-                   help="feature kind: drafting steps trained per position (its own predictions fed back)")
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=3,
+        help="feature kind: drafting steps trained per position (its own predictions fed back)",
+    )
     p.add_argument("--unroll-decay", type=float, default=0.8, help="feature kind: loss weight ratio of step s+1 to s")
-    p.add_argument("--feature-loss", type=float, default=0.1,
-                   help="feature kind: weight of the smooth-L1 loss between predicted and target features")
-    p.add_argument("--corpus-batches", type=int, default=0,
-                   help="feature kind: answer only the first N batches of the (shuffled) prompts (0 = all)")
+    p.add_argument(
+        "--feature-loss",
+        type=float,
+        default=0.1,
+        help="feature kind: weight of the smooth-L1 loss between predicted and target features",
+    )
+    p.add_argument(
+        "--corpus-batches",
+        type=int,
+        default=0,
+        help="feature kind: answer only the first N batches of the (shuffled) prompts (0 = all)",
+    )
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=320)
@@ -623,18 +761,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--self-prompts", type=int, default=0,
-                   help="user messages the target writes itself and then answers (0 = prompt files only)")
+    p.add_argument(
+        "--self-prompts",
+        type=int,
+        default=0,
+        help="user messages the target writes itself and then answers (0 = prompt files only)",
+    )
     p.add_argument("--self-prompt-tokens", type=int, default=64, help="longest self-written user message")
     p.add_argument("--self-prompt-temperature", type=float, default=1.0)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N ('auto': a GPU when there is one)")
-    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="the student's matrix products in training: bf16 autocast or fp32 ('auto': bf16 where the "
-                        "device does it natively -- a GPU, or a CPU with AVX512-BF16/AMX, ~1.5x faster there; the "
-                        "teacher, losses and evaluations stay fp32)")
-    p.add_argument("--time-budget-minutes", type=float, default=0.0,
-                   help="end the whole run within this many minutes: training stops early, schedule compressed "
-                        "(0 = no limit)")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="the student's matrix products in training: bf16 autocast or fp32 ('auto': bf16 where the "
+        "device does it natively -- a GPU, or a CPU with AVX512-BF16/AMX, ~1.5x faster there; the "
+        "teacher, losses and evaluations stay fp32)",
+    )
+    p.add_argument(
+        "--time-budget-minutes",
+        type=float,
+        default=0.0,
+        help="end the whole run within this many minutes: training stops early, schedule compressed (0 = no limit)",
+    )
 
 
 def main(args) -> int:

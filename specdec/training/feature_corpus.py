@@ -12,19 +12,18 @@ pass (``output_hidden_states``), so the target runs once per token. Each batch i
 written atomically to ``DIR/shard-NNNNN.pt`` when complete; an interrupted run resumes at the
 first missing shard, and ``plan.json`` refuses to mix shards made under other settings.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specdec.training.corpus import left_pad, open_corpus_dir, padding_id, say, sharded_records
-
+from specdec.training.corpus import left_pad, open_corpus_dir, padding_id, sharded_records
 
 
 @dataclass
@@ -47,24 +46,40 @@ def plan_feature_batches(prompt_lengths: list[int], batch_size: int, seed: int, 
     random.Random(seed).shuffle(order)
     batches = []
     for w in range(0, len(order), window):
-        chunk = sorted(order[w:w + window], key=lambda i: (prompt_lengths[i], i))
-        batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
+        chunk = sorted(order[w : w + window], key=lambda i: (prompt_lengths[i], i))
+        batches += [chunk[b : b + batch_size] for b in range(0, len(chunk), batch_size)]
     return batches
 
 
 @torch.inference_mode()
-def answer_with_features(target, prompts: list[list[int]], new_tokens: int, eos_ids: set[int], pad_id: int,
-                         greedy: bool = True, temperature: float = 0.7, seed: int = 0) -> list[FeatureRecord]:
+def answer_with_features(
+    target,
+    prompts: list[list[int]],
+    new_tokens: int,
+    eos_ids: set[int],
+    pad_id: int,
+    greedy: bool = True,
+    temperature: float = 0.7,
+    seed: int = 0,
+) -> list[FeatureRecord]:
     """The target answers ``prompts`` (one batch); every answer is cut after its first end token."""
     ids, mask = left_pad(prompts, pad_id)
     width = ids.shape[1]
-    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0,
-                                                     "top_p": 1.0}
+    sampling = (
+        {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    )
     torch.manual_seed(seed)
-    out = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
-                          max_new_tokens=new_tokens, min_new_tokens=1, pad_token_id=pad_id,
-                          eos_token_id=sorted(eos_ids) or None, output_hidden_states=True,
-                          return_dict_in_generate=True, **sampling)
+    out = target.generate(
+        input_ids=ids.to(target.device),
+        attention_mask=mask.to(target.device),
+        max_new_tokens=new_tokens,
+        min_new_tokens=1,
+        pad_token_id=pad_id,
+        eos_token_id=sorted(eos_ids) or None,
+        output_hidden_states=True,
+        return_dict_in_generate=True,
+        **sampling,
+    )
     generated = out.sequences[:, width:].cpu()
     # hidden_states[step][-1]: the last layer after the final norm; step 0 covers the prompt
     steps = [layers[-1].to(device="cpu", dtype=torch.float16) for layers in out.hidden_states]
@@ -79,21 +94,30 @@ def answer_with_features(target, prompts: list[list[int]], new_tokens: int, eos_
                 break
         sequence = list(prompt) + answer[:length]
         first = width - len(prompt)
-        records.append(FeatureRecord(sequence, len(prompt),
-                                     features[row, first:first + len(sequence) - 1].clone()))
+        records.append(FeatureRecord(sequence, len(prompt), features[row, first : first + len(sequence) - 1].clone()))
     return records
 
 
-def corpus_plan(prompts: list[dict], target_spec: str, new_tokens: int, batch_size: int, greedy: bool,
-                temperature: float, seed: int) -> dict:
+def corpus_plan(
+    prompts: list[dict], target_spec: str, new_tokens: int, batch_size: int, greedy: bool, temperature: float, seed: int
+) -> dict:
     blob = json.dumps([p["text"] for p in prompts], ensure_ascii=False).encode()
-    return {"prompts_sha256": hashlib.sha256(blob).hexdigest(), "prompts": len(prompts), "target": target_spec,
-            "new_tokens": new_tokens, "batch_size": batch_size, "greedy": greedy,
-            "temperature": None if greedy else temperature, "seed": seed, "format": "features-v1"}
+    return {
+        "prompts_sha256": hashlib.sha256(blob).hexdigest(),
+        "prompts": len(prompts),
+        "target": target_spec,
+        "new_tokens": new_tokens,
+        "batch_size": batch_size,
+        "greedy": greedy,
+        "temperature": None if greedy else temperature,
+        "seed": seed,
+        "format": "features-v1",
+    }
 
 
-def build_feature_corpus(target, tokenizer, prompts: list[dict], corpus_dir: Path, plan: dict,
-                         max_batches: int | None = None) -> list[FeatureRecord]:
+def build_feature_corpus(
+    target, tokenizer, prompts: list[dict], corpus_dir: Path, plan: dict, max_batches: int | None = None
+) -> list[FeatureRecord]:
     """Every batch of the plan, generated or read back from its shard (see the module docstring).
     ``max_batches``: stop after that many batches (a partial corpus is still a valid prefix)."""
     from specdec.modeling.loading import encode_prompt, eos_token_ids
@@ -107,7 +131,15 @@ def build_feature_corpus(target, tokenizer, prompts: list[dict], corpus_dir: Pat
     pad_id = padding_id(tokenizer, eos_ids)
 
     def make_batch(b: int) -> list[FeatureRecord]:
-        return answer_with_features(target, [encoded[i] for i in batches[b]], plan["new_tokens"], eos_ids, pad_id,
-                                    plan["greedy"], plan["temperature"] or 1.0, plan["seed"] * 100_003 + b)
+        return answer_with_features(
+            target,
+            [encoded[i] for i in batches[b]],
+            plan["new_tokens"],
+            eos_ids,
+            pad_id,
+            plan["greedy"],
+            plan["temperature"] or 1.0,
+            plan["seed"] * 100_003 + b,
+        )
 
     return sharded_records(corpus_dir, len(batches), make_batch, FeatureRecord, lambda r: len(r.ids))

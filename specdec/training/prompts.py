@@ -1,5 +1,6 @@
 """The versioned prompt sets (``benchmarks/*.jsonl``): the bench prompts with their held-out
 split, and the distillation prompt sets, which never contain a bench prompt."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """What both distillation trainers share: mixed precision for the student, the learning-rate
 schedule, the held-out split, and checkpoints that refuse to resume on other data."""
+
 from __future__ import annotations
 
 import contextlib
@@ -69,8 +70,11 @@ def training_data(head_ids: list[int], train: list, held_out: list) -> dict:
     import hashlib
 
     digest = hashlib.sha256(torch.tensor(head_ids, dtype=torch.int64).numpy().tobytes()).hexdigest()[:16]
-    return {"head_vocab": f"{len(head_ids)} tokens, sha256 {digest}", "train_sequences": len(train),
-            "held_out_sequences": len(held_out)}
+    return {
+        "head_vocab": f"{len(head_ids)} tokens, sha256 {digest}",
+        "train_sequences": len(train),
+        "held_out_sequences": len(held_out),
+    }
 
 
 def check_resumable(checkpoint: Path, saved: dict | None, now: dict) -> None:
@@ -79,8 +83,10 @@ def check_resumable(checkpoint: Path, saved: dict | None, now: dict) -> None:
     if saved is None or saved == now:
         return
     changed = "; ".join(f"{k}: {saved.get(k)} then, {v} now" for k, v in now.items() if saved.get(k) != v)
-    raise SystemExit(f"specdec distill: {checkpoint} was trained on other data ({changed}); pass --restart "
-                     f"to train from scratch, or --out another folder")
+    raise SystemExit(
+        f"specdec distill: {checkpoint} was trained on other data ({changed}); pass --restart "
+        f"to train from scratch, or --out another folder"
+    )
 
 
 def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict:

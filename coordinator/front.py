@@ -1,0 +1,129 @@
+"""The public Coordinator API -- Generate, GenerateStream and health -- as one front, whatever
+hosts it.
+
+``specdec coordinator`` (and so ``specdec serve``) puts the front behind its own grpc.aio server
+(:class:`CoordinatorServicer`) and runs the request path in Ray actors
+(``coordinator.ray_backend.RayBackend``). Under Ray Serve (``coordinator.serve_app``, what
+Kubernetes runs) Serve's gRPC proxy calls the deployment, which calls this same front over a
+request path in its own replica (:class:`LocalBackend`). Either way the front records the
+Prometheus metrics from what it streams (so they equal the stats clients receive), opens the
+coordinator's span of each call under the caller's trace, maps failures to statuses through one
+function, and says whether it is serving: both paths report alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+from specdec.runtime import wire
+from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
+from specdec.runtime.grpc_server import grpc_method, status_of
+from specdec.telemetry import metrics, tracing
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+SERVICE = "specdec.v1.Coordinator"
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+class Backend(Protocol):
+    """Where the request path runs (in this process, or in Ray actors)."""
+
+    async def start(self) -> None: ...
+    def generate(
+        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str]
+    ) -> AsyncIterator[coordinator_pb2.GenerateChunk]: ...
+    async def stop(self) -> None: ...
+
+
+class LocalBackend:
+    """The request path in this process: a Ray Serve replica, or ``specdec coordinator --no-ray``."""
+
+    def __init__(self, config: CoordinatorConfig):
+        self.core = CoordinatorCore(config)
+
+    async def start(self) -> None:
+        await self.core.setup()
+
+    async def generate(
+        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str]
+    ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        async for chunk in self.core.generate(request, carrier):
+            yield chunk
+
+    async def stop(self) -> None:
+        await self.core.close()
+
+
+class CoordinatorFront:
+    def __init__(self, backend: Backend, metrics_port: int = 0):
+        self.backend = backend
+        self.serving = False  # what the health check answers: the request path found a target
+        metrics.serve_metrics(metrics_port)
+
+    async def start(self) -> None:
+        await self.backend.start()
+        self.serving = True
+
+    async def stop(self) -> None:
+        self.serving = False
+        await self.backend.stop()
+
+    async def stream(
+        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], method: str = "GenerateStream"
+    ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        """The request's chunks. ``caller``: the caller's W3C trace headers (may be empty)."""
+        recorder = metrics.RequestRecorder()
+        span = tracing.start_span(f"coordinator.{method}", caller, {"rpc.method": method})
+        try:
+            with tracing.span_as_current(span):
+                carrier = tracing.inject_context()
+            async for chunk in self.backend.generate(request, carrier):
+                recorder.chunk(chunk)
+                if chunk.finish_reason:
+                    span.set_attribute("specdec.request_id", chunk.request_id)
+                    span.set_attribute("specdec.finish_reason", chunk.finish_reason)
+                yield chunk
+        except Exception as exc:
+            code = status_of(exc).name
+            recorder.error(code)
+            span.set_attribute("rpc.grpc.status_code", code)
+            span.record_exception(exc)
+            raise
+        finally:
+            span.end()
+
+    async def unary(
+        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str]
+    ) -> coordinator_pb2.GenerateResponse:
+        response = coordinator_pb2.GenerateResponse()
+        async for chunk in self.stream(request, caller, method="Generate"):
+            wire.add_chunk(response, chunk)
+        return response
+
+
+def trace_headers(metadata) -> dict[str, str]:
+    """The W3C trace headers among a call's invocation metadata."""
+    return {k: v for k, v in (metadata or ()) if k in TRACE_HEADERS}
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """The front on a grpc.aio server (the OpenTelemetry server interceptor, when tracing is on,
+    has already continued the caller's trace: its span is the current one)."""
+
+    def __init__(self, front: CoordinatorFront):
+        self.front = front
+
+    @staticmethod
+    def _caller(context) -> dict[str, str]:
+        return tracing.inject_context() if tracing.tracing_enabled() else trace_headers(context.invocation_metadata())
+
+    @grpc_method
+    async def Generate(self, request, context):
+        return await self.front.unary(request, self._caller(context))
+
+    @grpc_method
+    async def GenerateStream(self, request, context):
+        # `async def ... yield`, not context.write: the OpenTelemetry interceptor mishandles the latter
+        async for chunk in self.front.stream(request, self._caller(context)):
+            yield chunk

@@ -1,0 +1,143 @@
+"""The coordinator's settings, in one table for both ways it is run.
+
+``specdec coordinator`` takes them as flags (``--num-speculative-tokens 3``); the Ray Serve
+application (``serve_app.build_app``, what deploy/ runs) takes the same names as the args of its
+``serveConfigV2`` entry (``num_speculative_tokens: 3``). The defaults are
+:class:`~specdec.runtime.coordination.CoordinatorConfig`'s, so they live in one place too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from specdec.loop.policy import StepCost
+from specdec.runtime.coordination import METHODS, CoordinatorConfig
+
+
+def _boolean(value: Any) -> bool:
+    """A YAML boolean, or its spelling as a string (``bool("false")`` would be True)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(f"must be true or false, got {value!r}")
+
+
+def _method(value: Any) -> str:
+    if str(value) not in METHODS:
+        raise ValueError(f"must be one of {', '.join(METHODS)}, got {value!r}")
+    return str(value)
+
+
+def _step_cost(value: Any) -> StepCost:
+    return StepCost.parse(str(value))
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the Serve arg; the flag is --name with dashes
+    parse: Callable[[Any], Any]
+    help: str
+    field: str | None = None  # the CoordinatorConfig field it sets (None: a setting of the front)
+    invert: bool = False  # a flag that turns the field off (--fixed-k sets default_adaptive False)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+SETTINGS = (
+    Setting("redis", str, "Redis URL for the replica registry and the session log (default: REDIS_URL)", "redis_url"),
+    Setting("target", str, "a static target address HOST:PORT (besides the registry)", "target_address"),
+    Setting("draft", str, "a static draft address HOST:PORT (besides the registry)", "draft_address"),
+    Setting("tokenizer", str, "tokenizer model spec (default: the target's model)", "tokenizer"),
+    Setting("num_speculative_tokens", int, "default k: the tokens a draft block proposes", "default_k"),
+    Setting(
+        "fixed_k",
+        _boolean,
+        "requests that do not say propose k tokens every step (default for draft models: adaptive, "
+        "target-only steps while the request's blocks do not pay; see specdec/loop/policy.py)",
+        "default_adaptive",
+        invert=True,
+    ),
+    Setting(
+        "step_cost",
+        _step_cost,
+        "the adaptive policy's cost of a step proposing k tokens, 1 + FIXED + PER_TOKEN * k target-only steps "
+        "(FIXED,PER_TOKEN; measured on a 2-core CPU, see docs/performance.md)",
+        "step_cost",
+    ),
+    Setting("max_speculative_tokens", int, "largest k a request may ask for", "max_k"),
+    Setting("default_max_new_tokens", int, "max_new_tokens of a request that does not say", "default_max_new_tokens"),
+    Setting("max_new_tokens_limit", int, "largest max_new_tokens a request may ask for", "max_new_tokens_limit"),
+    Setting("max_concurrent_requests", int, "requests in flight per coordinator replica", "max_concurrent_requests"),
+    Setting("draft_timeout", float, "seconds before a draft call is abandoned", "draft_timeout_s"),
+    Setting("default_method", _method, "speculation method of a request that does not say", "default_method"),
+    Setting("output_ttl", float, "seconds a request's output stays resumable", "output_ttl_s"),
+    Setting("metrics_port", int, "serve Prometheus /metrics on this port (0 = off)"),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+_DEFAULTS = {f.name: f.default for f in fields(CoordinatorConfig)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every setting as a flag (unset flags keep the default)."""
+    for s in SETTINGS:
+        if s.invert:
+            parser.add_argument(s.flag, action="store_true", default=None, help=s.help)
+            continue
+        default = _DEFAULTS.get(s.field) if s.field else 0
+        shown = f" (default: {default})" if default not in (None, "") and "default:" not in s.help else ""
+        parser.add_argument(s.flag, type=_argparse_type(s), default=None, help=s.help + shown)
+
+
+def _argparse_type(setting: Setting) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return setting.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = setting.name  # what argparse names in "invalid <name> value"
+    return parse
+
+
+def parse_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Setting name -> value, parsed; unknown names and bad values are a ValueError naming them.
+    ``None`` means unset."""
+    unknown = sorted(set(values) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"unknown coordinator settings {unknown}; known: {sorted(BY_NAME)}")
+    parsed = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        try:
+            parsed[name] = BY_NAME[name].parse(value)
+        except ValueError as exc:
+            raise ValueError(f"coordinator setting {name}: {exc}") from None
+    return parsed
+
+
+def config_from(values: Mapping[str, Any]) -> CoordinatorConfig:
+    """The request path's config from parsed settings (REDIS_URL when ``redis`` is unset)."""
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        s = BY_NAME[name]
+        if s.field is not None:
+            kwargs[s.field] = (not value) if s.invert else value
+    if not kwargs.get("redis_url"):
+        kwargs["redis_url"] = os.environ.get("REDIS_URL") or None
+    return CoordinatorConfig(**kwargs)
+
+
+def values_from_namespace(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on a command line (flags left unset are absent)."""
+    return {s.name: getattr(args, s.name) for s in SETTINGS if getattr(args, s.name, None) is not None}

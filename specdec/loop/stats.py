@@ -1,0 +1,38 @@
+"""The running statistics of one request's speculative steps, as the public API reports them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.exact.verify import StepDecision
+
+
+@dataclass
+class StepStats:
+    """Running speculation statistics of one request (names as in the public API)."""
+
+    target_passes: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    draft_fallbacks: int = 0
+    draft_failovers: int = 0
+    target_failovers: int = 0
+    drafts: int = 0
+
+    def record(self, decision: StepDecision, num_proposed: int) -> None:
+        self.target_passes += 1
+        self.drafts += 1 if num_proposed else 0
+        self.proposed_tokens += num_proposed
+        self.accepted_tokens += decision.num_accepted
+        if len(self.accepted_per_position) < num_proposed:
+            self.accepted_per_position.extend([0] * (num_proposed - len(self.accepted_per_position)))
+        for i in range(decision.num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0

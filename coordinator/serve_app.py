@@ -39,13 +39,14 @@ from specdec.runtime.grpc_server import failure_status
 from specdec.telemetry import metrics, tracing
 
 
-def config_values(args: dict[str, Any]) -> dict[str, Any]:
-    """The application's args, parsed as coordinator settings (a ValueError names a bad one);
-    the Serve coordinator needs the registry, so REDIS_URL (or ``redis``) must be set."""
-    values = settings.parse_values(args)
-    if not settings.config_from(values).redis_url:
+def serve_config(values: dict[str, Any]) -> settings.CoordinatorConfig:
+    """The request path's config in a replica. The Serve coordinator needs the registry, so
+    ``redis`` or REDIS_URL must be set; it is read here, in the replica, because REDIS_URL usually
+    comes from the replica's runtime environment, not the process that builds the application."""
+    config = settings.config_from(values)
+    if not config.redis_url:
         raise ValueError("the Serve coordinator needs REDIS_URL (the registry finds the draft and target replicas)")
-    return values
+    return config
 
 
 def _fail(grpc_context, exc: BaseException, method: str) -> None:
@@ -58,7 +59,7 @@ def _fail(grpc_context, exc: BaseException, method: str) -> None:
 class CoordinatorDeployment:
     def __init__(self, values: dict[str, Any]):
         tracing.init_tracing("specdec-coordinator")
-        self.front = CoordinatorFront(LocalBackend(settings.config_from(values)), values.get("metrics_port", 0))
+        self.front = CoordinatorFront(LocalBackend(serve_config(values)), values.get("metrics_port", 0))
         self._starting: asyncio.Future | None = None
 
     def _start(self) -> asyncio.Future:
@@ -98,5 +99,6 @@ class CoordinatorDeployment:
 
 
 def build_app(args: dict[str, Any] | None):
-    """Serve application builder (``import_path: coordinator.serve_app:build_app``)."""
-    return CoordinatorDeployment.bind(config_values(dict(args or {})))  # type: ignore[attr-defined]
+    """Serve application builder (``import_path: coordinator.serve_app:build_app``); a bad arg is
+    a ValueError naming it, here, before any replica starts."""
+    return CoordinatorDeployment.bind(settings.parse_values(dict(args or {})))  # type: ignore[attr-defined]

@@ -1,8 +1,9 @@
 """The error vocabulary of specdec.
 
 Every failure the engines and the algorithm can report is one of these classes. Servicers map
-them to gRPC status codes in exactly one place (``STATUS_OF`` names the code for each class), so
-the algorithm never imports gRPC and a client always gets a status that names the problem.
+them to gRPC status codes in exactly one place (each class names its code in ``code``, and
+``specdec.runtime.grpc_server.status_of`` reads it), so the algorithm never imports gRPC and a
+client always gets a status that names the problem.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def test_distill_tiny_target(tmp_path):
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as weights:  # shipped in bf16
-        assert {weights.get_tensor(k).dtype for k in weights} == {torch.bfloat16}
+        assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.bfloat16}  # noqa: SIM118 - safe_open is not iterable
     # and it works as a draft: greedy speculative output is the target's own
     greedy = SamplingParams(temperature=0.0, seed=0, max_new_tokens=20, ignore_eos=True)
     expected = target.generate(
@@ -253,7 +253,8 @@ def test_distill_feature_draft_tiny_target(tmp_path):
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as weights:
-        assert {weights.get_tensor(k).dtype for k in weights if k != "head_token_ids"} == {torch.bfloat16}
+        names = [k for k in weights.keys() if k != "head_token_ids"]  # noqa: SIM118 - safe_open is not iterable
+        assert {weights.get_tensor(k).dtype for k in names} == {torch.bfloat16}
     greedy = SamplingParams(temperature=0.0, seed=0, max_new_tokens=30, ignore_eos=True)
     from specdec.modeling.loading import encode_prompt
     from specdec.training.distill import DEFAULT_DISTILL_PROMPTS

@@ -182,7 +182,7 @@ def test_the_stored_request_pins_the_defaults_it_was_given():
     assert pb.GenerateRequest.FromString(canonical(explicit, "r2", defaults)).speculation.num_speculative_tokens == 0
 
 
-def test_coordinator_flags_and_serve_app_args_select_the_policy():
+def test_coordinator_flags_and_serve_app_args_select_the_policy(monkeypatch):
     import argparse
 
     from coordinator import serve_app, settings
@@ -197,14 +197,21 @@ def test_coordinator_flags_and_serve_app_args_select_the_policy():
     with pytest.raises(SystemExit):
         parser.parse_args(["--target", "h:1", "--step-cost", "0.3"])
     # the Serve application's args are the same settings under the same names
-    values = serve_app.config_values({"fixed_k": "true", "step_cost": "0.2,0.1", "redis": "redis://x:1/0"})
-    app = settings.config_from(values)
+    app = serve_app.serve_config(
+        settings.parse_values({"fixed_k": "true", "step_cost": "0.2,0.1", "redis": "redis://x:1/0"})
+    )
     assert not app.default_adaptive and app.step_cost == StepCost(0.2, 0.1)
-    assert settings.config_from(serve_app.config_values({"fixed_k": False, "redis": "redis://x:1/0"})).default_adaptive
+    assert serve_app.serve_config(settings.parse_values({"fixed_k": False, "redis": "redis://x:1/0"})).default_adaptive
     with pytest.raises(ValueError, match="fixed_k"):
-        serve_app.config_values({"fixed_k": "maybe", "redis": "redis://x:1/0"})
+        serve_app.build_app({"fixed_k": "maybe"})
     with pytest.raises(ValueError, match="unknown coordinator settings"):
-        serve_app.config_values({"adaptive": True, "redis": "redis://x:1/0"})
+        serve_app.build_app({"adaptive": True})
+    # the registry is required where the replica runs (REDIS_URL comes from its runtime env)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with pytest.raises(ValueError, match="REDIS_URL"):
+        serve_app.serve_config(settings.parse_values({}))
+    monkeypatch.setenv("REDIS_URL", "redis://y:2/0")
+    assert serve_app.serve_config(settings.parse_values({})).redis_url == "redis://y:2/0"
 
 
 def test_requests_get_the_adaptive_policy_by_default_only_with_a_draft_model():

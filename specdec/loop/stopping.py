@@ -25,7 +25,7 @@ INCOMPLETE = "\ufffd"  # what decoding yields for the first bytes of an unfinish
 class IncrementalDetokenizer:
     """The text of a growing token sequence (``skip_special_tokens``, as the one-shot decode)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.prefix_offset = 0  # the window's context starts here ...

@@ -75,7 +75,7 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
 class LeanLlama:
     """The forward pass of one loaded Llama model (see the module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model) -> None:
         self.model = model
         config = model.config
         inner = model.model

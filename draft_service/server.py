@@ -8,8 +8,13 @@ import argparse
 from specdec.engine.sessions import CacheLimits
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method
-from specdec.runtime.model_thread import on_model_thread
-from specdec.runtime.servicer import ServiceSpec, SessionServicer, add_replica_arguments, main_async
+from specdec.runtime.servicer import (
+    ServiceSpec,
+    SessionServicer,
+    add_replica_arguments,
+    batch_runner_for,
+    main_async,
+)
 from specdec.telemetry import tracing
 from specdec.v1 import draft_pb2_grpc, engine_pb2
 
@@ -33,7 +38,15 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             span.set_attribute("specdec.k", request.k)
             span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
             # one hop to the model thread for commit + proposal (each hop costs a thread hand-off)
-            proposal = await on_model_thread(self.engine.propose, request.session_id, request.step, request.k, commit)
+            proposal = await self.engine_call(
+                request.session_id,
+                getattr(self.engine, "propose_work", None),
+                self.engine.propose,
+                request.session_id,
+                request.step,
+                request.k,
+                commit,
+            )
             span.set_attribute("specdec.proposed", len(proposal))
         return wire.proposal_to_proto(proposal)
 
@@ -130,6 +143,8 @@ def main(args) -> int:
             describe=describe,
             drain_seconds=args.drain_seconds,
             metrics_port=args.metrics_port,
+            batch=batch_runner_for(engine, args),
+            batch_gather_ms=args.batch_gather_ms,
         )
 
     return main_async(spec, "draft")

@@ -11,7 +11,13 @@ from specdec.errors import InvalidArgumentError
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import on_model_thread
-from specdec.runtime.servicer import ServiceSpec, SessionServicer, add_replica_arguments, main_async
+from specdec.runtime.servicer import (
+    ServiceSpec,
+    SessionServicer,
+    add_replica_arguments,
+    batch_runner_for,
+    main_async,
+)
 from specdec.telemetry import tracing
 from specdec.v1 import engine_pb2, target_pb2_grpc
 
@@ -48,7 +54,9 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             span.set_attribute("specdec.k", len(block))
             span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
             # one hop to the model thread for commit + verify (each hop costs a thread hand-off)
-            verdict = await on_model_thread(
+            verdict = await self.engine_call(
+                header.session_id,
+                getattr(self.engine, "verify_work", None),
                 self.engine.verify,
                 header.session_id,
                 header.step,
@@ -185,6 +193,8 @@ def main(args) -> int:
             drain_seconds=args.drain_seconds,
             metrics_port=args.metrics_port,
             on_stop=lambda: on_stop() if on_stop else None,
+            batch=batch_runner_for(engine, args),
+            batch_gather_ms=args.batch_gather_ms,
         )
 
     return main_async(spec, "target")

@@ -73,6 +73,11 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1
     assert len(spec["acceptance_per_position"]) == 2 and spec["itl_s_p99"] >= spec["itl_s_p50"]
     assert {c["concurrency"] for c in report["concurrency"]} == {1, 2}
+    for level in report["concurrency"]:  # under load every stream has the tokens it has alone
+        assert level["streams_changed_vs_alone"] == 0
+        assert level["streams"] == level["concurrency"] * report["settings"]["repeats"]
+        assert level["aggregate_tokens_per_s"] > 0 and level["itl_s_p99"] >= level["itl_s_p50"]
+        assert level["ttft_s_p99"] >= level["ttft_s_p50"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "best:" in proc.stdout and "tok/s" in proc.stdout
 

@@ -74,6 +74,9 @@ def test_specdec_run_streams_an_answer_with_stats(model_dirs):
     assert "seed=5" in proc.stdout and "12 tokens" in proc.stdout
     # --compare: the same greedy request without speculation, same tokens, and the speed ratio
     assert "without speculation" in proc.stdout and "identical tokens: yes" in proc.stdout
+    # then 8 concurrent streams of the same request, each with the lone stream's tokens
+    assert "8 concurrent streams of the same request" in proc.stdout
+    assert "streams with the lone stream's tokens: 8 of 8" in proc.stdout
 
 
 def test_specdec_run_with_draft_none_does_not_speculate(model_dirs):

@@ -59,10 +59,10 @@ def info(address: str, kind: str):
     return cls(channel).Info(engine_pb2.InfoRequest(), timeout=10)
 
 
-def test_services_describe_the_feature_pairing(stack):
+def test_services_describe_the_feature_pairing(stack, models):
     children = {c.name: c for c in stack.children}
     draft, target = info(children["draft-0"].address, "draft"), info(children["target-0"].address, "target")
-    assert draft.draft_kind == "feature" and draft.feature_size == target.feature_size == 32
+    assert draft.draft_kind == "feature" and draft.feature_size == target.feature_size == models[1].config.hidden_size
 
 
 @pytest.mark.statistical

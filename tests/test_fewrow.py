@@ -21,7 +21,7 @@ needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"few-row kernel un
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 17, 70])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (577, 576), (13, 32), (5, 16), (64, 1536)])
 def test_kernel_equals_the_torch_product(rows, out_features, in_features):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -41,9 +41,24 @@ def test_kernel_reads_views_at_their_offset():
     torch.testing.assert_close(fewrow.few_row_product(x, part), x @ part.t(), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_product_is_the_same_bits_whatever_rows_share_the_call(dtype):
+    """Batch invariance: row i of a product over n rows equals, bit for bit, the product of row i
+    alone, for every n (tiles of 8 rows, blocks of 64, and their remainders)."""
+    generator = torch.Generator().manual_seed(7)
+    w = torch.randn(200, 576, generator=generator).to(dtype)
+    x = torch.randn(150, 576, generator=generator)
+    alone = torch.cat([fewrow.few_row_product(x[i : i + 1], w) for i in range(len(x))])
+    for n in (2, 3, 5, 8, 9, 16, 63, 64, 65, 150):
+        for offset in (0, 150 - n):
+            together = fewrow.few_row_product(x[offset : offset + n], w)
+            assert torch.equal(together, alone[offset : offset + n]), (n, offset)
+
+
 def test_kernel_declines_what_it_does_not_cover():
     w = torch.randn(8, 32)
-    assert fewrow.few_row_product(torch.randn(5, 32), w) is None  # more than 4 rows
+    assert fewrow.few_row_product(torch.randn(0, 32), w) is None  # no rows
     assert fewrow.few_row_product(torch.randn(3, 24), torch.randn(8, 24)) is None  # width not a multiple of 16
     assert fewrow.few_row_product(torch.randn(3, 32, dtype=torch.float64), w.double()) is None
     assert fewrow.few_row_product(torch.randn(3, 32), w.t().contiguous().t()) is None  # non-contiguous weight
@@ -220,7 +235,7 @@ def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
         )
         return declined and torch.equal(x, before)
 
-    assert refused(torch.randn(5, 64))  # more than 4 rows
+    assert refused(torch.randn(0, 64))  # no rows
     assert refused(torch.randn(3, 64), start=cache.capacity - 2)  # past the cache's capacity
     assert refused(torch.randn(3, 64), rows_cos=cos[:2])  # rotary rows for another block
     assert refused(torch.randn(3, 64), keys=cache.keys.transpose(2, 3))  # not the cache layout

@@ -56,6 +56,25 @@ def test_a_written_copy_loads_as_the_same_model(tmp_path, monkeypatch):
     assert gguf_cache.write_converted(gguf, model, word_tokenizer(32)) == folder
 
 
+def test_a_tied_head_is_stored_as_the_input_embedding_like_any_checkpoint(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    monkeypatch.setenv(gguf_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(gguf_cache.SWITCH_ENV, raising=False)
+    gguf = tmp_path / "tied.gguf"
+    gguf.write_bytes(b"x")
+    model = tiny_llama(32, seed=4)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    folder = gguf_cache.write_converted(gguf, model, word_tokenizer(32))
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        names = set(weights.keys())
+        assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+        assert torch.equal(weights.get_tensor("model.embed_tokens.weight"), model.model.embed_tokens.weight)
+    copy = load_model(str(folder), "cpu", torch.float32, quiet=True)
+    assert torch.equal(copy.lm_head.weight, model.model.embed_tokens.weight)  # re-tied on load
+
+
 @pytest.mark.slow
 def test_default_target_first_load_writes_the_copy_and_the_next_load_reads_it(tmp_path, monkeypatch):
     """In fresh processes with an empty cache: the dequantized model and the copy are bit-identical,

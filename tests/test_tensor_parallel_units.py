@@ -60,3 +60,19 @@ def test_any_other_failure_is_reported_and_fails_the_group(broadcasts, caplog):
         assert tensor_parallel.worker_loop(engine) == 1
     assert engine.done == [] and len(left) == 2  # it stopped at once: nothing after the failure ran
     assert "verify failed" in caplog.text and "out of memory on this rank" in caplog.text  # with the traceback
+
+
+def test_a_tensor_parallel_target_keeps_one_call_at_a_time():
+    """Its calls must be mirrored on every rank, so its replica does not batch them as works
+    (which would run on rank 0 alone); a plain target's replica does."""
+    import argparse
+
+    from specdec.engine.target import TargetEngine
+    from specdec.engine.tensor_parallel import DistributedTargetEngine
+    from specdec.modeling.tiny import tiny_llama
+    from specdec.runtime.servicer import batch_runner_for
+
+    args = argparse.Namespace(max_batch_tokens=256, max_batch_sessions=64, max_waiting_sessions=64)
+    plain = TargetEngine(tiny_llama(32, seed=1, hidden_size=32, num_heads=4, num_kv_heads=2))
+    assert batch_runner_for(plain, args) is not None
+    assert batch_runner_for(DistributedTargetEngine(plain, 2), args) is None

@@ -135,7 +135,8 @@ def test_sharded_target_returns_the_unsharded_features(targets):
         asyncio.run(features(sharded.address)),
         asyncio.run(features(plain.address)),
     )
-    assert prompt_a.shape == (4, 32) and block_a.shape == (3, 32)
+    hidden = build_target().config.hidden_size
+    assert prompt_a.shape == (4, hidden) and block_a.shape == (3, hidden)
     torch.testing.assert_close(prompt_a, prompt_b, rtol=2e-3, atol=2e-3)  # float16 on the wire
     torch.testing.assert_close(block_a, block_b, rtol=2e-3, atol=2e-3)
 

@@ -17,8 +17,11 @@ One run, one stack, the same prompts, models and sampling settings for every mod
                          standalone draft (``--assistant-model``; for the default target the
                          shipped distilled one)
 
-Plus a concurrency sweep (aggregate tokens/s with 1, 4, 16 streams) and Leviathan et al.'s
-predicted speedup from the measured acceptance and step times, next to the achieved one.
+Plus a concurrency sweep (``--concurrency``: for target-only and the best speculative mode, that
+many streams at once, each level ``--repeats`` times: aggregate tokens/s, time to first token and
+inter-token latency p50/p99, and whether every stream's tokens equal those of the same request
+run alone) and Leviathan et al.'s predicted speedup from the measured acceptance and step times,
+next to the achieved one.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Sample:
     draft_s: float = 0.0
     verify_s: float = 0.0
     server_s: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ async def stream_one(stub, request) -> Sample:
                 sample.itl.extend([(now - last) / n] * n)
             last = now
             tokens += n
+            sample.token_ids.extend(chunk.token_ids)
         if chunk.finish_reason:
             s = chunk.stats
             sample.passes, sample.drafts, sample.proposed, sample.accepted = (
@@ -192,13 +197,16 @@ def predicted_speedup(spec: dict, baseline: dict) -> float | None:
 
 
 # -- the run -------------------------------------------------------------------------------
-def build_request(prompt: dict, mode: Mode, temperature: float, max_new_tokens: int, seed: int):
+def build_request(
+    prompt: dict, mode: Mode, temperature: float, max_new_tokens: int, seed: int, ignore_eos: bool = True
+):
+    """``ignore_eos`` (default): every mode generates the same number of tokens."""
     from specdec.v1 import coordinator_pb2 as pb
 
     req = pb.GenerateRequest(prompt=prompt["text"], apply_chat_template=True)
     req.sampling.temperature = temperature
     req.sampling.max_new_tokens = max_new_tokens
-    req.sampling.ignore_eos = True  # every mode generates the same number of tokens
+    req.sampling.ignore_eos = ignore_eos
     req.sampling.seed = seed
     req.speculation.num_speculative_tokens = mode.k
     req.speculation.method = mode.method
@@ -299,15 +307,28 @@ def run(args) -> dict:
 
         asyncio.run(measure())
         summaries = [summarize(mode, t, runs) for (mode, t), runs in results.items()]
-        sweep = []
+        sweep: list[dict] = []
+        alone: dict[str, dict[int, list[int]]] = {}
         if concurrency:
             best = _best(summaries, temperatures[0])
-            sweep = asyncio.run(
+            sweep, alone = asyncio.run(
                 _concurrency(
-                    stack.coordinator_address, prompts, best, temperatures[0], args.max_new_tokens, concurrency, say
+                    stack.coordinator_address,
+                    prompts,
+                    best,
+                    temperatures[0],
+                    args.max_new_tokens,
+                    concurrency,
+                    args.repeats,
+                    say,
                 )
             )
-    return report(summaries, sweep, args)
+    rep = report(summaries, sweep, args)
+    if args.peer == "vllm":
+        if not concurrency or temperatures[0] != 0:
+            raise SystemExit("specdec bench --peer vllm compares greedy concurrency sweeps: pass --concurrency")
+        rep["peer"] = run_peer(args, prompts, concurrency, alone.get("target-only", {}), say)
+    return rep
 
 
 def assistant_for(args) -> str | None:
@@ -337,32 +358,108 @@ def _best(summaries: list[dict], temperature: float) -> Mode:
     return Mode.of_summary(max(spec, key=lambda s: s["tokens_per_s"]))
 
 
-async def _concurrency(address, prompts, best: Mode, temperature, max_new_tokens, levels, say) -> list[dict]:
+async def _concurrency(
+    address, prompts, best: Mode, temperature, max_new_tokens, levels, repeats, say
+) -> tuple[list[dict], dict[str, dict[int, list[int]]]]:
+    """Per level and mode (target-only, ``best``): ``level`` streams at once (prompt i mod the
+    prompts, seed i, natural EOS), ``repeats`` times; the median aggregate tokens/s, latency
+    percentiles over every stream, and how many streams' tokens differ from the same request
+    run alone (measured once per request, one at a time)."""
     import grpc
 
     from specdec.v1 import coordinator_pb2_grpc
 
     out = []
+    alone_by_mode: dict[str, dict[int, list[int]]] = {}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        for level in levels:
-            for mode in (Mode("target-only", 0, "none"), best):
-                reqs = [
-                    build_request(prompts[i % len(prompts)], mode, temperature, max_new_tokens, i) for i in range(level)
-                ]
-                started = time.perf_counter()
-                samples = await asyncio.gather(*(stream_one(stub, r) for r in reqs))
-                wall = time.perf_counter() - started
+        for mode in (Mode("target-only", 0, "none"), best):
+
+            def make(i: int, mode: Mode = mode):
+                return build_request(prompts[i % len(prompts)], mode, temperature, max_new_tokens, i, False)
+
+            alone: dict[int, list[int]] = {}
+            for i in range(max(levels)):
+                alone[i] = (await stream_one(stub, make(i))).token_ids
+            alone_by_mode[mode.mode] = alone
+            for level in levels:
+                rates, ttfts, itls, changed = [], [], [], 0
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    samples = await asyncio.gather(*(stream_one(stub, make(i)) for i in range(level)))
+                    wall = time.perf_counter() - started
+                    rates.append(sum(s.tokens for s in samples) / wall)
+                    ttfts += [s.ttft for s in samples if s.ttft is not None]
+                    itls += [v for s in samples for v in s.itl]
+                    changed += sum(s.token_ids != alone[i] for i, s in enumerate(samples))
                 out.append(
                     {
                         "concurrency": level,
                         "mode": mode.mode,
                         "k": mode.k,
-                        "aggregate_tokens_per_s": sum(s.tokens for s in samples) / wall,
+                        "aggregate_tokens_per_s": statistics.median(rates),
+                        "aggregate_tokens_per_s_min": min(rates),
+                        "aggregate_tokens_per_s_max": max(rates),
+                        "ttft_s_p50": percentile(ttfts, 50),
+                        "ttft_s_p99": percentile(ttfts, 99),
+                        "itl_s_p50": percentile(itls, 50),
+                        "itl_s_p99": percentile(itls, 99),
+                        "streams_changed_vs_alone": changed,
+                        "streams": level * repeats,
                     }
                 )
-                say(f"concurrency {level} {mode.mode} k={mode.k}: {out[-1]['aggregate_tokens_per_s']:.1f} tokens/s")
-    return out
+                say(
+                    f"concurrency {level} {mode.mode} k={mode.k}: {out[-1]['aggregate_tokens_per_s']:.1f} tokens/s, "
+                    f"{changed} of {level * repeats} streams differ from alone"
+                )
+    return out, alone_by_mode
+
+
+def run_peer(args, prompts, levels: list[int], ours_alone: dict[int, list[int]], say) -> dict:
+    """vLLM's offline engine (``specdec/apps/vllm_peer.py``, run by ``--peer-python``) on the same
+    float32 weights and chat prompts: aggregate tokens/s per level, and how many prompts' greedy
+    tokens equal ours (checked before its timings mean anything)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from specdec.modeling.gguf_cache import find_converted
+    from specdec.modeling.loading import encode_prompt, load_tokenizer, resolve
+
+    source = resolve(args.target_model)
+    model_dir = find_converted(Path(source.location) / source.gguf_file) if source.gguf_file else Path(source.location)
+    if model_dir is None:
+        raise SystemExit("specdec bench --peer vllm: the float32 copy of the target is missing (load it once first)")
+    tokenizer = load_tokenizer(args.target_model)
+    ids = [encode_prompt(tokenizer, p["text"], chat=True) for p in prompts]
+    n = min(len(prompts), max(levels))
+    with tempfile.TemporaryDirectory() as tmp:
+        job = os.path.join(tmp, "job.json")
+        with open(job, "w") as f:
+            json.dump(
+                {
+                    "model": str(model_dir),
+                    "prompts": ids[:n],
+                    "levels": levels,
+                    "max_tokens": args.max_new_tokens,
+                    "repeats": args.repeats,
+                },
+                f,
+            )
+        script = Path(__file__).with_name("vllm_peer.py")
+        say(f"peer: vLLM ({args.peer_python}) on {model_dir}")
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        proc = subprocess.run(
+            [args.peer_python, str(script), job], capture_output=True, text=True, env=env, check=False, timeout=3600
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"specdec bench --peer vllm failed:\n{proc.stderr[-3000:]}")
+        result = json.loads(Path(job + ".out").read_text())
+    matches = sum(result["alone_token_ids"][i] == ours_alone.get(i) for i in range(n))
+    for level in result["levels"]:
+        say(f"peer vLLM concurrency {level['concurrency']}: {level['aggregate_tokens_per_s']:.1f} tokens/s")
+    say(f"peer vLLM greedy tokens equal ours on {matches} of {n} prompts")
+    return {"name": "vllm", "levels": result["levels"], "greedy_prompts_equal": matches, "greedy_prompts": n}
 
 
 def report(summaries: list[dict], sweep: list[dict], args) -> dict:
@@ -432,8 +529,11 @@ def table(rep: dict) -> str:
         )
     for c in rep["concurrency"]:
         lines.append(
-            f"concurrency {c['concurrency']:>2}: {c['mode']} k={c['k']}: "
-            f"{c['aggregate_tokens_per_s']:.1f} tokens/s aggregate"
+            f"concurrency {c['concurrency']:>2}: {c['mode']:<20} k={c['k']}: "
+            f"{c['aggregate_tokens_per_s']:>6.1f} tokens/s aggregate, ttft p50/p99 "
+            f"{fmt(c.get('ttft_s_p50'), '.3f')}/{fmt(c.get('ttft_s_p99'), '.3f')} s, itl p50/p99 "
+            f"{fmt(c.get('itl_s_p50'), '.3f')}/{fmt(c.get('itl_s_p99'), '.3f')} s, "
+            f"{c.get('streams_changed_vs_alone', 0)} of {c.get('streams', 0)} streams differ from alone"
         )
     lines.append(
         f"best: {rep['best']}, speedup vs target-only {fmt(rep['speedup_vs_target_only'], '.2f')}x "
@@ -503,6 +603,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--concurrency", default="1,4,16", help="concurrency sweep ('' = skip)")
+    p.add_argument(
+        "--peer", choices=["none", "vllm"], default="none", help="also run vLLM's CPU build (make bench-peer)"
+    )
+    p.add_argument("--peer-python", default=".venv-peer/bin/python", help="the Python of the peer's venv")
     p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
     p.add_argument("--quick", action="store_true", help="a few minutes: 4 prompts, k in 2,4, 2 repeats, 24 tokens")
     p.add_argument("--json", default=None, help="write the report here")

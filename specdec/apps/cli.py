@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -67,7 +68,34 @@ def cmd_run(args) -> int:
         print("\n\n" + summary(answer), flush=True)
         if args.compare:
             print(compare_without_speculation(stack.coordinator_address, args, answer), flush=True)
+            if args.compare_streams > 1:
+                print(concurrent_streams(stack.coordinator_address, args, answer), flush=True)
     return 0
+
+
+def concurrent_streams(address: str, args, answer) -> str:
+    """The same request as ``args.compare_streams`` concurrent streams (same seed): their
+    aggregate tokens/s beside one stream's, and whether every stream got the one stream's tokens
+    (each replica batches the streams' passes: docs/batching.md)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec.apps.client import build_request, stream_to
+
+    params = sampling_from_args(args).with_seed(answer.seed)
+    request = build_request(prompt=args.prompt, params=params, k=args.num_speculative_tokens, chat=not args.raw)
+    streams = args.compare_streams
+    started = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        answers = list(pool.map(lambda _: stream_to(address, request, out=None), range(streams)))
+    wall = time.perf_counter() - started
+    one = len(answer.token_ids) / answer.seconds if answer.seconds else 0.0
+    together = sum(len(a.token_ids) for a in answers) / wall
+    same = sum(a.token_ids == answer.token_ids for a in answers)
+    return (
+        f"{streams} concurrent streams of the same request: {together:.1f} tokens/s in all, one stream alone "
+        f"{one:.1f} ({together / one if one else float('nan'):.1f}x); streams with the lone stream's tokens: "
+        f"{same} of {streams}" + ("" if same == streams else " (a bug: please report)")
+    )
 
 
 def warm_up(address: str, args) -> None:
@@ -253,6 +281,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=_positive_int,
         default=3,
         help="with --compare: runs of each, alternated (medians are compared)",
+    )
+    p.add_argument(
+        "--compare-streams",
+        type=int,
+        default=8,
+        help="with --compare: then the same request as this many concurrent streams (0 = skip)",
     )
     _stack_flags(p)
     add_sampling_flags(p)

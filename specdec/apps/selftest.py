@@ -139,9 +139,11 @@ class CaseResult:
 
 # ------------------------------------------------------------------------------------------
 def build_target():
+    """A tiny random Llama whose widths the batched layer kernel covers (head_dim 16), so the
+    statistical cases run through the same pass that serves under load (docs/batching.md)."""
     from specdec.modeling.tiny import tiny_llama
 
-    return tiny_llama(VOCAB, seed=TARGET_SEED, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
+    return tiny_llama(VOCAB, seed=TARGET_SEED, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
 
 
 def build_draft(kind: str, target, top_m: int):

@@ -17,7 +17,16 @@ from collections.abc import Sequence
 import torch
 
 from specdec.engine.commits import Commit
-from specdec.engine.sessions import CacheLimits, Session, SessionEngine, SessionStore, cache_nbytes
+from specdec.engine.sessions import (
+    CacheLimits,
+    PassRequest,
+    Session,
+    SessionEngine,
+    SessionStore,
+    Work,
+    cache_nbytes,
+    run_alone,
+)
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import Purpose, uniform
@@ -53,6 +62,7 @@ class _Proposer(SessionEngine):
 
 
 class DraftEngine(_Proposer):
+    supports_works = True  # its calls run as works: specdec.engine.batching batches them
     kind = "model"
     feature_size = 0
 
@@ -65,6 +75,11 @@ class DraftEngine(_Proposer):
         self._start(session_id, prompt, params)
 
     def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
+        return run_alone(self.store, self.propose_work(session_id, step, k, commit))
+
+    def propose_work(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> Work:
+        """:meth:`propose` as a work (specdec.engine.batching): one pass per proposal, each of
+        which may share an iteration with other sessions' passes."""
         session = self.store.get(session_id)
         with session.lock:
             if commit is not None:
@@ -75,8 +90,8 @@ class DraftEngine(_Proposer):
             counts = session.counts.clone()
             first = len(session.tokens)
             for i in range(self._room(session, k)):
-                logits = self.store.forward(session, tokens, rows=1)[0]
-                y, q = self._draw(session, logits, counts, first + i)
+                logits, _ = yield PassRequest(session, list(tokens), 1)
+                y, q = self._draw(session, logits[0], counts, first + i)
                 tokens.append(y)
                 qs.append(q)
             return DraftProposal(tokens, qs)
@@ -152,7 +167,7 @@ class FeatureDraftEngine(_Proposer):
         start = len(session.cached)
         if upto <= start:
             return None
-        self.store._check_bytes(session, upto)
+        self.store._reserve(session, upto)
         offset = session.features_from
         tokens = torch.tensor(session.tokens[start:upto], dtype=torch.long, device=self.store.device)
         fed = _features(session)[start - offset : upto - offset].to(self.store.device)

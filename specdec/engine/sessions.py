@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from specdec.errors import (
 from specdec.exact.sampling import SamplingParams, token_counts
 from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import context_length, kv_bytes_per_token
-from specdec.modeling.lean_llama import lean_runner
+from specdec.modeling.lean_llama import Pass, lean_runner
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -79,6 +79,45 @@ class Session:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class PassRequest:
+    """One forward pass a session needs (the unit :mod:`specdec.engine.batching` batches): run
+    the uncached part of ``session.tokens + extra`` (after the cache is cut back to what still
+    agrees with it), and return the logits of its last ``rows`` positions [rows, V] and, with
+    ``with_features``, their final hidden states [rows, H] (else None).
+
+    ``prefill``: cache the committed tokens before ``upto`` (all but the last, whose logits start
+    the first step) and return no logits, only, with ``with_features``, the hidden states of the
+    positions fed; the scheduler may feed only a chunk of them per pass (chunked prefill)."""
+
+    session: Session
+    extra: list[int] = field(default_factory=list)
+    rows: int = 1
+    with_features: bool = False
+    prefill: bool = False
+    upto: int = 0
+
+
+Work = Generator[PassRequest, Any, Any]  # an engine call: yields its passes, receives their results
+
+
+def run_alone(store: SessionStore, work: Work) -> Any:
+    """The work's result, running its passes one by one, with nothing else in them."""
+    try:
+        request = next(work)
+        while True:
+            result = store.run_requests([(request, None)])[0]
+            request = work.throw(result) if isinstance(result, BaseException) else work.send(result)
+    except StopIteration as done:
+        return done.value
+
+
+def _raise_refusal(result: Any) -> Any:
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 @dataclass(frozen=True)
@@ -152,7 +191,7 @@ class SessionStore:
             )
         params.validate_for_vocab(self.vocab_size)
         self._check_capacity()
-        self._check_bytes(None, len(prompt))
+        self._reserve(None, len(prompt))
         session = Session(
             session_id=session_id,
             tokens=prompt,
@@ -161,6 +200,7 @@ class SessionStore:
             cache=self._new_cache(),
             counts=token_counts(prompt, self.vocab_size),
         )
+        self._reserve(session, len(prompt))  # the prompt's KV is allocated (and accounted) from the start
         with self._table_lock:
             if session_id in self._sessions:
                 raise SessionExistsError(f"{self.name}: session {session_id!r} already exists")
@@ -204,14 +244,40 @@ class SessionStore:
         """Logits of the last ``rows`` of ``feed`` (appended to ``cache``), [rows, V], and with
         ``feature_rows`` the model's final hidden states (what its head reads) of the last
         ``feature_rows`` positions, [feature_rows, H] (else None)."""
-        input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)
+        return self._run_many([(cache, feed, rows, feature_rows)])[0]
+
+    def _run_many(
+        self, passes: list[tuple[Any, list[int], int, int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`_run` for several (cache, feed, rows, feature_rows) passes: one batched pass
+        through the lean runner (every pass of a session goes there, alone or not, so its bits
+        never depend on what shared its passes), else one transformers pass each."""
         if self.runner is not None:
-            return self.runner.forward_with_features(input_ids[0], cache, rows, feature_rows)
-        out = self.model(
-            input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=rows, output_hidden_states=feature_rows > 0
-        )
-        features = out.hidden_states[-1][0, len(feed) - feature_rows :] if feature_rows else None
-        return out.logits[0], features
+            return self.runner.forward_batch(
+                [
+                    Pass(torch.tensor(feed, dtype=torch.long, device=self.device), cache, rows, f)
+                    for cache, feed, rows, f in passes
+                ]
+            )
+        results = []
+        for cache, feed, rows, feature_rows in passes:
+            input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)
+            out = self.model(
+                input_ids=input_ids,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=max(rows, 1),
+                output_hidden_states=feature_rows > 0,
+            )
+            features = out.hidden_states[-1][0, len(feed) - feature_rows :] if feature_rows else None
+            results.append((out.logits[0, out.logits.shape[1] - rows :], features))
+        return results
+
+    @property
+    def batches(self) -> bool:
+        """Whether passes of several sessions run as one (the lean runner's batched kernel): only
+        then may a prefill be fed in chunks of any size without changing its bits."""
+        return self.runner is not None and self.runner.batches
 
     # -- caps ---------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
@@ -220,8 +286,12 @@ class SessionStore:
                 f"{self.name}: {len(self._sessions)} live sessions, the cap is {self.limits.max_sessions}"
             )
 
-    def _check_bytes(self, session: Session | None, tokens_after: int) -> None:
-        projected = tokens_after * self.bytes_per_token
+    def _reserve(self, session: Session | None, tokens_after: int) -> None:
+        """Make room for ``tokens_after`` positions in the session's cache (None: a session about
+        to start), within the caps, or raise RESOURCE_EXHAUSTED touching nothing. The KV pool is
+        accounted in allocated bytes: a LeanCache grows by doubling, never past what the caps
+        leave it (then exactly to what it needs)."""
+        projected = self._projected_bytes(session, tokens_after)
         limits = self.limits
         if limits.max_session_kv_bytes and projected > limits.max_session_kv_bytes:
             raise ResourceExhaustedError(
@@ -235,6 +305,40 @@ class SessionStore:
                 raise ResourceExhaustedError(
                     f"{self.name}: KV caches would need {total} bytes in all, the cap is {limits.max_total_kv_bytes}"
                 )
+        if session is not None and isinstance(session.cache, LeanCache):
+            session.cache.reserve(tokens_after, self._most_tokens(session))
+            session.kv_bytes = cache_nbytes(session.cache)
+
+    def _most_tokens(self, session: Session) -> int | None:
+        """The most positions the caps let this session's cache hold (None: no cap)."""
+        limits, per_token = self.limits, self.bytes_per_token
+        caps = []
+        if limits.max_session_kv_bytes:
+            caps.append(limits.max_session_kv_bytes // per_token)
+        if limits.max_total_kv_bytes:
+            caps.append((limits.max_total_kv_bytes - self.total_kv_bytes + session.kv_bytes) // per_token)
+        return min(caps) if caps else None
+
+    def _projected_bytes(self, session: Session | None, tokens_after: int) -> int:
+        if session is None or not isinstance(session.cache, LeanCache):
+            return tokens_after * self.bytes_per_token
+        return session.cache.planned_capacity(tokens_after, self._most_tokens(session)) * self.bytes_per_token
+
+    def has_room(self, prompt_tokens: int) -> bool:
+        """Whether a session of ``prompt_tokens`` could start now (admission control)."""
+        try:
+            self._check_capacity()
+            self._reserve(None, prompt_tokens)
+        except ResourceExhaustedError:
+            return False
+        return True
+
+    def could_ever_fit(self, prompt_tokens: int) -> bool:
+        """Whether a session of ``prompt_tokens`` fits an empty pool (else waiting is pointless)."""
+        limits, need = self.limits, prompt_tokens * self.bytes_per_token
+        return not (limits.max_session_kv_bytes and need > limits.max_session_kv_bytes) and not (
+            limits.max_total_kv_bytes and need > limits.max_total_kv_bytes
+        )
 
     # -- steps and commits --------------------------------------------------------------------
     @staticmethod
@@ -273,41 +377,94 @@ class SessionStore:
         the CPU, [rows, V]. Only the uncached part is fed; afterwards ``cached`` is that sequence."""
         return self.forward_with_features(session, extra, rows, with_features=False)[0]
 
-    @torch.inference_mode()
     def forward_with_features(
         self, session: Session, extra: Sequence[int] = (), rows: int = 1, with_features: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, and the final hidden states of the same ``rows`` positions (float32,
         CPU, [rows, H]) when ``with_features``: what a feature draft reads."""
-        extra = [int(t) for t in extra]
-        if not 1 <= rows <= len(session.tokens) + len(extra):
+        request = PassRequest(session, [int(t) for t in extra], rows, with_features)
+        return _raise_refusal(self.run_requests([(request, None)])[0])
+
+    def warm(self, session: Session, with_features: bool = False) -> torch.Tensor | None:
+        """Prefill: cache every committed token but the last (whose logits start the first step).
+        With ``with_features``: the final hidden states of the positions fed, [fed, H] float32."""
+        request = PassRequest(session, with_features=with_features, prefill=True, upto=len(session.tokens) - 1)
+        if self.feed_length(request) == 0:
+            return torch.zeros(0, int(self.model.config.hidden_size)) if with_features else None
+        return _raise_refusal(self.run_requests([(request, None)])[0])
+
+    def feed_length(self, request: PassRequest) -> int:
+        """How many tokens ``request`` would feed now (its rows in a pass)."""
+        session = request.session
+        if request.prefill:
+            return max(0, request.upto - len(session.cached))
+        sequence_len = len(session.tokens) + len(request.extra)
+        agree = common_prefix_len(session.cached, session.tokens + request.extra)
+        return sequence_len - min(agree, sequence_len - request.rows)
+
+    def _prepare(self, request: PassRequest, chunk: int | None) -> tuple[list[int], int, int]:
+        """(the tokens to feed, logits rows, feature rows) for ``request``, the cache cut back
+        first; raises (touching nothing else) where the pass is not allowed."""
+        session = request.session
+        if session.cache is None or self._sessions.get(session.session_id) is not session:
+            raise SessionNotFoundError(f"{self.name}: session {session.session_id!r} was released")
+        if request.prefill:
+            feed = session.tokens[len(session.cached) : request.upto]
+            if chunk is not None:
+                feed = feed[:chunk]
+            if not feed:
+                raise ValueError("a prefill request with nothing left to feed")
+            self._reserve(session, len(session.cached) + len(feed))
+            return feed, 0, len(feed) if request.with_features else 0
+        rows = request.rows
+        if not 1 <= rows <= len(session.tokens) + len(request.extra):
             raise ValueError(f"cannot return {rows} rows")
-        self.sync_cache(session, extra, min_feed=rows)
-        feed = (session.tokens + extra)[len(session.cached) :]
+        self.sync_cache(session, request.extra, min_feed=rows)
+        feed = (session.tokens + request.extra)[len(session.cached) :]
         total = len(session.cached) + len(feed)
         if total > self.context_length:
             raise InvalidArgumentError(
                 "num_speculative_tokens", f"{total} tokens exceed the model context of {self.context_length}"
             )
-        self._check_bytes(session, total)
-        logits, features = self._run(session.cache, feed, rows, rows if with_features else 0)
-        session.cached.extend(feed)
-        session.kv_bytes = cache_nbytes(session.cache)
-        if features is not None:
-            features = features.to(device="cpu", dtype=torch.float32)
-        return logits[-rows:].to(device="cpu", dtype=torch.float32), features
+        self._reserve(session, total)
+        return feed, rows, rows if request.with_features else 0
 
     @torch.inference_mode()
-    def warm(self, session: Session, with_features: bool = False) -> torch.Tensor | None:
-        """Prefill: cache every committed token but the last (whose logits start the first step).
-        With ``with_features``: the final hidden states of the positions fed, [fed, H] float32."""
-        feed = session.tokens[len(session.cached) : -1]
-        if not feed:
-            return torch.zeros(0, int(self.model.config.hidden_size)) if with_features else None
-        _, features = self._run(session.cache, feed, 1, len(feed) if with_features else 0)
-        session.cached.extend(feed)
-        session.kv_bytes = cache_nbytes(session.cache)
-        return features.to(device="cpu", dtype=torch.float32) if features is not None else None
+    def run_requests(
+        self, requests: list[tuple[PassRequest, int | None]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor | BaseException | None]:
+        """Run (request, chunk) pairs as ONE batched pass (``chunk``: feed only that many tokens of
+        a prefill; None: all). Per request: (logits [rows, V], features or None) as float32 on the
+        CPU, or for a prefill its features (or None), or the exception that refused it (a refused
+        request touches nothing; the others run)."""
+        out: list[Any] = [None] * len(requests)
+        live: list[tuple[int, Session, list[int], int, int]] = []
+        for index, (request, chunk) in enumerate(requests):
+            try:
+                feed, rows, feature_rows = self._prepare(request, chunk)
+            except Exception as exc:  # noqa: BLE001 - refused: this request's error, not the batch's
+                out[index] = exc
+                continue
+            live.append((index, request.session, feed, rows, feature_rows))
+        if not live:
+            return out
+        try:
+            results = self._run_many([(s.cache, feed, rows, f) for _, s, feed, rows, f in live])
+        except Exception as exc:  # noqa: BLE001 - the pass failed: every request in it fails
+            for index, session, *_ in live:
+                if isinstance(session.cache, LeanCache):
+                    session.cache.length = len(session.cached)  # whatever the pass wrote is not cached
+                out[index] = exc
+            return out
+        for (index, session, feed, rows, _), (logits, hidden) in zip(live, results, strict=True):
+            session.cached.extend(feed)
+            session.kv_bytes = cache_nbytes(session.cache)
+            features = hidden.to(device="cpu", dtype=torch.float32) if hidden is not None else None
+            if requests[index][0].prefill:
+                out[index] = features
+            else:
+                out[index] = (logits[-rows:].to(device="cpu", dtype=torch.float32), features)
+        return out
 
     def stats(self) -> dict:
         return {
@@ -338,13 +495,29 @@ class SessionEngine:
     ) -> torch.Tensor | None:
         """Start a session; with ``return_features`` return the model's final hidden states of
         every prompt position but the last, [len(prompt) - 1, H] (what a feature draft reads)."""
+        return run_alone(self.store, self.prefill_work(session_id, prompt, params, return_features))
+
+    def prefill_work(
+        self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False
+    ) -> Work:
+        """Starting a session as a work (specdec.engine.batching): the prompt is cached in as
+        many passes as the scheduler's chunks take; a failure releases the session."""
         session = self.store.create(session_id, prompt, params)
-        with session.lock:
-            try:
-                return self.store.warm(session, with_features=return_features)
-            except BaseException:
-                self.store.release(session_id)
-                raise
+        parts: list[torch.Tensor | None] = []
+        try:
+            with session.lock:
+                request = PassRequest(
+                    session, with_features=return_features, prefill=True, upto=len(session.tokens) - 1
+                )
+                while self.store.feed_length(request):
+                    parts.append((yield request))
+        except BaseException:
+            self.store.release(session_id)
+            raise
+        if not return_features:
+            return None
+        present = [p for p in parts if p is not None]
+        return torch.cat(present) if present else torch.zeros(0, int(self.store.model.config.hidden_size))
 
     def commit(self, session_id: str, commit: Commit) -> None:
         session = self.store.get(session_id)

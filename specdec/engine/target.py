@@ -14,13 +14,15 @@ from dataclasses import replace
 import torch
 
 from specdec.engine.commits import Commit
-from specdec.engine.sessions import CacheLimits, SessionEngine, SessionStore
+from specdec.engine.sessions import CacheLimits, PassRequest, SessionEngine, SessionStore, Work, run_alone
 from specdec.exact.sampling import SamplingParams, block_token_counts, greedy_tokens, probs_from_logits
 from specdec.exact.sparse import SparseDist
 from specdec.exact.verify import TargetVerdict, target_verify, target_verify_greedy, validate_block
 
 
 class TargetEngine(SessionEngine):
+    supports_works = True  # its calls run as works: specdec.engine.batching batches them
+
     def __init__(self, model, limits: CacheLimits | None = None, name: str = "target", kv_shards: int = 1):
         super().__init__(SessionStore(model, limits, name=name, kv_shards=kv_shards))
 
@@ -29,25 +31,16 @@ class TargetEngine(SessionEngine):
     ) -> torch.Tensor | None:
         """Start a session; with ``return_features`` the target's final hidden states of every
         prompt position but the last, [len(prompt) - 1, H] (what a feature draft reads)."""
-        return self._start(session_id, prompt, params, return_features)
+        return run_alone(self.store, self.prefill_work(session_id, prompt, params, return_features))
 
     def target_probs(self, session_id: str, proposals: Sequence[int]):
         """p_1..p_{k+1} for a block (dense; for tests and introspection, not for the wire)."""
         session = self.store.get(session_id)
         with session.lock:
-            return self._probs(session, list(proposals))[0]
-
-    def _block_logits(self, session, proposals: list[int], with_features: bool = False):
-        """(logits of the block's k + 1 rows, the penalty counts each row sees or None, the same rows'
-        final hidden states or None): one pass over the uncached tokens and the proposals."""
-        logits, features = self.store.forward_with_features(session, proposals, len(proposals) + 1, with_features)
-        counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
-        return logits, counts, features
-
-    def _probs(self, session, proposals: list[int], with_features: bool = False):
-        """(p_1..p_{k+1} [k + 1, V], the same rows' final hidden states or None)."""
-        logits, counts, features = self._block_logits(session, proposals, with_features)
-        return probs_from_logits(logits, session.params, counts), features
+            proposals = list(proposals)
+            logits = self.store.forward(session, proposals, len(proposals) + 1)
+            counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
+            return probs_from_logits(logits, session.params, counts)
 
     def verify(
         self,
@@ -59,6 +52,19 @@ class TargetEngine(SessionEngine):
         return_features: bool = False,
     ) -> TargetVerdict:
         """``return_features``: the verdict carries the block's features (for a feature draft)."""
+        return run_alone(self.store, self.verify_work(session_id, step, proposals, q_block, commit, return_features))
+
+    def verify_work(
+        self,
+        session_id: str,
+        step: int,
+        proposals: Sequence[int],
+        q_block: Sequence[SparseDist],
+        commit: Commit | None = None,
+        return_features: bool = False,
+    ) -> Work:
+        """:meth:`verify` as a work (specdec.engine.batching): its one pass over the uncached
+        tokens and the proposals may share an iteration with other sessions' passes."""
         session = self.store.get(session_id)
         with session.lock:
             if commit is not None:
@@ -66,10 +72,11 @@ class TargetEngine(SessionEngine):
             self.store.check_step(session, step)
             proposals = [int(t) for t in proposals]
             validate_block(proposals, q_block, self.vocab_size)
+            logits, features = yield PassRequest(session, proposals, len(proposals) + 1, return_features)
+            counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
             if session.params.greedy:  # one-hot rows: their argmaxes are the whole verdict
-                logits, counts, features = self._block_logits(session, proposals, return_features)
                 verdict = target_verify_greedy(greedy_tokens(logits, session.params, counts).tolist(), proposals)
             else:
-                p_rows, features = self._probs(session, proposals, return_features)
+                p_rows = probs_from_logits(logits, session.params, counts)
                 verdict = target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
             return replace(verdict, features=features) if features is not None else verdict

@@ -60,6 +60,10 @@ def local_param_bytes(model) -> int:
 class DistributedTargetEngine:
     """Rank 0's engine: mirrors every state-changing call on all ranks, in one global order."""
 
+    # Its calls are mirrored one at a time, so they are not batched as works (the inner engine's
+    # works would run on rank 0 alone); __getattr__ must not hand the inner engine's flag out.
+    supports_works = False
+
     def __init__(self, engine, tp: int):
         self.engine = engine
         self.tp = tp

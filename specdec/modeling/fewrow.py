@@ -114,30 +114,19 @@ def _load():
     bf16.argtypes = function.argtypes
     bf16.restype = ctypes.c_int
     _state["bf16"] = bf16
-    layers = library.fewrow_layers
-    layers.argtypes = (
-        [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-        ]
+    batch = library.fewrow_batch
+    batch.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        + [ctypes.c_void_p] * 2
         + [ctypes.c_int64] * 4
         + [ctypes.c_float] * 2
         + [ctypes.c_void_p, ctypes.c_int]
     )
-    layers.restype = ctypes.c_int
-    scratch = library.fewrow_layers_scratch
-    scratch.argtypes = [ctypes.c_int64] * 7
+    batch.restype = ctypes.c_int
+    scratch = library.fewrow_batch_scratch
+    scratch.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int64] * 5
     scratch.restype = ctypes.c_int64
-    _state["layers"] = (layers, scratch)
+    _state["layers"] = (batch, scratch)
     return function
 
 
@@ -170,6 +159,14 @@ class LayerWeights(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "wqkv", "wo", "norm2", "wgu", "wdown")] + [
         ("bf16", ctypes.c_int32)
     ]  # 1: the four matrices are bfloat16 twins (see lossless_bf16)
+
+
+class Segment(ctypes.Structure):
+    """One sequence's part of a batched pass (kernels/fewrow.c: segment)."""
+
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("capacity", "start", "rows")
+    ]
 
 
 def lossless_bf16(weight: torch.Tensor) -> torch.Tensor | None:
@@ -208,43 +205,72 @@ def few_row_layers(
     eps: float,
     scale: float,
 ) -> bool:
-    """Run ``x`` [n, hidden] (1 <= n <= 4 new positions, float32, updated in place) through the
-    decoder layers described by ``layers`` (a ctypes array of :class:`LayerWeights`), writing
-    their keys/values at [start, start + n) of ``keys`` / ``values`` ([layers, kv_heads, capacity,
-    head_dim]); ``cos`` / ``sin``: [n, head_dim]. False where the kernel declines (nothing was
-    touched then): the caller runs its torch layers. The kernel writes through raw pointers, so
+    """:func:`batch_layers` for one sequence: ``x`` [n, hidden] at positions [start, start + n) of
+    the caches ``keys`` / ``values``."""
+    return batch_layers(
+        x, layers, [(keys, values, start, int(x.shape[0]) if x.ndim == 2 else 0)], cos, sin,
+        heads, kv_heads, head_dim, intermediate, eps, scale,
+    )  # fmt: skip
+
+
+def batch_layers(
+    x: torch.Tensor,
+    layers,
+    segments: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    eps: float,
+    scale: float,
+) -> bool:
+    """Run ``x`` [n, hidden] (float32, updated in place) through the decoder layers described by
+    ``layers`` (a ctypes array of :class:`LayerWeights`) as ONE pass over several sequences:
+    ``segments`` lists, in the order of x's rows, each sequence's (keys, values, start, rows) --
+    its caches ([layers, kv_heads, capacity, head_dim] each), the positions it has cached, and how
+    many of x's rows are its new positions (written at [start, start + rows) of its caches).
+    ``cos`` / ``sin``: [n, head_dim], each row's rotary row. Each row attends to its own sequence
+    only, and its values do not depend on the other sequences (see kernels/fewrow.c). False where
+    the kernel declines (nothing was touched then). The kernel writes through raw pointers, so
     every shape and layout is checked here first."""
-    if _function() is None or "layers" not in _state:
+    if _function() is None or "layers" not in _state or not segments:
         return False
     n, hidden = x.shape if x.ndim == 2 else (0, 0)
-    cache_shape = (len(layers), kv_heads, keys.shape[2] if keys.ndim == 4 else 0, head_dim)
     if (
-        not 1 <= n <= 4
-        or keys.shape != cache_shape
-        or values.shape != cache_shape
-        or start + n > cache_shape[2]
+        n < 1
+        or sum(rows for _, _, _, rows in segments) != n
         or cos.shape != (n, head_dim)
         or sin.shape != (n, head_dim)
-        or any(
-            t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
-            for t in (x, keys, values, cos, sin)
-        )
+        or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (x, cos, sin))
     ):
         return False
+    array = (Segment * len(segments))()
+    for slot, (keys, values, start, rows) in zip(array, segments, strict=True):
+        capacity = keys.shape[2] if keys.ndim == 4 else 0
+        shape = (len(layers), kv_heads, capacity, head_dim)
+        if (
+            rows < 1
+            or start < 0
+            or keys.shape != shape
+            or values.shape != shape
+            or start + rows > capacity
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (keys, values))
+        ):
+            return False
+        slot.keys, slot.values = keys.data_ptr(), values.data_ptr()
+        slot.capacity, slot.start, slot.rows = capacity, start, rows
     run, scratch_floats = _state["layers"]
-    scratch = torch.empty(
-        scratch_floats(n, hidden, start, heads, kv_heads, head_dim, intermediate), dtype=torch.float32
-    )
+    size = scratch_floats(ctypes.addressof(array), len(segments), hidden, heads, kv_heads, head_dim, intermediate)
+    scratch = torch.empty(size, dtype=torch.float32)
     status = run(
         x.data_ptr(),
-        n,
         hidden,
         ctypes.addressof(layers),
         len(layers),
-        keys.data_ptr(),
-        values.data_ptr(),
-        keys.shape[2],
-        start,
+        ctypes.addressof(array),
+        len(segments),
         cos.data_ptr(),
         sin.data_ptr(),
         heads,
@@ -260,13 +286,14 @@ def few_row_layers(
 
 
 def few_row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x @ weight.T`` as a new [n, out] tensor for 1 <= n <= 4 float32 rows on the CPU (``weight``
+    """``x @ weight.T`` as a new [n, out] tensor for n >= 1 float32 rows on the CPU (``weight``
     float32, or bfloat16: see :func:`lossless_bf16`), or None where the kernel does not cover the
-    call (the caller then uses torch)."""
+    call (the caller then uses torch). Row i of the result depends on row i of x and the weight
+    only, never on n or the other rows (the batch invariance of kernels/fewrow.c)."""
     if (
         x.ndim != 2
         or weight.ndim != 2
-        or not 1 <= x.shape[0] <= 4
+        or x.shape[0] < 1
         or x.shape[1] != weight.shape[1]
         or x.shape[1] % 16
         or x.dtype != torch.float32

@@ -28,6 +28,9 @@ from specdec.paths import CACHE_DIR_ENV, cache_dir
 
 SWITCH_ENV = "SPECDEC_GGUF_CACHE"
 COMPLETE_MARKER = "specdec-converted.json"  # written last: a copy without it is unfinished
+# 2: a standard checkpoint (a tied head stored as the input embedding, as other engines read it);
+# copies of an older layout get a new key and are rewritten.
+COPY_FORMAT = 2
 
 
 def cache_root() -> Path | None:
@@ -46,6 +49,7 @@ def _identity(gguf: Path) -> dict:
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
         "transformers": transformers.__version__,
+        "format": COPY_FORMAT,
     }
 
 
@@ -64,11 +68,21 @@ def find_converted(gguf: Path) -> Path | None:
     return folder if folder is not None and (folder / COMPLETE_MARKER).is_file() else None
 
 
+def standard_weights(model) -> dict:
+    """The model's tensors as a Hugging Face checkpoint stores them: a head tied to the input
+    embedding is stored once, as ``model.embed_tokens.weight`` (from_pretrained re-ties it, and
+    engines that read checkpoints themselves, vLLM among them, find the embedding there)."""
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
+
+
 def write_converted(gguf: Path, model, tokenizer) -> Path | None:
     """Save ``model`` (loaded from ``gguf`` in float32, on the CPU, unsharded) and ``tokenizer`` as
     the converted copy; atomic (written aside, then renamed), so concurrent loaders never see half a
     copy. Returns the folder, or None (with a warning) when it cannot be written."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     folder = converted_dir(gguf)
     if folder is None:
@@ -76,7 +90,7 @@ def write_converted(gguf: Path, model, tokenizer) -> Path | None:
     tmp = folder.parent / f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         tmp.mkdir(parents=True)
-        save_model(model, str(tmp / "model.safetensors"))  # tied tensors once; from_pretrained re-ties them
+        save_file(standard_weights(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         model.config.save_pretrained(tmp)
         config = json.loads((tmp / "config.json").read_text())
         config.pop("quantization_config", None)  # the copy is plain float32, not a GGUF

@@ -32,8 +32,15 @@ import torch.nn.functional as F
 from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import context_length
 from specdec.modeling.fewrow import ROWS as FEW_ROWS
-from specdec.modeling.fewrow import LayerWeights, few_row_layers, layers_available, lossless_bf16
-from specdec.modeling.heads import SubsetHead
+from specdec.modeling.fewrow import (
+    LayerWeights,
+    batch_layers,
+    few_row_layers,
+    few_row_product,
+    layers_available,
+    lossless_bf16,
+)
+from specdec.modeling.heads import SubsetHead, full_vocab_logits
 from specdec.modeling.ops import RopeTable, apply_rotary, causal_mask, product, rms_norm
 
 # Rotary types whose cos/sin depend on the position only (a table can hold them).
@@ -88,6 +95,7 @@ class LeanLlama:
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.scaling = float(first.scaling)
         self.max_length = context_length(model)
+        self.vocab_size = int(config.vocab_size)
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -201,6 +209,78 @@ class LeanLlama:
         features = normed[last - feature_rows :] if feature_rows else None
         return self._head(normed[last - keep :]), features
 
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`forward_batch` runs its sequences as one pass (the layer kernel runs
+        here); where not, it runs them one after another, each exactly as alone."""
+        return self._kernel_layers is not None
+
+    @torch.inference_mode()
+    def forward_batch(self, passes: list[Pass]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Several sequences' passes as ONE forward pass over their rows (no padding): each
+        :class:`Pass` appends its tokens to its own cache, and gets the logits of its last
+        ``logits_to_keep`` rows [keep, V] and the final normed hidden states of its last
+        ``feature_rows`` rows (None for 0), as :meth:`forward_with_features` would give it.
+
+        Batch invariance: a sequence's results are the same bits whatever else shares the pass,
+        and however its positions are split into passes (kernels/fewrow.c computes every row on
+        its own). That holds for every pass through here, one sequence alone included, so the
+        engines send every pass here. Where the kernel cannot run, the passes run one by one."""
+        if not passes:
+            return []
+        if self._kernel_layers is None:
+            return [self.forward_with_features(p.input_ids, p.cache, p.logits_to_keep, p.feature_rows) for p in passes]
+        segments, cos_rows, sin_rows = [], [], []
+        for p in passes:
+            n, start = int(p.input_ids.shape[-1]), p.cache.length
+            p.cache.reserve(start + n)  # may reallocate: take the buffers after
+            cos_table, sin_table = self._rope_table(start + n)
+            cos_rows.append(cos_table[start : start + n])
+            sin_rows.append(sin_table[start : start + n])
+            segments.append((p.cache.keys, p.cache.values, start, n))
+        x = self.embed(torch.cat([p.input_ids.reshape(-1) for p in passes]).reshape(1, -1))[0].contiguous()
+        if not batch_layers(
+            x,
+            self._kernel_layers,
+            segments,
+            torch.cat(cos_rows).contiguous(),
+            torch.cat(sin_rows).contiguous(),
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.intermediate,
+            self.eps,
+            self.scaling,
+        ):
+            return [self.forward_with_features(p.input_ids, p.cache, p.logits_to_keep, p.feature_rows) for p in passes]
+        kept, features, offset = [], [], 0
+        for p, (_, _, start, n) in zip(passes, segments, strict=True):
+            p.cache.length = start + n
+            keep = min(p.logits_to_keep, n)
+            last = max(keep, p.feature_rows)
+            normed = rms_norm(x[offset + n - last : offset + n], self.norm)  # per sequence: the shape it has alone
+            kept.append(normed[last - keep :])
+            features.append(normed[last - p.feature_rows :] if p.feature_rows else None)
+            offset += n
+        kept_rows = torch.cat(kept)
+        logits = self._batch_head(kept_rows) if len(kept_rows) else kept_rows.new_empty(0, self.vocab_size)
+        out, row = [], 0
+        for rows, feature in zip((len(k) for k in kept), features, strict=True):
+            out.append((logits[row : row + rows], feature))
+            row += rows
+        return out
+
+    def _batch_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head over every kept row of a batch in one batch-invariant product."""
+        head = self.head
+        weight = self._head_twin if self._head_twin is not None else getattr(head, "weight", None)
+        plain = type(head) is torch.nn.Linear and head.bias is None
+        if weight is not None and (plain or isinstance(head, SubsetHead)):
+            subset = few_row_product(hidden.contiguous(), weight)
+            if subset is not None:
+                return subset if plain else full_vocab_logits(subset, head.token_ids, head.vocab_size)
+        return torch.cat([self._head(row.unsqueeze(0)) for row in hidden])  # row by row: the same for any batch
+
     def _torch_layers(
         self, x: torch.Tensor, cache: LeanCache, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
@@ -236,6 +316,18 @@ class LeanLlama:
         if isinstance(head, SubsetHead):
             return head(hidden, self._head_twin)
         return head(hidden)
+
+
+class Pass:
+    """One sequence's part of :meth:`LeanLlama.forward_batch`."""
+
+    __slots__ = ("cache", "feature_rows", "input_ids", "logits_to_keep")
+
+    def __init__(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1, feature_rows: int = 0):
+        self.input_ids = input_ids
+        self.cache = cache
+        self.logits_to_keep = logits_to_keep
+        self.feature_rows = feature_rows
 
 
 def lean_runner(model) -> LeanLlama | None:

@@ -14,9 +14,11 @@ from typing import Any
 
 import grpc
 
+from specdec.engine.batching import BatchRunner
 from specdec.errors import DrainingError
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import wire
+from specdec.runtime.batcher import IterationLoop
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
 from specdec.runtime.registry import Heartbeat, Registry, Replica
@@ -43,6 +45,16 @@ class ServiceSpec:
     drain_seconds: float = 30.0
     on_stop: Callable[[], None] | None = None  # after the server stopped (e.g. stop the other TP ranks)
     metrics_port: int = 0
+    batch: BatchRunner | None = None  # where the engine's calls are batched (continuous batching)
+    batch_gather_ms: float = 8.0  # before a pass, wait this long for the last pass's sessions
+
+
+def batch_runner_for(engine, args) -> BatchRunner | None:
+    """The batch runner for an engine whose calls are works (the draft and target engines over
+    one model), sized by the replica's flags; None for the others (they keep one call at a time)."""
+    if not getattr(engine, "supports_works", False):
+        return None
+    return BatchRunner(engine.store, args.max_batch_tokens, args.max_batch_sessions, args.max_waiting_sessions)
 
 
 def add_replica_arguments(p) -> None:
@@ -63,6 +75,28 @@ def add_replica_arguments(p) -> None:
     p.add_argument("--replica-id", default=None, help="registry id (default: random)")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, wait this long for live sessions")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=256,
+        help="rows one batched pass may carry; a prefill is fed in chunks of what is left (docs/batching.md)",
+    )
+    p.add_argument(
+        "--max-batch-sessions", type=int, default=64, help="sessions one batched pass may carry (1 = no batching)"
+    )
+    p.add_argument(
+        "--batch-gather-ms",
+        type=float,
+        default=8.0,
+        help="before a pass, wait up to this long for the last pass's sessions to come back (0 = never; "
+        "a lone session never waits; docs/batching.md)",
+    )
+    p.add_argument(
+        "--max-waiting-sessions",
+        type=int,
+        default=64,
+        help="session starts that may wait for KV room (or a session slot); one more is RESOURCE_EXHAUSTED",
+    )
 
 
 class SessionServicer:
@@ -73,6 +107,22 @@ class SessionServicer:
     draining = False  # set on SIGTERM: live sessions finish, new ones are refused
     engine: Any
     model_spec: str
+    batching: IterationLoop | None = None  # set where the engine's calls are batched
+
+    async def engine_call(
+        self,
+        session_id: str,
+        work: Callable[..., Any],
+        call: Callable[..., Any],
+        *args,
+        admit_tokens: int | None = None,
+    ) -> Any:
+        """One engine call: as a work in the batch (``work(*args)``) where this replica batches,
+        else ``call(*args)`` alone on the model thread. ``admit_tokens``: it starts a session of
+        that many prompt tokens (which waits for KV room where this replica batches)."""
+        if self.batching is not None:
+            return await self.batching.run(work(*args), session_id, admit_tokens)
+        return await on_model_thread(call, *args)
 
     @grpc_method
     async def StartSession(self, request, context):
@@ -83,8 +133,15 @@ class SessionServicer:
         with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
-            features = await on_model_thread(
-                self.engine.prefill, request.session_id, list(request.prompt_token_ids), params, *extra
+            features = await self.engine_call(
+                request.session_id,
+                getattr(self.engine, "prefill_work", None),
+                self.engine.prefill,
+                request.session_id,
+                list(request.prompt_token_ids),
+                params,
+                *extra,
+                admit_tokens=len(request.prompt_token_ids),
             )
         return engine_pb2.StartSessionResponse(features=wire.features_to_proto(features))
 
@@ -127,6 +184,8 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
     bound = server.add_insecure_port(address)
     if bound == 0:
         raise SystemExit(f"specdec {spec.name}: cannot listen on {address}")
+    if spec.batch is not None:
+        spec.servicer.batching = IterationLoop(spec.batch, spec.batch_gather_ms / 1000)
     await server.start()
     metrics.watch_engine(spec.engine)
     metrics.serve_metrics(spec.metrics_port)

@@ -18,6 +18,12 @@ in the responses exactly):
 Draft and target:
   specdec_live_sessions, specdec_kv_cache_bytes    gauges
   specdec_rpc_seconds{method}                      histogram
+  specdec_running_works                            gauge: engine calls in the batch
+  specdec_waiting_works                            gauge: session starts waiting for KV room
+  specdec_batch_rows, specdec_batch_sessions       histograms: rows and sessions per iteration's pass
+  specdec_batch_prefill_rows_total                 prefill rows fed (chunked prefill)
+  specdec_iterations_total                         batched passes run
+  specdec_queue_wait_seconds                       histogram: submission to first pass of a work
 
 PromQL: acceptance rate = rate(specdec_accepted_tokens_total[5m]) / rate(specdec_draft_tokens_total[5m]);
 mean accepted length per draft block (vLLM's count, including the recovered/bonus token) =
@@ -65,6 +71,29 @@ KV_BYTES = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by this replica"
 RPC_SECONDS = Histogram(
     "specdec_rpc_seconds", "Server-side RPC latency", ["method"], buckets=LATENCY_BUCKETS, registry=REGISTRY
 )
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+RUNNING_WORKS = Gauge("specdec_running_works", "Engine calls in the running batch", registry=REGISTRY)
+WAITING_WORKS = Gauge("specdec_waiting_works", "Session starts waiting for KV room", registry=REGISTRY)
+BATCH_ROWS = Histogram("specdec_batch_rows", "Rows per batched pass", buckets=ROW_BUCKETS, registry=REGISTRY)
+BATCH_SESSIONS = Histogram(
+    "specdec_batch_sessions", "Sessions per batched pass", buckets=ROW_BUCKETS, registry=REGISTRY
+)
+PREFILL_ROWS = Counter("specdec_batch_prefill_rows", "Prefill rows fed by batched passes", registry=REGISTRY)
+ITERATIONS = Counter("specdec_iterations", "Batched passes run", registry=REGISTRY)
+QUEUE_WAIT = Histogram(
+    "specdec_queue_wait_seconds",
+    "From submission to an engine call's start",
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+
+def record_iteration(sessions: int, rows: int, prefill_rows: int) -> None:
+    if sessions:
+        ITERATIONS.inc()
+        BATCH_ROWS.observe(rows)
+        BATCH_SESSIONS.observe(sessions)
+        PREFILL_ROWS.inc(prefill_rows)
 
 
 def serve_metrics(port: int) -> None:

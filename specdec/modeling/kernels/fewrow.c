@@ -25,44 +25,65 @@ static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* Two accumulators per input row (even and odd 16-float pieces) keep two FMA chains in flight. */
+/* One weight row wr against N input rows (x, row stride `in`): y[j * out] = wr . x_j. Two
+ * accumulators per input row (even and odd 16-float pieces) keep two FMA chains in flight. Every
+ * row is reduced by the same instructions in the same order whatever N is, so a row's product
+ * does not depend on how many rows share the call (batch invariance: see product()). */
 #define KERNEL(N, NAME, TYPE, LOAD)                                                               \
-static void NAME##_##N(const TYPE *w, const float *x, float *y, int64_t out, int64_t in,          \
-                       int64_t begin, int64_t end) {                                              \
-    for (int64_t o = begin; o < end; o++) {                                                       \
-        const TYPE *wr = w + o * in;                                                              \
-        __m512 acc[2][N];                                                                         \
-        for (int u = 0; u < 2; u++)                                                               \
-            for (int j = 0; j < N; j++) acc[u][j] = _mm512_setzero_ps();                          \
-        int64_t i = 0;                                                                            \
-        for (; i + 32 <= in; i += 32) {                                                           \
-            _mm_prefetch((const char *)(wr + i) + PREFETCH_BYTES, _MM_HINT_T0);                   \
-            _mm_prefetch((const char *)(wr + i) + PREFETCH_BYTES + 64, _MM_HINT_T0);              \
-            __m512 w0 = LOAD(wr + i), w1 = LOAD(wr + i + 16);                                     \
-            for (int j = 0; j < N; j++) {                                                         \
-                acc[0][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * in + i), acc[0][j]);      \
-                acc[1][j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j * in + i + 16), acc[1][j]); \
-            }                                                                                     \
+static inline void NAME##_##N(const TYPE *wr, const float *x, float *y, int64_t out, int64_t in) { \
+    __m512 acc[2][N];                                                                             \
+    for (int u = 0; u < 2; u++)                                                                   \
+        for (int j = 0; j < N; j++) acc[u][j] = _mm512_setzero_ps();                              \
+    int64_t i = 0;                                                                                \
+    for (; i + 32 <= in; i += 32) {                                                               \
+        _mm_prefetch((const char *)(wr + i) + PREFETCH_BYTES, _MM_HINT_T0);                       \
+        _mm_prefetch((const char *)(wr + i) + PREFETCH_BYTES + 64, _MM_HINT_T0);                  \
+        __m512 w0 = LOAD(wr + i), w1 = LOAD(wr + i + 16);                                         \
+        for (int j = 0; j < N; j++) {                                                             \
+            acc[0][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * in + i), acc[0][j]);          \
+            acc[1][j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j * in + i + 16), acc[1][j]);     \
         }                                                                                         \
-        for (; i < in; i += 16) {                                                                 \
-            __m512 w0 = LOAD(wr + i);                                                             \
-            for (int j = 0; j < N; j++)                                                           \
-                acc[0][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * in + i), acc[0][j]);      \
-        }                                                                                         \
+    }                                                                                             \
+    for (; i < in; i += 16) {                                                                     \
+        __m512 w0 = LOAD(wr + i);                                                                 \
         for (int j = 0; j < N; j++)                                                               \
-            y[j * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][j], acc[1][j]));           \
+            acc[0][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * in + i), acc[0][j]);          \
+    }                                                                                             \
+    for (int j = 0; j < N; j++)                                                                   \
+        y[j * out] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][j], acc[1][j]));                   \
+}
+#define KERNELS(NAME, TYPE, LOAD)                                                                  \
+    KERNEL(1, NAME, TYPE, LOAD) KERNEL(2, NAME, TYPE, LOAD) KERNEL(3, NAME, TYPE, LOAD)              \
+    KERNEL(4, NAME, TYPE, LOAD) KERNEL(5, NAME, TYPE, LOAD) KERNEL(6, NAME, TYPE, LOAD)              \
+    KERNEL(7, NAME, TYPE, LOAD) KERNEL(8, NAME, TYPE, LOAD)                                          \
+static inline void NAME##_tile(const TYPE *wr, const float *x, float *y, int64_t out, int64_t in, int64_t n) { \
+    switch (n) {                                                                                  \
+    case 1: NAME##_1(wr, x, y, out, in); break;                                                   \
+    case 2: NAME##_2(wr, x, y, out, in); break;                                                   \
+    case 3: NAME##_3(wr, x, y, out, in); break;                                                   \
+    case 4: NAME##_4(wr, x, y, out, in); break;                                                   \
+    case 5: NAME##_5(wr, x, y, out, in); break;                                                   \
+    case 6: NAME##_6(wr, x, y, out, in); break;                                                   \
+    case 7: NAME##_7(wr, x, y, out, in); break;                                                   \
+    default: NAME##_8(wr, x, y, out, in); break;                                                  \
     }                                                                                             \
 }
-#define KERNELS(NAME, TYPE, LOAD) \
-    KERNEL(1, NAME, TYPE, LOAD) KERNEL(2, NAME, TYPE, LOAD) KERNEL(3, NAME, TYPE, LOAD) KERNEL(4, NAME, TYPE, LOAD)
 KERNELS(rows, float, load_f32)
 KERNELS(rows_bf16, uint16_t, load_bf16)
 
-/* y = x @ w^T with w [out, in] as float32 (bf16 = 0) or bfloat16 (bf16 = 1). 0 on success; -1 when
- * the shape is not covered (n outside 1..4, in not a multiple of 16). */
+#define TILE_ROWS 8              /* input rows one pass of a weight row meets (16 accumulators, 2 weights) */
+#define WEIGHT_BLOCK_BYTES 131072 /* weight rows swept per tile of inputs: they stay in L2 meanwhile */
+
+/* y = x @ w^T with w [out, in] as float32 (bf16 = 0) or bfloat16 (bf16 = 1), for any n >= 1 rows.
+ * Each thread takes one contiguous run of weight rows, in blocks that fit L2; each block is swept
+ * once per tile of up to 8 input rows (which stay in L1), so the weights are read from memory
+ * once whatever n is, and up to 8 rows as one stream. A row's value is computed the same way in
+ * every tile size, so y's row j depends on x's row j and w alone: the property batched serving
+ * rests on (a session's logits are the same whatever shares its pass). 0 on success; -1 when the
+ * shape is not covered (n < 1, in not a multiple of 16). */
 static int product(const void *w, int bf16, const float *x, float *y, int64_t out, int64_t in, int64_t n,
                    int threads) {
-    if (n < 1 || n > 4 || in % 16 != 0 || threads < 1) return -1;
+    if (n < 1 || in % 16 != 0 || threads < 1) return -1;
     #pragma omp parallel num_threads(threads)
     {
         int t = 0, team = 1;
@@ -70,18 +91,21 @@ static int product(const void *w, int bf16, const float *x, float *y, int64_t ou
         t = omp_get_thread_num();
         team = omp_get_num_threads();
 #endif
-        int64_t share = (out + team - 1) / team; /* one contiguous run of output rows per thread */
+        int64_t share = (out + team - 1) / team;
         int64_t begin = t * share, end = begin + share < out ? begin + share : out;
-        if (begin < end) {
-            /* one kernel per (weight type, row count) */
-#define ROWS_CALL(NAME, TYPE) switch (n) {                                                          \
-                case 1: NAME##_1((const TYPE *)w, x, y, out, in, begin, end); break;                \
-                case 2: NAME##_2((const TYPE *)w, x, y, out, in, begin, end); break;                \
-                case 3: NAME##_3((const TYPE *)w, x, y, out, in, begin, end); break;                \
-                default: NAME##_4((const TYPE *)w, x, y, out, in, begin, end); break;               \
+        int64_t block = n <= TILE_ROWS ? end - begin : WEIGHT_BLOCK_BYTES / (in * (bf16 ? 2 : 4));
+        if (block < 1) block = 1;
+        for (int64_t b = begin; b < end; b += block) {
+            int64_t block_end = b + block < end ? b + block : end;
+            for (int64_t r = 0; r < n; r += TILE_ROWS) {
+                int64_t rows = n - r < TILE_ROWS ? n - r : TILE_ROWS;
+                for (int64_t o = b; o < block_end; o++) {
+                    if (bf16)
+                        rows_bf16_tile((const uint16_t *)w + o * in, x + r * in, y + r * out + o, out, in, rows);
+                    else
+                        rows_tile((const float *)w + o * in, x + r * in, y + r * out + o, out, in, rows);
+                }
             }
-            if (bf16) ROWS_CALL(rows_bf16, uint16_t) else ROWS_CALL(rows, float)
-#undef ROWS_CALL
         }
     }
     return 0;
@@ -110,6 +134,7 @@ int fewrow_mm_bf16(const uint16_t *w, const float *x, float *y, int64_t out, int
  * with grouped KV heads (query head h reads KV head h / (hq / hkv)); SiLU(gate) * up.
  * --------------------------------------------------------------------------------------------- */
 #include <math.h>
+#include <stdlib.h>
 
 typedef struct {
     const float *norm1;
@@ -200,55 +225,94 @@ static void silu_mul(const float *gate, const float *up, float *act, int64_t wid
     }
 }
 
-/* x [n, hidden] (the residual stream, updated in place) through `layers` decoder layers; the new
- * positions' keys/values are written at [start, start + n) of the caches ([layers, hkv, capacity,
- * d] each). cos/sin: [n, d], the rotary rows of those positions. scratch: at least
- * fewrow_layers_scratch(...) floats. 0 on success; -1 (nothing touched) where a shape is not
- * covered. */
-int64_t fewrow_layers_scratch(int64_t n, int64_t hidden, int64_t start, int64_t hq, int64_t hkv, int64_t d,
-                              int64_t inter) {
-    return n * hidden + n * (hq + 2 * hkv) * d + n * hq * d + n * 2 * inter + n * inter + hq * n * (start + n);
+/* One sequence's part of a batched pass: its `rows` new positions follow `start` cached ones, and
+ * its keys/values live in its own caches ([layers, hkv, capacity, d] each). */
+typedef struct {
+    float *keys, *values;
+    int64_t capacity, start, rows;
+} segment;
+
+/* Floats of scratch fewrow_batch needs: the pass's activations for every row, and each row's
+ * attention scores over its own sequence, for every head. */
+int64_t fewrow_batch_scratch(const segment *segments, int64_t num_segments, int64_t hidden, int64_t hq, int64_t hkv,
+                             int64_t d, int64_t inter) {
+    int64_t n = 0, scores = 0;
+    for (int64_t s = 0; s < num_segments; s++) {
+        n += segments[s].rows;
+        scores += hq * segments[s].rows * (segments[s].start + segments[s].rows);
+    }
+    return n * hidden + n * (hq + 2 * hkv) * d + n * hq * d + n * 2 * inter + n * inter + scores;
 }
 
-int fewrow_layers(float *x, int64_t n, int64_t hidden, const layer_weights *layers, int64_t num_layers,
-                  float *keys, float *values, int64_t capacity, int64_t start, const float *cos,
-                  const float *sin, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float eps, float scale,
-                  float *scratch, int threads) {
-    if (n < 1 || n > 4 || threads < 1 || hkv < 1 || hq % hkv != 0 || d % 2 != 0 || start + n > capacity ||
-        hidden % 16 != 0 || d % 16 != 0 || inter % 16 != 0)
+/* x [n, hidden] (the residual stream of every segment's rows, one segment after another; updated
+ * in place) through `layers` decoder layers. Each segment's new keys/values are written at
+ * [start, start + rows) of its own caches, and each row attends to its own segment's cache only.
+ * cos/sin: [n, d], the rotary rows of each row's position. scratch: fewrow_batch_scratch(...)
+ * floats. 0 on success; -1 (nothing touched) where a shape is not covered.
+ *
+ * A row's values depend on its own segment alone: the products are batch-invariant (product()),
+ * the norms, rotary and SiLU are per row, and attention is per (row, head) over that row's
+ * sequence in a fixed order. So a sequence's logits are the same bits whatever other sequences
+ * share the pass, however many rows it brings, and however its positions were split into passes. */
+int fewrow_batch(float *x, int64_t hidden, const layer_weights *layers, int64_t num_layers, const segment *segments,
+                 int64_t num_segments, const float *cos, const float *sin, int64_t hq, int64_t hkv, int64_t d,
+                 int64_t inter, float eps, float scale, float *scratch, int threads) {
+    if (num_segments < 1 || threads < 1 || hkv < 1 || hq % hkv != 0 || d % 2 != 0 || hidden % 16 != 0 ||
+        d % 16 != 0 || inter % 16 != 0)
         return -1;
-    const int64_t width = (hq + 2 * hkv) * d, group = hq / hkv, end = start + n;
+    int64_t n = 0;
+    for (int64_t s = 0; s < num_segments; s++) {
+        const segment *g = segments + s;
+        if (g->rows < 1 || g->start < 0 || g->start + g->rows > g->capacity) return -1;
+        n += g->rows;
+    }
+    /* per row: its segment, its position, where its scores start in scratch */
+    int64_t *row_segment = malloc(sizeof(int64_t) * 3 * n);
+    if (row_segment == NULL) return -1;
+    int64_t *row_position = row_segment + n, *row_scores = row_position + n;
+    int64_t scores_total = 0;
+    for (int64_t s = 0, r = 0; s < num_segments; s++)
+        for (int64_t i = 0; i < segments[s].rows; i++, r++) {
+            row_segment[r] = s;
+            row_position[r] = segments[s].start + i;
+            row_scores[r] = scores_total;
+            scores_total += hq * (row_position[r] + 1);
+        }
+    const int64_t width = (hq + 2 * hkv) * d, group = hq / hkv;
     float *h = scratch, *qkv = h + n * hidden, *attn = qkv + n * width, *gu = attn + n * hq * d;
     float *act = gu + n * 2 * inter, *scores = act + n * inter;
     for (int64_t l = 0; l < num_layers; l++) {
         const layer_weights *w = layers + l;
-        float *layer_keys = keys + l * hkv * capacity * d, *layer_values = values + l * hkv * capacity * d;
         rms_norm_rows(x, w->norm1, h, n, hidden, eps);
         product(w->wqkv, w->bf16, h, qkv, width, hidden, n, threads);
-        for (int64_t i = 0; i < n; i++) {
-            float *row = qkv + i * width;
-            for (int64_t j = 0; j < hq + hkv; j++) rotate(row + j * d, cos + i * d, sin + i * d, d);
+        for (int64_t r = 0; r < n; r++) {
+            const segment *g = segments + row_segment[r];
+            float *row = qkv + r * width;
+            for (int64_t j = 0; j < hq + hkv; j++) rotate(row + j * d, cos + r * d, sin + r * d, d);
             for (int64_t j = 0; j < hkv; j++) {
-                float *k = layer_keys + (j * capacity + start + i) * d, *v = layer_values + (j * capacity + start + i) * d;
+                int64_t at = ((l * hkv + j) * g->capacity + row_position[r]) * d;
                 for (int64_t c = 0; c < d; c++) {
-                    k[c] = row[(hq + j) * d + c];
-                    v[c] = row[(hq + hkv + j) * d + c];
+                    g->keys[at + c] = row[(hq + j) * d + c];
+                    g->values[at + c] = row[(hq + hkv + j) * d + c];
                 }
             }
         }
-        #pragma omp parallel for num_threads(threads) schedule(static)
+        #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
         for (int64_t job = 0; job < hq * n; job++) {
-            int64_t head = job / n, i = job % n, kv = head / group;
-            attend(qkv + i * width + head * d, layer_keys + kv * capacity * d, layer_values + kv * capacity * d,
-                   attn + i * hq * d + head * d, scores + job * end, start + i + 1, d, scale);
+            int64_t r = job / hq, head = job % hq, kv = head / group;
+            const segment *g = segments + row_segment[r];
+            int64_t layer = (l * hkv + kv) * g->capacity * d;
+            attend(qkv + r * width + head * d, g->keys + layer, g->values + layer, attn + r * hq * d + head * d,
+                   scores + row_scores[r] + head * (row_position[r] + 1), row_position[r] + 1, d, scale);
         }
         product(w->wo, w->bf16, attn, h, hidden, hq * d, n, threads);
         for (int64_t c = 0; c < n * hidden; c++) x[c] += h[c];
         rms_norm_rows(x, w->norm2, h, n, hidden, eps);
         product(w->wgu, w->bf16, h, gu, 2 * inter, hidden, n, threads);
-        for (int64_t i = 0; i < n; i++) silu_mul(gu + i * 2 * inter, gu + i * 2 * inter + inter, act + i * inter, inter);
+        for (int64_t r = 0; r < n; r++) silu_mul(gu + r * 2 * inter, gu + r * 2 * inter + inter, act + r * inter, inter);
         product(w->wdown, w->bf16, act, h, hidden, inter, n, threads);
         for (int64_t c = 0; c < n * hidden; c++) x[c] += h[c];
     }
+    free(row_segment);
     return 0;
 }

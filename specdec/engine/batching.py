@@ -1,0 +1,246 @@
+"""Iteration-level (continuous) batching: the work of every live session advances together, one
+forward pass per iteration over the ragged concatenation of their rows (docs/batching.md).
+
+An engine call that needs forward passes (a verify, a prefill, a proposal) is written once, as a
+*work*: a generator that yields a :class:`PassRequest` for each pass it needs and receives that
+pass's result, so the same code runs alone (``sessions.run_alone``: one pass per request) and inside a
+batch (:class:`BatchRunner`, whose iteration gathers one request from each work in flight). What a
+session computes does not depend on which of the two ran it, nor on what shared its passes: the
+passes go through :meth:`SessionStore.forward_batch`, whose rows are batch-invariant.
+
+Scheduling, per iteration (vLLM's order, in miniature): requests that cannot be split (verify
+blocks, target-only steps, proposal positions) in arrival order of their works, then prefill
+chunks with the token budget left. A request never waits for a batch to fill; a work that cannot
+get its rows this iteration keeps its place for the next.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.engine.sessions import PassRequest, SessionStore, Work
+from specdec.errors import ResourceExhaustedError
+
+
+@dataclass
+class Job:
+    """A work in flight in a :class:`BatchRunner`."""
+
+    work: Work
+    session_id: str
+    order: int  # arrival: earlier works are served first
+    on_done: Callable[[Job], None] | None = None
+    on_start: Callable[[], None] | None = None
+    admit_tokens: int | None = None  # a session start: the prompt's tokens (waits for KV room)
+    request: PassRequest | None = None
+    started: bool = False
+    finished: bool = False
+    result: Any = None
+    error: BaseException | None = None
+    cancelled: bool = False
+
+    @property
+    def pending(self) -> PassRequest:
+        """The request the work waits on (only asked of a work that has one)."""
+        assert self.request is not None
+        return self.request
+
+    def _advance(self, first: bool = False, value: Any = None) -> None:
+        """Run the work to its next request: start it (``first``), or hand it its pass's result
+        ``value`` (an exception is thrown into it)."""
+        try:
+            if first:
+                self.request = next(self.work)
+            elif isinstance(value, BaseException):
+                self.request = self.work.throw(value)
+            else:
+                self.request = self.work.send(value)
+        except StopIteration as done:
+            self.finished, self.result, self.request = True, done.value, None
+        except Exception as exc:  # noqa: BLE001 - a work's failure is its caller's error, not the batch's
+            self.finished, self.error, self.request = True, exc, None
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """What one iteration ran (for metrics): sessions and rows in its pass, prefill rows among
+    them, and the works it finished."""
+
+    sessions: int
+    rows: int
+    prefill_rows: int
+    finished: list[Job]
+
+
+class BatchRunner:
+    """Works in flight over one :class:`SessionStore`, advanced an iteration at a time.
+
+    ``add`` may be called from any thread; ``iterate`` runs on the model thread, one call at a
+    time. ``max_batch_tokens``: rows one pass may carry (a request bigger than that still runs,
+    alone); ``max_batch_sessions``: sessions one pass may carry.
+
+    Admission: a session start (a work added with ``admit_tokens``) waits, in arrival order, until
+    the store has room for it (sessions and KV pool); at most ``max_waiting`` wait, and one more
+    is refused with RESOURCE_EXHAUSTED. A start that could not fit even an empty pool is let
+    through at once, to fail with the store's own message. Running sessions are never preempted."""
+
+    def __init__(
+        self, store: SessionStore, max_batch_tokens: int = 512, max_batch_sessions: int = 64, max_waiting: int = 64
+    ):
+        if max_batch_tokens < 1 or max_batch_sessions < 1 or max_waiting < 0:
+            raise ValueError("max_batch_tokens and max_batch_sessions must be >= 1, max_waiting >= 0")
+        self.store = store
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_sessions = max_batch_sessions
+        self.max_waiting = max_waiting
+        self._new: list[Job] = []
+        self._admitting: list[Job] = []  # session starts waiting for room
+        self._jobs: list[Job] = []
+        self._lock = threading.Lock()
+        self._orders = itertools.count()
+
+    def add(
+        self,
+        work: Work,
+        session_id: str,
+        on_done: Callable[[Job], None] | None = None,
+        on_start: Callable[[], None] | None = None,
+        admit_tokens: int | None = None,
+    ) -> Job:
+        """Queue ``work`` (for ``session_id``); ``on_start`` / ``on_done`` are called on the model
+        thread when the work starts and when it finishes (with its result or error).
+        ``admit_tokens``: the work starts a session of that many prompt tokens (admission)."""
+        job = Job(work, session_id, next(self._orders), on_done, on_start, admit_tokens)
+        with self._lock:
+            self._new.append(job)
+        return job
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._new or self._jobs or self._admitting)
+
+    def running(self) -> int:
+        """Works in flight (started, not finished)."""
+        return len(self._jobs)
+
+    def ready(self) -> int:
+        """Works that would take part in the next pass if it ran now (new ones included)."""
+        with self._lock:
+            return len(self._new) + sum(1 for j in self._jobs if j.request is not None and not j.cancelled)
+
+    def waiting(self) -> int:
+        """Session starts waiting for room in the KV pool."""
+        return len(self._admitting)
+
+    def _start(self, job: Job, finished: list[Job]) -> None:
+        if job.on_start is not None:
+            job.on_start()
+        if not job.cancelled:
+            job._advance(first=True)
+            job.started = True
+        self._settle(job, finished)
+
+    def _admit(self, new: list[Job], finished: list[Job]) -> None:
+        """Start every new work that starts no session, and the session starts the store has
+        room for, oldest first, each before the next is judged; the rest wait (or, past the
+        queue, are refused)."""
+        for job in new:
+            if job.admit_tokens is None:
+                self._start(job, finished)
+            else:
+                self._admitting.append(job)
+        for job in [j for j in self._admitting if j.cancelled]:
+            self._admitting.remove(job)
+            self._settle(job, finished)
+        while self._admitting:
+            tokens = self._admitting[0].admit_tokens or 0
+            if not (self.store.has_room(tokens) or not self.store.could_ever_fit(tokens)):
+                break
+            self._start(self._admitting.pop(0), finished)
+        while len(self._admitting) > self.max_waiting:
+            job = self._admitting.pop()
+            job.finished = True
+            job.error = ResourceExhaustedError(
+                f"{self.store.name}: no KV room for a new session and {self.max_waiting} already wait for it "
+                f"({len(self.store)} live sessions, {self.store.total_kv_bytes} KV bytes allocated)"
+            )
+            job.work.close()
+            self._settle(job, finished)
+
+    def iterate(self) -> Iteration:
+        """Start the works added since the last iteration, run one batched pass over the
+        requests the schedule picks, and hand each its result."""
+        with self._lock:
+            new, self._new = self._new, []
+        finished: list[Job] = []
+        self._admit(new, finished)
+        chosen = self.schedule()
+        sizes = [chunk if chunk is not None else self.store.feed_length(job.pending) for job, chunk in chosen]
+        rows = sum(sizes)
+        prefill_rows = sum(size for (job, _), size in zip(chosen, sizes, strict=True) if job.pending.prefill)
+        results = self.store.run_requests([(job.pending, chunk) for job, chunk in chosen]) if chosen else []
+        for (job, _), result in zip(chosen, results, strict=True):
+            job._advance(value=result)
+        for job, _ in chosen:
+            self._settle(job, finished)
+        for job in list(self._jobs):
+            if job.cancelled:
+                self._settle(job, finished)
+        return Iteration(len(chosen), rows, prefill_rows, finished)
+
+    def _settle(self, job: Job, finished: list[Job]) -> None:
+        if job.cancelled and not job.finished:
+            job.work.close()
+            job.finished = True
+        if job.finished:
+            if job in self._jobs:
+                self._jobs.remove(job)
+            finished.append(job)
+            if job.on_done is not None:
+                job.on_done(job)
+        elif job not in self._jobs:
+            self._jobs.append(job)
+
+    def schedule(self) -> list[tuple[Job, int | None]]:
+        """(job, chunk) pairs for this iteration's pass: whole requests first in arrival order,
+        then prefill chunks (``chunk``: how many of its tokens to feed; None: the whole request)
+        with the budget left; one request per session."""
+        budget = self.max_batch_tokens
+        chosen: list[tuple[Job, int | None]] = []
+        sessions: set[str] = set()
+        waiting = sorted((j for j in self._jobs if j.request is not None and not j.cancelled), key=lambda j: j.order)
+        for job in waiting:
+            request = job.request
+            assert request is not None
+            if request.prefill or job.session_id in sessions or len(chosen) >= self.max_batch_sessions:
+                continue
+            size = self.store.feed_length(request)
+            if size > budget and chosen:
+                continue  # too big for what is left: first in the next iteration's pass
+            chosen.append((job, None))
+            sessions.add(job.session_id)
+            budget -= size
+        splits = self.store.batches  # without the batched kernel a split prefill would change its bits
+        for job in waiting:
+            request = job.request
+            assert request is not None
+            if not request.prefill or job.session_id in sessions or len(chosen) >= self.max_batch_sessions:
+                continue
+            size = self.store.feed_length(request)
+            if splits:
+                if budget <= 0:
+                    break
+                chunk = min(size, budget)
+            elif size <= budget or not chosen:
+                chunk = size
+            else:
+                continue
+            chosen.append((job, chunk))
+            sessions.add(job.session_id)
+            budget -= chunk
+        return chosen

@@ -1,0 +1,269 @@
+"""Continuous batching (specdec/engine/batching.py over the batched pass of kernels/fewrow.c): a
+session's logits are the same bits whatever other sessions share its passes, however many there
+are, and however its prompt is split into prefill chunks -- through rollbacks and cache growth."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_fewrow import kernel_llama
+
+from specdec.engine.batching import BatchRunner
+from specdec.engine.commits import Commit
+from specdec.engine.draft import DraftEngine
+from specdec.engine.sessions import PassRequest, SessionStore, run_alone
+from specdec.engine.target import TargetEngine
+from specdec.errors import SessionNotFoundError
+from specdec.exact.sampling import SamplingParams
+from specdec.modeling import fewrow
+from specdec.modeling.tiny import perturbed, tiny_llama
+
+PARAMS = SamplingParams(temperature=1.0, seed=3)
+BATCHED_KERNEL = fewrow.layers_available()
+
+
+def scripted_session(store: SessionStore, session_id: str, seed: int, steps: int, vocab: int):
+    """A work that starts a session and runs ``steps`` verify-shaped passes on it (k random
+    proposals, k + 1 logits rows), each followed by a commit of a random accepted prefix plus one
+    token (a rollback of the rest); returns every pass's logits, in order."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(vocab) for _ in range(rng.choice([1, 2, 5, 17, 40, 70]))]
+    session = store.create(session_id, prompt, PARAMS)
+    logits_seen = []
+    request = PassRequest(session, prefill=True, upto=len(prompt) - 1)
+    while store.feed_length(request):
+        yield request
+    for step in range(1, steps + 1):
+        proposals = [rng.randrange(vocab) for _ in range(rng.randrange(0, 7))]
+        logits, _ = yield PassRequest(session, proposals, len(proposals) + 1)
+        logits_seen.append(logits)
+        accepted = proposals[: rng.randrange(len(proposals) + 1)]
+        store.commit(session, Commit(step, len(session.tokens), (*accepted, rng.randrange(vocab))))
+    return logits_seen
+
+
+def run_all(store: SessionStore, sessions: int, steps: int, runner: BatchRunner | None):
+    vocab = store.vocab_size
+    works = {f"s{i}": scripted_session(store, f"s{i}", 100 + i, steps, vocab) for i in range(sessions)}
+    if runner is None:
+        results = {sid: run_alone(store, work) for sid, work in works.items()}
+    else:
+        jobs = {sid: runner.add(work, sid) for sid, work in works.items()}
+        seen_sessions = set()
+        while runner.busy:
+            iteration = runner.iterate()
+            assert iteration.rows <= runner.max_batch_tokens or iteration.sessions == 1
+            assert iteration.sessions <= runner.max_batch_sessions
+            seen_sessions.add(iteration.sessions)
+        for job in jobs.values():
+            assert job.error is None, job.error
+        results = {sid: job.result for sid, job in jobs.items()}
+        if runner.max_batch_sessions > 1:
+            assert max(seen_sessions) > 1  # passes really were shared
+    for sid in works:
+        store.release(sid)
+    return results
+
+
+def assert_same_bits(alone, batched):
+    assert alone.keys() == batched.keys()
+    for sid in alone:
+        assert len(alone[sid]) == len(batched[sid])
+        for a, b in zip(alone[sid], batched[sid], strict=True):
+            assert torch.equal(a, b), sid
+
+
+# kernel-covered widths (the batched pass) and widths only torch covers (passes run one by one)
+MODELS = {"kernel_widths": lambda: kernel_llama(seed=5), "torch_widths": lambda: tiny_llama(48, seed=2, hidden_size=32)}
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("tokens, sessions", [(7, 3), (24, 16), (64, 2), (1000, 8)])
+def test_a_sessions_logits_are_the_same_bits_alone_and_in_any_batch(model_name, tokens, sessions):
+    store = SessionStore(MODELS[model_name](), name="target")
+    if model_name == "kernel_widths" and BATCHED_KERNEL:
+        assert store.batches
+    alone = run_all(store, 16, 8, None)
+    batched = run_all(store, 16, 8, BatchRunner(store, max_batch_tokens=tokens, max_batch_sessions=sessions))
+    assert_same_bits(alone, batched)
+
+
+def test_prefill_is_fed_in_chunks_of_the_budget_and_decodes_go_first():
+    store = SessionStore(kernel_llama(seed=1), name="target")
+    runner = BatchRunner(store, max_batch_tokens=10, max_batch_sessions=8)
+    rng = random.Random(0)
+    short = store.create("short", [1, 2], PARAMS)
+    store.warm(short)  # each of its passes is one row
+    long_prompt = [rng.randrange(64) for _ in range(35)]
+
+    def decode_forever(session, passes):
+        for _ in range(passes):
+            yield PassRequest(session, [], 1)
+        return "decoded"
+
+    def prefill(session_id, prompt):
+        session = store.create(session_id, prompt, PARAMS)
+        fed = []
+        request = PassRequest(session, prefill=True, upto=len(prompt) - 1)
+        while store.feed_length(request):
+            before = len(session.cached)
+            yield request
+            fed.append(len(session.cached) - before)
+        return fed
+
+    decoding = runner.add(decode_forever(short, 6), "short")
+    prefilling = runner.add(prefill("long", long_prompt), "long")
+    rows = []
+    while runner.busy:
+        iteration = runner.iterate()
+        rows.append((iteration.rows, iteration.prefill_rows))
+    assert decoding.result == "decoded"
+    if store.batches:  # split only where splitting keeps the bits (the batched kernel)
+        assert prefilling.result == [9, 9, 9, 7]  # the budget less the decoding session's row
+        assert rows[:4] == [(10, 9)] * 3 + [(8, 7)]
+    else:
+        assert prefilling.result == [34]
+    assert all(total <= 10 for total, _ in rows) or not store.batches
+
+
+def test_a_failing_work_fails_alone_and_the_others_finish():
+    store = SessionStore(kernel_llama(seed=2), name="target")
+    runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8)
+    good = store.create("good", [1, 2, 3], PARAMS)
+    doomed = store.create("doomed", [4, 5, 6], PARAMS)
+
+    def passes(session, n):
+        for _ in range(n):
+            yield PassRequest(session, [7], 2)
+        return session.session_id
+
+    def raises():
+        raise ValueError("bad block")
+        yield  # a generator
+
+    jobs = [runner.add(passes(good, 3), "good"), runner.add(passes(doomed, 3), "doomed"), runner.add(raises(), "x")]
+    runner.iterate()
+    store.release("doomed")  # released while its work is in flight: its next pass is refused
+    while runner.busy:
+        runner.iterate()
+    assert jobs[0].result == "good" and jobs[0].error is None
+    assert isinstance(jobs[1].error, SessionNotFoundError)
+    assert isinstance(jobs[2].error, ValueError)
+
+
+def test_a_cancelled_prefill_is_closed_and_releases_its_session():
+    store = SessionStore(kernel_llama(seed=3), name="target")
+    engine_runner = BatchRunner(store, max_batch_tokens=4, max_batch_sessions=8)
+
+    from specdec.engine.sessions import SessionEngine
+
+    engine = SessionEngine(store)
+    job = engine_runner.add(engine.prefill_work("p", list(range(1, 30)), PARAMS), "p")
+    engine_runner.iterate()
+    assert "p" in list(store)  # started, one chunk fed
+    job.cancelled = True
+    iteration = engine_runner.iterate()
+    assert job in iteration.finished and job.result is None
+    assert "p" not in list(store) and not engine_runner.busy
+
+
+def engines(model, draft_model):
+    return TargetEngine(model), DraftEngine(draft_model)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_propose_and_verify_equal_the_same_calls_alone(temperature):
+    """The draft and target engines' works, for 10 sessions of mixed prompts and k, batched
+    (small budget: chunked prefill, partial batches) and alone: the same proposals, q and verdicts."""
+    target = kernel_llama(seed=7)
+    draft = perturbed(target, 0.05, seed=1)
+    rng = random.Random(1)
+    prompts = {f"s{i}": [rng.randrange(64) for _ in range(rng.randrange(1, 45))] for i in range(10)}
+    params = SamplingParams(temperature=temperature, seed=11)
+
+    def run(batched: bool):
+        t, d = engines(target, draft)
+        runners = (BatchRunner(t.store, 12, 6), BatchRunner(d.store, 12, 6))
+
+        def drive(runner, works):
+            if not batched:
+                return [run_alone(runner.store, w) for _, w in works]
+            jobs = [runner.add(w, sid) for sid, w in works]
+            while runner.busy:
+                runner.iterate()
+            assert all(j.error is None for j in jobs), [j.error for j in jobs]
+            return [j.result for j in jobs]
+
+        drive(runners[0], [(s, t.prefill_work(s, p, params)) for s, p in prompts.items()])
+        drive(runners[1], [(s, d.prefill_work(s, p, params)) for s, p in prompts.items()])
+        commits: dict[str, Commit | None] = dict.fromkeys(prompts)
+        log = []
+        for step in range(1, 6):
+            ks = {s: (step + i) % 5 for i, s in enumerate(prompts)}
+            props = drive(runners[1], [(s, d.propose_work(s, step, ks[s], commits[s])) for s in prompts])
+            verdicts = drive(
+                runners[0],
+                [(s, t.verify_work(s, step, p.tokens, p.q, commits[s])) for s, p in zip(prompts, props, strict=True)],
+            )
+            for s, p, v in zip(prompts, props, verdicts, strict=True):
+                log.append((s, step, list(p.tokens), [(q.token_ids.tolist(), q.probs.tolist()) for q in p.q], repr(v)))
+                accepted = min(len(p.tokens), step % 3)  # any prefix: both runs commit the same
+                session = t.store.get(s)
+                commits[s] = Commit(step, len(session.tokens), (*p.tokens[:accepted], 1 + step))
+        return log
+
+    assert run(True) == run(False)
+
+
+def test_session_starts_wait_for_kv_room_then_start_and_past_the_queue_are_refused():
+    from specdec.engine.sessions import CacheLimits, SessionEngine
+    from specdec.errors import ResourceExhaustedError
+
+    model = kernel_llama(seed=4)
+    probe = SessionStore(model)
+    per_token = probe.bytes_per_token
+    store = SessionStore(model, CacheLimits(max_sessions=8, max_total_kv_bytes=20 * per_token), name="target")
+    engine = SessionEngine(store)
+    runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8, max_waiting=2)
+    prompt = list(range(1, 9))  # 8 tokens: two fit in a pool of 20 tokens, a third does not
+
+    def start(sid):
+        return runner.add(engine.prefill_work(sid, prompt, PARAMS), sid, admit_tokens=len(prompt))
+
+    first, second = start("a"), start("b")
+    runner.iterate()
+    assert first.finished and second.finished and first.error is None and second.error is None
+    waiting = [start(s) for s in ("c", "d")]
+    refused = start("e")
+    runner.iterate()
+    assert runner.waiting() == 2 and not any(j.finished for j in waiting)
+    assert isinstance(refused.error, ResourceExhaustedError) and "already wait" in str(refused.error)
+    assert store.total_kv_bytes <= 20 * per_token
+    store.release("a")
+    runner.iterate()
+    assert waiting[0].finished and waiting[0].error is None and not waiting[1].finished
+    waiting[1].cancelled = True  # its client left while it waited
+    runner.iterate()
+    assert waiting[1].finished and runner.waiting() == 0 and "d" not in list(store)
+    # a start that could not fit even an empty pool fails at once, naming the cap
+    too_big = runner.add(engine.prefill_work("f", list(range(1, 30)), PARAMS), "f", admit_tokens=29)
+    runner.iterate()
+    assert isinstance(too_big.error, ResourceExhaustedError) and "in all" in str(too_big.error)
+
+
+def test_the_pool_accounts_allocated_bytes_and_growth_stops_at_the_cap():
+    from specdec.engine.sessions import CacheLimits
+
+    model = kernel_llama(seed=4)
+    per_token = SessionStore(model).bytes_per_token
+    store = SessionStore(model, CacheLimits(max_session_kv_bytes=12 * per_token), name="target")
+    session = store.create("s", [1, 2, 3, 4, 5], PARAMS)
+    store.warm(session)
+    assert session.kv_bytes == 5 * per_token  # reserved for the prompt
+    store.forward(session, [6, 7, 8], rows=4)  # 8 positions: doubling gives 10
+    assert session.kv_bytes == 10 * per_token == session.cache.nbytes()
+    store.forward(session, [6, 7, 8, 9, 10, 11], rows=7)  # 11 positions: doubling would give 20; the cap allows 12
+    assert session.kv_bytes == 12 * per_token
+    assert store.total_kv_bytes == 12 * per_token

@@ -50,3 +50,19 @@ def test_greedy_equals_transformers_generate(smollm2, references, draft_kind, k)
         assert result.token_ids == expected, prompt
         assert result.stats.proposed_tokens > 0
     assert len(target.store) == 0
+
+
+def test_a_sessions_logits_in_a_batch_are_the_same_bits_as_alone(smollm2):
+    """Batch invariance on the default target (docs/batching.md): 6 sessions of mixed prompt
+    lengths, 3 verify-shaped passes each with a rollback after each, alone and batched with prefill
+    chunks of 24 rows."""
+    from test_batching import assert_same_bits, run_all
+
+    from specdec.engine.batching import BatchRunner
+    from specdec.engine.sessions import SessionStore
+
+    model, _ = smollm2
+    store = SessionStore(model, name="target")
+    alone = run_all(store, 6, 3, None)
+    batched = run_all(store, 6, 3, BatchRunner(store, max_batch_tokens=24, max_batch_sessions=6))
+    assert_same_bits(alone, batched)

@@ -244,6 +244,46 @@ def test_cancel_mid_stream_frees_both_sessions(stack):
     assert live_sessions(addr["draft"], "draft") == 0
 
 
+def test_cancelled_streams_under_load_free_their_sessions_and_the_rest_finish(stack):
+    """8 streams at once (their passes batched); 4 are cancelled a few tokens in, while the others
+    go on: the others finish with the tokens they get alone, and every session is released."""
+    import asyncio
+
+    addr = addresses(stack)
+    reqs = [
+        request([2 + i % 4, 5, 7], k=1 + i % 3, temperature=1.0, seed=700 + i, max_new_tokens=40, ignore_eos=True)
+        for i in range(8)
+    ]
+    alone = [list(stub(stack.coordinator_address).Generate(r).token_ids) for r in reqs[1::2]]
+
+    async def run():
+        from specdec.v1 import coordinator_pb2_grpc
+
+        async with grpc.aio.insecure_channel(stack.coordinator_address) as channel:
+            s = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+            async def one(i, r):
+                call, tokens = s.GenerateStream(r), []
+                async for chunk in call:
+                    tokens.extend(chunk.token_ids)
+                    if i % 2 == 0 and len(tokens) >= 3:
+                        call.cancel()
+                        return None
+                return tokens
+
+            return await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+
+    results = asyncio.run(run())
+    assert results[1::2] == alone and all(r is None for r in results[0::2])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if live_sessions(addr["target"], "target") == 0 and live_sessions(addr["draft"], "draft") == 0:
+            break
+        time.sleep(0.2)
+    assert live_sessions(addr["target"], "target") == 0
+    assert live_sessions(addr["draft"], "draft") == 0
+
+
 BAD = [
     ("negative temperature", {"prompt_ids": [1, 2], "temperature": -0.5}, "sampling.temperature"),
     ("top_p above 1", {"prompt_ids": [1, 2], "top_p": 1.5}, "sampling.top_p"),

@@ -118,7 +118,7 @@ def test_without_a_compiler_it_says_so_once_and_products_fall_back(tmp_path):
     assert result.stderr.count("few-row product kernel unavailable") == 1
 
 
-# -- the decoder layers in one call (fewrow_layers) ------------------------------------------------
+# -- the decoder layers in one call (fewrow_batch) --------------------------------------------------
 def kernel_llama(seed: int = 0, num_layers: int = 2):
     """Grouped-query attention (4 query heads over 2 KV heads) with widths the layer kernel covers
     (head_dim 16, hidden 64, MLP 128); 64 tokens."""
@@ -214,48 +214,27 @@ def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
     cos, sin = lean._rope_table(8)
     keys_before = cache.keys.clone()
 
-    def refused(x, start=0, keys=cache.keys, rows_cos=None):
-        before = x.clone()
-        rows = x.shape[0]
-        rows_cos = cos[start : start + rows] if rows_cos is None else rows_cos
-        declined = not fewrow.few_row_layers(
-            x,
-            lean._kernel_layers,
-            keys,
-            cache.values,
-            start,
-            rows_cos,
-            sin[start : start + rows],
-            4,
-            2,
-            16,
-            128,
-            lean.eps,
-            lean.scaling,
+    def layers(x, start=0, keys=cache.keys, rows_cos=None, rows=None):
+        """The kernel over x as one sequence's ``rows`` (default: all of x's rows)."""
+        n = x.shape[0]
+        rows_cos = cos[start : start + n] if rows_cos is None else rows_cos
+        segment = (keys, cache.values, start, n if rows is None else rows)
+        return fewrow.batch_layers(
+            x, lean._kernel_layers, [segment], rows_cos, sin[start : start + n], 4, 2, 16, 128, lean.eps, lean.scaling
         )
-        return declined and torch.equal(x, before)
+
+    def refused(x, **kwargs):
+        before = x.clone()
+        return not layers(x, **kwargs) and torch.equal(x, before)
 
     assert refused(torch.randn(0, 64))  # no rows
     assert refused(torch.randn(3, 64), start=cache.capacity - 2)  # past the cache's capacity
     assert refused(torch.randn(3, 64), rows_cos=cos[:2])  # rotary rows for another block
     assert refused(torch.randn(3, 64), keys=cache.keys.transpose(2, 3))  # not the cache layout
     assert refused(torch.randn(64, 3).t())  # non-contiguous rows
+    assert refused(torch.randn(3, 64), rows=2)  # the segments do not cover x's rows
     assert torch.equal(cache.keys, keys_before)
-    assert fewrow.few_row_layers(
-        torch.randn(3, 64),
-        lean._kernel_layers,
-        cache.keys,
-        cache.values,
-        0,
-        cos[:3],
-        sin[:3],
-        4,
-        2,
-        16,
-        128,
-        lean.eps,
-        lean.scaling,
-    )  # the same call, well formed
+    assert layers(torch.randn(3, 64))  # the same call, well formed
 
 
 @needs_layers
@@ -271,7 +250,7 @@ def test_statistical_exactness_through_the_layer_kernel(params, k):
     target = kernel_llama(seed=11, num_layers=1)
     draft = DraftEngine(perturbed(target, scale=0.3, seed=23), top_m=0, eps=0.0)
     assert draft.store.runner._kernel_layers is not None
-    case = selftest.Case("layer_kernel", "target and draft through fewrow_layers", params, k=k, tokens=2)
+    case = selftest.Case("layer_kernel", "target and draft through fewrow_batch", params, k=k, tokens=2)
     result = selftest.check_pair(case, target, draft, runs=600)
     assert result.passed, f"p={result.p_value:.2e} tv={result.tv:.3f} {result.detail}"
     assert 0.0 < result.acceptance_rate < 1.0

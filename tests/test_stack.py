@@ -221,6 +221,17 @@ def test_concurrent_requests_equal_sequential(stack):
     assert together == one_by_one
 
 
+def assert_no_live_sessions(addr, within: float = 10.0):
+    """Both services hold no session (allowing ``within`` seconds for releases in flight)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if live_sessions(addr["target"], "target") == 0 and live_sessions(addr["draft"], "draft") == 0:
+            break
+        time.sleep(0.2)
+    assert live_sessions(addr["target"], "target") == 0
+    assert live_sessions(addr["draft"], "draft") == 0
+
+
 def test_cancel_mid_stream_frees_both_sessions(stack):
     addr = addresses(stack)
     s = stub(stack.coordinator_address)
@@ -235,13 +246,7 @@ def test_cancel_mid_stream_frees_both_sessions(stack):
     with pytest.raises(grpc.RpcError) as info:
         s.Generate(request([1, 2, 3], k=1, seed=6, max_new_tokens=120, ignore_eos=True), timeout=0.3)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if live_sessions(addr["target"], "target") == 0 and live_sessions(addr["draft"], "draft") == 0:
-            break
-        time.sleep(0.2)
-    assert live_sessions(addr["target"], "target") == 0
-    assert live_sessions(addr["draft"], "draft") == 0
+    assert_no_live_sessions(addr)
 
 
 def test_cancelled_streams_under_load_free_their_sessions_and_the_rest_finish(stack):
@@ -275,13 +280,7 @@ def test_cancelled_streams_under_load_free_their_sessions_and_the_rest_finish(st
 
     results = asyncio.run(run())
     assert results[1::2] == alone and all(r is None for r in results[0::2])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if live_sessions(addr["target"], "target") == 0 and live_sessions(addr["draft"], "draft") == 0:
-            break
-        time.sleep(0.2)
-    assert live_sessions(addr["target"], "target") == 0
-    assert live_sessions(addr["draft"], "draft") == 0
+    assert_no_live_sessions(addr)
 
 
 BAD = [

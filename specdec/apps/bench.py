@@ -227,6 +227,14 @@ def run(args) -> dict:
     ks = [int(k) for k in args.ks.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
+    if args.peer == "vllm":  # refused before the run, not after it
+        if not concurrency or temperatures[0] != 0:
+            raise SystemExit("specdec bench --peer vllm compares greedy concurrency sweeps: --concurrency, T = 0 first")
+        if not Path(args.peer_python).is_file():
+            raise SystemExit(
+                f"specdec bench --peer vllm: no Python at {args.peer_python} (make bench-peer sets up .venv-peer, "
+                "or pass --peer-python)"
+            )
     if args.draft_model == "auto":
         args.draft_model = default_draft_for(args.target_model)
     draft_is_model = args.draft_model not in ("ngram", "none")
@@ -325,8 +333,6 @@ def run(args) -> dict:
             )
     rep = report(summaries, sweep, args)
     if args.peer == "vllm":
-        if not concurrency or temperatures[0] != 0:
-            raise SystemExit("specdec bench --peer vllm compares greedy concurrency sweeps: pass --concurrency")
         rep["peer"] = run_peer(args, prompts, concurrency, alone.get("target-only", {}), say)
     return rep
 

@@ -8,6 +8,8 @@ import signal
 import sys
 import time
 
+from specdec.runtime.flags import non_negative_int, positive_int
+
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
@@ -210,13 +212,6 @@ def _device_flags(args, role: str = "") -> list[str]:
     return flags
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _policy_flags(args) -> list[str]:
     return ["--fixed-k"] if args.fixed_k else []
 
@@ -278,13 +273,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compare-runs",
-        type=_positive_int,
+        type=positive_int,
         default=3,
         help="with --compare: runs of each, alternated (medians are compared)",
     )
     p.add_argument(
         "--compare-streams",
-        type=int,
+        type=non_negative_int,
         default=8,
         help="with --compare: then the same request as this many concurrent streams (0 = skip)",
     )

@@ -37,7 +37,6 @@ class Job:
     on_start: Callable[[], None] | None = None
     admit_tokens: int | None = None  # a session start: the prompt's tokens (waits for KV room)
     request: PassRequest | None = None
-    started: bool = False
     finished: bool = False
     result: Any = None
     error: BaseException | None = None
@@ -142,7 +141,6 @@ class BatchRunner:
             job.on_start()
         if not job.cancelled:
             job._advance(first=True)
-            job.started = True
         self._settle(job, finished)
 
     def _admit(self, new: list[Job], finished: list[Job]) -> None:

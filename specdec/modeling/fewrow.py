@@ -1,18 +1,21 @@
-"""The few-row product kernel (specdec/modeling/kernels/fewrow.c): x [n, in] @ w [out, in]^T for n = 1..4.
+"""The few-row product kernel (specdec/modeling/kernels/fewrow.c): x [n, in] @ w [out, in]^T.
 
 Why: the lean pass multiplies every weight of the target by k + 1 rows, and on the AMD EPYC this
 project was measured on, MKL's products of 3 and 4 rows took far longer than of 2 rows although
 they read the same weights. This kernel streams each weight row once for all the rows, so a
 verify of a few proposals costs about what one target token costs; it matches MKL on the
-target's 1-2-row products and beats it on a draft's small matrices, so every product of 1-4 rows
-comes here and 5 or more (prefill) stay with MKL. The figures are in docs/performance.md.
+target's 1-2-row products and beats it on a draft's small matrices. It takes any number of rows
+(tiles of 8, weights blocked for L2), and each row's sum is computed the same way whatever n is:
+a row's product never depends on the rows beside it (batch invariance). The figures are in
+docs/performance.md.
 
-The same library runs the decoder layers of a 1-4-row pass in one call (``fewrow_layers``: the
-norms, rotary, cache writes, attention, residuals and SiLU as loops around these products),
-since what a few-row pass spent outside its products was a score of small torch operations per
-layer, each with a fixed cost. Each row is computed on its own, so a block's logits equal bit for
-bit those of one-row passes. ``SPECDEC_FEWROW_LAYERS=0`` keeps the layers in torch (the products
-stay here).
+The same library runs the decoder layers of a pass in one call (``fewrow_batch``: the norms,
+rotary, cache writes, attention, residuals and SiLU as loops around these products), since what
+a few-row pass spent outside its products was a score of small torch operations per layer, each
+with a fixed cost -- for one sequence or for the ragged rows of several, each with its own cache
+(continuous batching, docs/batching.md). Each row is computed on its own, so a block's logits
+equal bit for bit those of one-row passes and a sequence's logits do not depend on what shares
+its pass. ``SPECDEC_FEWROW_LAYERS=0`` keeps the layers in torch (the products stay here).
 
 The C source is compiled on first use with the system C compiler into the specdec cache
 (``$SPECDEC_CACHE_DIR``, default ``~/.cache/specdec``, ``/kernels``) and loaded with ctypes; the
@@ -184,33 +187,10 @@ def lossless_bf16(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def layers_available() -> bool:
-    """Whether :func:`few_row_layers` runs here: the kernel loads and ``SPECDEC_FEWROW_LAYERS`` is not 0."""
+    """Whether :func:`batch_layers` runs here: the kernel loads and ``SPECDEC_FEWROW_LAYERS`` is not 0."""
     if os.environ.get(LAYERS_SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     return _function() is not None and "layers" in _state
-
-
-def few_row_layers(
-    x: torch.Tensor,
-    layers,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    intermediate: int,
-    eps: float,
-    scale: float,
-) -> bool:
-    """:func:`batch_layers` for one sequence: ``x`` [n, hidden] at positions [start, start + n) of
-    the caches ``keys`` / ``values``."""
-    return batch_layers(
-        x, layers, [(keys, values, start, int(x.shape[0]) if x.ndim == 2 else 0)], cos, sin,
-        heads, kv_heads, head_dim, intermediate, eps, scale,
-    )  # fmt: skip
 
 
 def batch_layers(

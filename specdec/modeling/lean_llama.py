@@ -12,7 +12,8 @@ This pass runs the same model, with the same weights, in far fewer operations
 - rotary cos/sin come from a table computed once by the model's own rotary module;
 - keys/values are written in place into a buffer that grows by doubling; cropping is O(1);
 - attention is ``scaled_dot_product_attention`` with ``enable_gqa`` (no ``repeat_kv`` copy);
-- passes of 1-4 rows run all their decoder layers in one C call (``specdec.modeling.fewrow``).
+- passes of 1-4 rows, and the batched passes of many sequences (:meth:`LeanLlama.forward_batch`,
+  what the engines use), run all their decoder layers in one C call (``specdec.modeling.fewrow``).
 
 Embedding, RMSNorm, rotary and output head are the model's own modules, called as they are.
 
@@ -35,7 +36,6 @@ from specdec.modeling.fewrow import ROWS as FEW_ROWS
 from specdec.modeling.fewrow import (
     LayerWeights,
     batch_layers,
-    few_row_layers,
     few_row_product,
     layers_available,
     lossless_bf16,
@@ -121,9 +121,9 @@ class LeanLlama:
         self._head_twin = lossless_bf16(head_weight) if self._twins and head_weight is not None else None
 
     def _layers_for_kernel(self):
-        """The layers' weights as kernels/fewrow.c's ``fewrow_layers`` reads them, or None where it
+        """The layers' weights as kernels/fewrow.c's ``fewrow_batch`` reads them, or None where it
         cannot run this model (not float32 on the CPU, a width it does not cover, norms with
-        different epsilons): passes of 1-4 rows then stay in torch. A snapshot: it holds raw
+        different epsilons): passes then stay in torch. A snapshot: it holds raw
         pointers (and bf16 copies) of the weights, which the engines never change after loading."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not layers_available():
             return None
@@ -182,25 +182,7 @@ class LeanLlama:
         cos, sin = cos_table[start:end], sin_table[start:end]  # [n, D]
         x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
         # 1-4 rows (decode steps, verify blocks): the layers in one kernel call (kernels/fewrow.c)
-        if not (
-            self._kernel_layers is not None
-            and n in FEW_ROWS
-            and few_row_layers(
-                x,
-                self._kernel_layers,
-                cache.keys,
-                cache.values,
-                start,
-                cos,
-                sin,
-                self.heads,
-                self.kv_heads,
-                self.head_dim,
-                self.intermediate,
-                self.eps,
-                self.scaling,
-            )
-        ):
+        if not (n in FEW_ROWS and self._kernel_pass(x, [(cache.keys, cache.values, start, n)], cos, sin)):
             x = self._torch_layers(x, cache, start, end, cos.unsqueeze(0), sin.unsqueeze(0))
         cache.length = end
         keep = min(logits_to_keep, n)
@@ -208,6 +190,25 @@ class LeanLlama:
         normed = rms_norm(x[n - last :], self.norm)
         features = normed[last - feature_rows :] if feature_rows else None
         return self._head(normed[last - keep :]), features
+
+    def _kernel_pass(self, x: torch.Tensor, segments, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """The decoder layers over x in the layer kernel (False where it does not run: nothing
+        was touched, the caller runs torch's layers); ``segments`` as for fewrow.batch_layers."""
+        if self._kernel_layers is None:
+            return False
+        return batch_layers(
+            x,
+            self._kernel_layers,
+            segments,
+            cos,
+            sin,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.intermediate,
+            self.eps,
+            self.scaling,
+        )
 
     @property
     def batches(self) -> bool:
@@ -239,19 +240,7 @@ class LeanLlama:
             sin_rows.append(sin_table[start : start + n])
             segments.append((p.cache.keys, p.cache.values, start, n))
         x = self.embed(torch.cat([p.input_ids.reshape(-1) for p in passes]).reshape(1, -1))[0].contiguous()
-        if not batch_layers(
-            x,
-            self._kernel_layers,
-            segments,
-            torch.cat(cos_rows).contiguous(),
-            torch.cat(sin_rows).contiguous(),
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            self.intermediate,
-            self.eps,
-            self.scaling,
-        ):
+        if not self._kernel_pass(x, segments, torch.cat(cos_rows).contiguous(), torch.cat(sin_rows).contiguous()):
             return [self.forward_with_features(p.input_ids, p.cache, p.logits_to_keep, p.feature_rows) for p in passes]
         kept, features, offset = [], [], 0
         for p, (_, _, start, n) in zip(passes, segments, strict=True):

@@ -19,6 +19,7 @@ from specdec.errors import DrainingError
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import wire
 from specdec.runtime.batcher import IterationLoop
+from specdec.runtime.flags import non_negative_float, non_negative_int, positive_int
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
 from specdec.runtime.registry import Heartbeat, Registry, Replica
@@ -77,23 +78,26 @@ def add_replica_arguments(p) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
     p.add_argument(
         "--max-batch-tokens",
-        type=int,
+        type=positive_int,
         default=256,
         help="rows one batched pass may carry; a prefill is fed in chunks of what is left (docs/batching.md)",
     )
     p.add_argument(
-        "--max-batch-sessions", type=int, default=64, help="sessions one batched pass may carry (1 = no batching)"
+        "--max-batch-sessions",
+        type=positive_int,
+        default=64,
+        help="sessions one batched pass may carry (1 = no batching)",
     )
     p.add_argument(
         "--batch-gather-ms",
-        type=float,
+        type=non_negative_float,
         default=8.0,
         help="before a pass, wait up to this long for the last pass's sessions to come back (0 = never; "
         "a lone session never waits; docs/batching.md)",
     )
     p.add_argument(
         "--max-waiting-sessions",
-        type=int,
+        type=non_negative_int,
         default=64,
         help="session starts that may wait for KV room (or a session slot); one more is RESOURCE_EXHAUSTED",
     )

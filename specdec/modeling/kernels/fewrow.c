@@ -1,4 +1,4 @@
-/* y[n, out] = x[n, in] @ w[out, in]^T for n = 1..4 rows (float32), streaming w once.
+/* y[n, out] = x[n, in] @ w[out, in]^T for any n rows (float32), streaming w once.
  *
  * Why: a verify pass of k = 2 or 3 proposals multiplies every weight matrix by 3 or 4 rows. MKL's
  * product of that shape on this project's CPU (AMD EPYC) took ~40% longer than its 2-row product,
@@ -120,7 +120,7 @@ int fewrow_mm_bf16(const uint16_t *w, const float *x, float *y, int64_t out, int
 }
 
 /* ---------------------------------------------------------------------------------------------
- * The decoder layers of a Llama pass over n = 1..4 new positions, in one call.
+ * The decoder layers of a Llama pass over the new positions of one or several sequences, in one call.
  *
  * Why: with the products in fewrow_mm, what is left of a SmolLM2 pass of one row is ~20 small
  * torch operations per layer (norms, rotary, cache writes, attention, residual adds, SiLU), each

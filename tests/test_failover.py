@@ -4,11 +4,13 @@ coordinator, Redis itself; plus resumable streams and a churn soak. Real process
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -18,6 +20,7 @@ from stack_util import request, stub
 
 from specdec.apps.launcher import Stack, free_port, local_stack
 from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
+from specdec.runtime.registry import HEARTBEAT_S
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -105,16 +108,88 @@ def stream(stack_or_addr, req, on_first=None, stop_after=None):
     return tokens, last, None
 
 
-def kill_serving(stack: Stack, kind: str):
-    """SIGKILL the replica of ``kind`` that holds the (single) live session."""
+def kill_serving(stack: Stack, kind: str, load: Background | None = None):
+    """SIGKILL the replica of ``kind`` that holds the foreground session: the only one holding a
+    session, or under ``load`` the one whose count grew by one since the background streams ran."""
 
     def kill():
-        holders = [c for c in alive(stack, kind) if info(c).live_sessions > 0]
-        assert len(holders) == 1, [(c.name, info(c).live_sessions) for c in alive(stack, kind)]
-        os.kill(holders[0].process.pid, signal.SIGKILL)
-        kill.victim = holders[0].name
+        counts = {c.name: info(c).live_sessions for c in alive(stack, kind)}
+        before = load.sessions[kind] if load is not None else {}
+        holders = [name for name, n in counts.items() if n == before.get(name, 0) + 1]
+        assert len(holders) == 1 and sum(counts.values()) == sum(before.values()) + 1, (counts, before)
+        victim = next(c for c in alive(stack, kind) if c.name == holders[0])
+        os.kill(victim.process.pid, signal.SIGKILL)
+        kill.victim = victim.name
+        kill.background_victims = before.get(victim.name, 0)
 
     return kill
+
+
+class Background:
+    """Long streams running through a disturbance, each one's undisturbed tokens known first
+    (computed alone), so a test can check that the streams beside the one it disturbs, and the
+    batches they shared on every replica, change nothing either."""
+
+    def __init__(self, stack: Stack, streams: int, temperature: float):
+        self.stack = stack
+        self.requests = [
+            request(
+                [10 + i, 3, 5 + i],
+                k=1 + i % 3,
+                temperature=temperature,
+                seed=500 + i,
+                max_new_tokens=LONG,
+                ignore_eos=True,
+            )
+            for i in range(streams)
+        ]
+        self.expected = [list(stub(stack.coordinator_address).Generate(r).token_ids) for r in self.requests]
+        # let the coordinator's routing forget those finished sessions (its picks of the last two
+        # heartbeats count as load), so the streams spread over every replica
+        time.sleep(3 * HEARTBEAT_S)
+        self.results: list = [None] * streams
+        self.sessions: dict[str, dict[str, int]] = {}
+
+    def __enter__(self) -> Background:
+        started = [threading.Event() for _ in self.requests]
+
+        def run(i):
+            self.results[i] = stream(self.stack, self.requests[i], on_first=started[i].set)
+            started[i].set()
+
+        self.threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(self.requests))]
+        for t in self.threads:
+            t.start()
+        assert all(e.wait(120) for e in started)
+        # what every replica holds while only the background streams run
+        self.sessions = {
+            kind: {c.name: info(c).live_sessions for c in alive(self.stack, kind)} for kind in ("draft", "target")
+        }
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for t in self.threads:
+            t.join(300)
+
+    def check(self, failover_field: str | None = None) -> int:
+        """Every background stream completed with its undisturbed tokens; returns how many failed over."""
+        assert all(r is not None and r[2] is None for r in self.results), [r and r[2] for r in self.results]
+        assert [r[0] for r in self.results] == self.expected
+        if failover_field is None:
+            return 0
+        return sum(getattr(r[1].stats, failover_field) for r in self.results)
+
+
+@contextlib.contextmanager
+def maybe_background(stack: Stack, streams: int, temperature: float):
+    if streams == 0:
+        yield None
+        return
+    with Background(stack, streams, temperature) as load:
+        yield load
+
+
+LOADS = pytest.mark.parametrize("streams", [0, 4], ids=["alone", "under-load"])
 
 
 # -- scaling ---------------------------------------------------------------------------------
@@ -135,93 +210,117 @@ def test_scale_out_at_run_time_and_session_affinity(stack):
 
 
 # -- failover --------------------------------------------------------------------------------
+@LOADS
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded-sampling"])
-def test_draft_replica_killed_mid_stream_changes_nothing(stack, temperature):
+def test_draft_replica_killed_mid_stream_changes_nothing(stack, temperature, streams):
     req = lambda: request([7, 8, 9], k=2, temperature=temperature, seed=42, max_new_tokens=LONG, ignore_eos=True)  # noqa: E731
     undisturbed = list(stub(stack.coordinator_address).Generate(req()).token_ids)
-    killer = kill_serving(stack, "draft")
-    tokens, last, error = stream(stack, req(), on_first=killer)
+    with maybe_background(stack, streams, temperature) as load:
+        killer = kill_serving(stack, "draft", load)
+        tokens, last, error = stream(stack, req(), on_first=killer)
     assert error is None
     assert tokens == undisturbed  # a replacement of the same draft model gives identical tokens
     assert last.stats.draft_failovers == 1 and last.stats.draft_fallbacks == 0
+    if load is not None:  # the streams beside it: the victim's moved too, and every one is unchanged
+        assert killer.background_victims >= 1  # least-loaded routing spread 4 over the (<= 3) replicas
+        assert load.check("draft_failovers") == killer.background_victims
     replace_replica(stack, "draft")
 
 
-def test_target_replica_killed_mid_stream_completes_identically(stack):
+@LOADS
+def test_target_replica_killed_mid_stream_completes_identically(stack, streams):
     req = lambda: request([3, 1, 4, 1, 5], k=2, temperature=0.0, max_new_tokens=LONG, ignore_eos=True)  # noqa: E731
     undisturbed = list(stub(stack.coordinator_address).Generate(req()).token_ids)
-    tokens, last, error = stream(stack, req(), on_first=kill_serving(stack, "target"))
+    with maybe_background(stack, streams, 0.8) as load:
+        killer = kill_serving(stack, "target", load)
+        tokens, last, error = stream(stack, req(), on_first=killer)
     assert error is None and tokens == undisturbed
     assert last.stats.target_failovers == 1
+    if load is not None:
+        assert killer.background_victims >= 1
+        assert load.check("target_failovers") == killer.background_victims
     replace_replica(stack, "target")
 
 
 # -- resumable output ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def second_coordinator(stack, tmp_path_factory):
+COORDINATOR = [sys.executable, "-m", "specdec", "coordinator", "--num-speculative-tokens", "2"]
+
+
+@contextlib.contextmanager
+def extra_coordinator(stack: Stack, log_dir, name: str):
+    """Another coordinator process (its own Ray) on the same Redis, stopped afterwards if alive."""
+    from specdec.apps.launcher import Child
+
     port = free_port()
-    log = open(tmp_path_factory.mktemp("coord2") / "coordinator2.log", "wb")  # noqa: SIM115 - the process writes it
+    log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the process writes it
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "specdec",
-            "coordinator",
-            "--redis",
-            stack.redis_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--num-speculative-tokens",
-            "2",
-            *STEP_COST,
-        ],
+        [*COORDINATOR, "--redis", stack.redis_url, "--host", "127.0.0.1", "--port", str(port), *STEP_COST],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    from specdec.apps.launcher import Child
+    child = Child(name, f"127.0.0.1:{port}", process)
+    try:
+        stack.wait_healthy(child, 180)
+        yield child
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(30)
 
-    child = Child("coordinator2", f"127.0.0.1:{port}", process)
-    stack.wait_healthy(child, 180)
-    yield child
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(30)
+
+@pytest.fixture(scope="module")
+def second_coordinator(stack, tmp_path_factory):
+    with extra_coordinator(stack, tmp_path_factory.mktemp("coord2"), "coordinator2") as child:
+        yield child
 
 
+@pytest.fixture
+def doomed_coordinator(stack, tmp_path):
+    """A coordinator of its own for a test that kills it."""
+    with extra_coordinator(stack, tmp_path, "doomed-coordinator") as child:
+        yield child
+
+
+@LOADS
 @pytest.mark.parametrize("where", ["same", "second"])
-def test_resume_after_the_client_lost_its_stream(stack, second_coordinator, where):
+def test_resume_after_the_client_lost_its_stream(stack, second_coordinator, where, streams):
     rid = f"resume-{where}-{time.monotonic_ns()}"
     base = {"k": 3, "temperature": 0.9, "seed": 1234, "max_new_tokens": 120, "ignore_eos": True}
     reply = stub(stack.coordinator_address).Generate(request([2, 7, 1, 8], **base))
     assert 0 < reply.stats.drafts < reply.stats.target_passes  # the policy paused and resumed along the way
     undisturbed = list(reply.token_ids)
-    first, _, error = stream(stack, request([2, 7, 1, 8], **base, request_id=rid), stop_after=10)
-    assert error == "CANCELLED" and len(first) >= 10
-    address = stack.coordinator_address if where == "same" else second_coordinator.address
-    resumed = request([2, 7, 1, 8], **base, request_id=rid, resume_from_index=len(first))
-    rest, last, error = stream(address, resumed)
+    with maybe_background(stack, streams, 0.9) as load:
+        first, _, error = stream(stack, request([2, 7, 1, 8], **base, request_id=rid), stop_after=10)
+        assert error == "CANCELLED" and len(first) >= 10
+        address = stack.coordinator_address if where == "same" else second_coordinator.address
+        resumed = request([2, 7, 1, 8], **base, request_id=rid, resume_from_index=len(first))
+        rest, last, error = stream(address, resumed)
     assert error is None and last.finish_reason == "length"
     assert first + rest == undisturbed  # nothing lost, nothing duplicated
+    if load is not None:
+        load.check()
     # a finished request replays the remainder exactly, again and again
     again, _, _ = stream(address, request([2, 7, 1, 8], **base, request_id=rid, resume_from_index=5))
     assert again == undisturbed[5:]
 
 
-def test_resume_after_the_coordinator_died(stack, second_coordinator):
-    rid = f"coord-death-{time.monotonic_ns()}"
+@LOADS
+def test_resume_after_the_coordinator_died(stack, doomed_coordinator, streams):
+    rid = f"coord-death-{time.monotonic_ns()}-{streams}"
     base = {"k": 2, "temperature": 0.7, "seed": 77, "max_new_tokens": LONG, "ignore_eos": True}
     reply = stub(stack.coordinator_address).Generate(request([9, 9, 8], **base))
     assert 0 < reply.stats.drafts < reply.stats.target_passes  # the policy paused and resumed along the way
     undisturbed = list(reply.token_ids)
-    kill = lambda: os.killpg(second_coordinator.process.pid, signal.SIGKILL)  # noqa: E731 - front and its Ray
-    first, _, error = stream(second_coordinator.address, request([9, 9, 8], **base, request_id=rid), on_first=kill)
-    assert error in ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL")
-    rest, _last, error = stream(stack, request([9, 9, 8], **base, request_id=rid, resume_from_index=len(first)))
+    kill = lambda: os.killpg(doomed_coordinator.process.pid, signal.SIGKILL)  # noqa: E731 - front and its Ray
+    with maybe_background(stack, streams, 0.7) as load:
+        first, _, error = stream(doomed_coordinator.address, request([9, 9, 8], **base, request_id=rid), on_first=kill)
+        assert error in ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL")
+        rest, _last, error = stream(stack, request([9, 9, 8], **base, request_id=rid, resume_from_index=len(first)))
     assert error is None, error
     assert first + rest == undisturbed
+    if load is not None:
+        load.check()
 
 
 def test_bad_resume_requests(stack):

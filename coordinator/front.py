@@ -13,6 +13,8 @@ function, and says whether it is serving: both paths report alike.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
@@ -23,6 +25,8 @@ from specdec.telemetry import metrics, tracing
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 SERVICE = "specdec.v1.Coordinator"
+COST_MODEL_POLL_SECONDS = 5.0
+log = logging.getLogger("specdec.coordinator.front")
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
@@ -34,6 +38,7 @@ class Backend(Protocol):
         self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str]
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]: ...
     async def stop(self) -> None: ...
+    async def cost_model(self) -> list: ...
 
 
 class LocalBackend:
@@ -54,20 +59,38 @@ class LocalBackend:
     async def stop(self) -> None:
         await self.core.close()
 
+    async def cost_model(self) -> list:
+        return self.core.cost_model()
+
 
 class CoordinatorFront:
     def __init__(self, backend: Backend, metrics_port: int = 0):
         self.backend = backend
+        self._poll: asyncio.Future | None = None
         self.serving = False  # what the health check answers: the request path found a target
         metrics.serve_metrics(metrics_port)
 
     async def start(self) -> None:
         await self.backend.start()
         self.serving = True
+        self._poll = asyncio.ensure_future(self._poll_cost_model())
 
     async def stop(self) -> None:
         self.serving = False
+        if self._poll is not None:
+            self._poll.cancel()
         await self.backend.stop()
+
+    async def _poll_cost_model(self) -> None:
+        """The load-aware policy's cost estimates (which live where the request path runs) as
+        gauges of this front's metrics."""
+        while True:
+            await asyncio.sleep(COST_MODEL_POLL_SECONDS)
+            try:
+                for kind, replica, points in await self.backend.cost_model():
+                    metrics.record_cost_curve(kind, replica, points)
+            except Exception as exc:  # noqa: BLE001 - metrics must never take the front down
+                log.debug("cost model poll failed: %s", exc)
 
     async def stream(
         self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], method: str = "GenerateStream"

@@ -51,6 +51,9 @@ class CoordinatorActor:
         async for chunk in self.core.generate(request, carrier):
             yield chunk.SerializeToString()
 
+    async def cost_model(self) -> list:
+        return self.core.cost_model()
+
 
 def _unwrap(exc: BaseException) -> BaseException:
     """The error the actor raised, as the front should report it."""
@@ -121,6 +124,16 @@ class RayBackend:
             self.in_flight[index] -= 1
             if not finished:
                 ray.cancel(stream)  # client gone or error: stop the loop, free the sessions
+
+    async def cost_model(self) -> list:
+        """Every actor's current pass-cost estimates (kind, replica address, points)."""
+        out: list = []
+        for actor in list(self.actors):
+            try:
+                out.extend(await actor.cost_model.remote())
+            except (RayTaskError, RayActorError):
+                continue  # a restarting actor: the next poll asks again
+        return out
 
     async def stop(self) -> None:
         for actor in self.actors:

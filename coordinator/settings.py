@@ -47,6 +47,7 @@ class Setting:
     help: str
     field: str | None = None  # the CoordinatorConfig field it sets (None: a setting of the front)
     invert: bool = False  # a flag that turns the field off (--fixed-k sets default_adaptive False)
+    switch: bool = False  # a flag that turns the field on (--replayable-schedule)
 
     @property
     def flag(self) -> str:
@@ -74,6 +75,15 @@ SETTINGS = (
         "(FIXED,PER_TOKEN; measured on a 2-core CPU, see docs/performance.md)",
         "step_cost",
     ),
+    Setting(
+        "replayable_schedule",
+        _boolean,
+        "adaptive requests choose k from their own past only, not from the load: seeded sampled output "
+        "then reproduces under any load and after a takeover, at the cost of speculating under load "
+        "where it does not pay (default: load-aware, docs/goodput.md)",
+        "replayable_schedule",
+        switch=True,
+    ),
     Setting("max_speculative_tokens", int, "largest k a request may ask for", "max_k"),
     Setting("default_max_new_tokens", int, "max_new_tokens of a request that does not say", "default_max_new_tokens"),
     Setting("max_new_tokens_limit", int, "largest max_new_tokens a request may ask for", "max_new_tokens_limit"),
@@ -90,7 +100,7 @@ _DEFAULTS = {f.name: f.default for f in fields(CoordinatorConfig)}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every setting as a flag (unset flags keep the default)."""
     for s in SETTINGS:
-        if s.invert:
+        if s.invert or s.switch:
             parser.add_argument(s.flag, action="store_true", default=None, help=s.help)
             continue
         default = _DEFAULTS.get(s.field) if s.field else 0

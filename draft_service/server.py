@@ -4,6 +4,7 @@ map errors; no sampling math here: docs/architecture.md)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from specdec.engine.sessions import CacheLimits
 from specdec.runtime import wire
@@ -14,6 +15,7 @@ from specdec.runtime.servicer import (
     add_replica_arguments,
     batch_runner_for,
     main_async,
+    profiled_costs,
 )
 from specdec.telemetry import tracing
 from specdec.v1 import draft_pb2_grpc, engine_pb2
@@ -38,7 +40,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             span.set_attribute("specdec.k", request.k)
             span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
             # one hop to the model thread for commit + proposal (each hop costs a thread hand-off)
-            proposal = await self.engine_call(
+            proposal, load = await self.engine_call_with_load(
                 request.session_id,
                 getattr(self.engine, "propose_work", None),
                 self.engine.propose,
@@ -48,7 +50,9 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
                 commit,
             )
             span.set_attribute("specdec.proposed", len(proposal))
-        return wire.proposal_to_proto(proposal)
+        if load is not None:  # a draft pass's size is its sessions: each advances one position
+            load = dataclasses.replace(load, size=load.sessions)
+        return wire.proposal_to_proto(proposal, load)
 
     def prefill_arguments(self, request) -> tuple:
         if self.engine.kind != "feature":
@@ -71,6 +75,8 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             kv_bytes_per_token=stats.get("kv_bytes_per_token", 0),
             draft_kind=self.engine.kind,
             feature_size=getattr(self.engine, "feature_size", 0),
+            cost_sizes=[n for n, _ in self.cost_points],
+            cost_seconds=[t for _, t in self.cost_points],
         )
 
 
@@ -112,6 +118,8 @@ def main(args) -> int:
         engine = build_engine(args)
         fingerprint = "" if args.model == "ngram" else tokenizer_fingerprint(try_load_tokenizer(args.model))
         servicer = DraftServicer(engine, args.model, fingerprint)
+        batch = batch_runner_for(engine, args)
+        servicer.cost_points = profiled_costs(engine, batch, args)
         replica_id = args.replica_id or new_replica_id()
 
         def describe(address: str, draining: bool) -> Replica:
@@ -143,7 +151,7 @@ def main(args) -> int:
             describe=describe,
             drain_seconds=args.drain_seconds,
             metrics_port=args.metrics_port,
-            batch=batch_runner_for(engine, args),
+            batch=batch,
             batch_gather_ms=args.batch_gather_ms,
         )
 

@@ -17,6 +17,7 @@ from specdec.runtime.servicer import (
     add_replica_arguments,
     batch_runner_for,
     main_async,
+    profiled_costs,
 )
 from specdec.telemetry import tracing
 from specdec.v1 import engine_pb2, target_pb2_grpc
@@ -54,7 +55,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             span.set_attribute("specdec.k", len(block))
             span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
             # one hop to the model thread for commit + verify (each hop costs a thread hand-off)
-            verdict = await self.engine_call(
+            verdict, load = await self.engine_call_with_load(
                 header.session_id,
                 getattr(self.engine, "verify_work", None),
                 self.engine.verify,
@@ -65,7 +66,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
                 commit,
                 header.return_features,
             )
-        return wire.verdict_to_proto(verdict)
+        return wire.verdict_to_proto(verdict, load)
 
     def prefill_arguments(self, request) -> tuple:
         return (request.return_features,)
@@ -95,6 +96,8 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             draining=self.draining,
             kv_bytes_per_token=stats["kv_bytes_per_token"],
             feature_size=int(self.engine.store.model.config.hidden_size),
+            cost_sizes=[n for n, _ in self.cost_points],
+            cost_seconds=[t for _, t in self.cost_points],
         )
 
 
@@ -161,6 +164,8 @@ def main(args) -> int:
         tokenizer = try_load_tokenizer(args.model)
         fingerprint = tokenizer_fingerprint(tokenizer)
         servicer = TargetServicer(engine, args.model, eos_token_ids(model, tokenizer), fingerprint, tp)
+        batch = batch_runner_for(engine, args)
+        servicer.cost_points = profiled_costs(engine, batch, args)
         replica_id = args.replica_id or new_replica_id()
 
         def describe(address: str, draining: bool) -> Replica:
@@ -193,7 +198,7 @@ def main(args) -> int:
             drain_seconds=args.drain_seconds,
             metrics_port=args.metrics_port,
             on_stop=lambda: on_stop() if on_stop else None,
-            batch=batch_runner_for(engine, args),
+            batch=batch,
             batch_gather_ms=args.batch_gather_ms,
         )
 

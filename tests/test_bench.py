@@ -73,8 +73,17 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     assert 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1
     assert len(spec["acceptance_per_position"]) == 2 and spec["itl_s_p99"] >= spec["itl_s_p50"]
     assert {c["concurrency"] for c in report["concurrency"]} == {1, 2}
-    for level in report["concurrency"]:  # under load every stream has the tokens it has alone
-        assert level["streams_changed_vs_alone"] == 0
+    swept = {(c["mode"], c["k"], c["temperature"]) for c in report["concurrency"]}
+    for t in (0.0, 0.7):  # target-only, each fixed k and the server's default policy, at each setting
+        assert {("target-only", 0, t), ("speculative", 2, t), ("speculative", 4, t)} <= swept
+        assert any(mode == "speculative-default" and temp == t for mode, _, temp in swept)
+    assert "speculative-default" in {m["mode"] for m in report["modes"]}
+    for level in report["concurrency"]:
+        # under load every stream has the tokens it has alone -- except seeded sampling under the
+        # load-aware default, whose k (so its tokens) may follow the load (docs/goodput.md)
+        if not (level["mode"] == "speculative-default" and level["temperature"] > 0):
+            assert level["streams_changed_vs_alone"] == 0, level
+        assert level["steps_speculating"] is not None
         assert level["streams"] == level["concurrency"] * report["settings"]["repeats"]
         assert level["aggregate_tokens_per_s"] > 0 and level["itl_s_p99"] >= level["itl_s_p50"]
         assert level["ttft_s_p99"] >= level["ttft_s_p50"] > 0

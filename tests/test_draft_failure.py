@@ -47,7 +47,8 @@ def test_draft_killed_mid_request_changes_nothing(stack):
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
     draft = stack.child("draft-0")
-    req = request(prompt, k=2, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    # fixed k: speculation must be on before the kill (the load-aware default may choose k = 0)
+    req = request(prompt, k=2, adaptive=False, temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     tokens, last = [], None
     for chunk in stub(stack.coordinator_address).GenerateStream(req, timeout=300):
         if not tokens:

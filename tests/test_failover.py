@@ -26,10 +26,12 @@ from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LONG = 500  # tokens: long enough that a kill after the first chunk lands mid-stream
-# Every coordinator here prices a draft block so that this pair's blocks (~0.5 accepted per
-# position) hover around break-even: adaptive requests (the default) then mix blocks and
-# target-only steps, and a takeover must rebuild that policy's state exactly.
-STEP_COST = ["--step-cost", "0.4,0.2"]
+# Every coordinator here runs the replayable schedule (k from a request's own past, not from the
+# load), under which seeded sampled requests keep their tokens under load and through a takeover;
+# and it prices a draft block so that this pair's blocks (~0.5 accepted per position) hover around
+# break-even: adaptive requests (the default) then mix blocks and target-only steps, and a takeover
+# must rebuild that policy's state exactly.
+STEP_COST = ["--replayable-schedule", "--step-cost", "0.4,0.2"]
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ REQUIRED = {
     "ngram",
     "reduced_head",
     "feature_draft",
+    "adaptive_k",
+    "load_aware_k",
 }
 
 

@@ -138,7 +138,15 @@ def test_both_fronts_map_errors_to_the_same_clean_statuses(fronts):
 def test_both_fronts_serve_the_same_metrics_after_the_same_requests(fronts):
     addresses, _, _ = fronts
     reqs = [
-        request([1 + i, 2, 3], k=1 + i % K, temperature=1.0, seed=700 + i, max_new_tokens=8 + i, ignore_eos=True)
+        request(
+            [1 + i, 2, 3],
+            k=1 + i % K,
+            adaptive=False,
+            temperature=1.0,
+            seed=700 + i,
+            max_new_tokens=8 + i,
+            ignore_eos=True,
+        )
         for i in range(4)
     ]
     deltas, replies = {}, {}

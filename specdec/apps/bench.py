@@ -8,6 +8,9 @@ One run, one stack, the same prompts, models and sampling settings for every mod
 - ``speculative-adaptive`` the same with the adaptive policy (blocks of k while they pay,
                          target-only steps while they do not: specdec/loop/policy.py), for each k
                          of ``--adaptive-ks``; the fixed-k modes above say adaptive = false
+- ``speculative-default`` the server's defaults (the request says nothing of speculation): the
+                         draft model, ``--default-k``, and the load-aware policy choosing each
+                         step's k in 0..k from the batch it shares (docs/goodput.md)
 - ``speculative-ngram``  through the full stack with n-gram (prompt lookup) drafts, for each k
 - ``hf-generate``        transformers ``generate()`` of the target alone, in this process
 - ``hf-assisted``        transformers assisted generation (the same draft model as
@@ -17,11 +20,11 @@ One run, one stack, the same prompts, models and sampling settings for every mod
                          standalone draft (``--assistant-model``; for the default target the
                          shipped distilled one)
 
-Plus a concurrency sweep (``--concurrency``: for target-only and the best speculative mode, that
-many streams at once, each level ``--repeats`` times: aggregate tokens/s, time to first token and
-inter-token latency p50/p99, and whether every stream's tokens equal those of the same request
-run alone) and Leviathan et al.'s predicted speedup from the measured acceptance and step times,
-next to the achieved one.
+Plus a concurrency sweep (``--concurrency``: for target-only, each fixed k of the sweep and the
+server's default policy, at each temperature, that many streams at once, each level ``--repeats``
+times: aggregate tokens/s, time to first token and inter-token latency p50/p99, and whether every
+stream's tokens equal those of the same request run alone) and Leviathan et al.'s predicted
+speedup from the measured acceptance and step times, next to the achieved one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.apps.cli import SERVE_DEFAULT_K
 from specdec.training.prompts import BENCH_PROMPTS, load_prompts
 
 
@@ -62,16 +66,7 @@ class Mode:
     k: int = 0
     method: str = ""
     adaptive: bool = False
-
-    @classmethod
-    def of_summary(cls, summary: dict) -> Mode:
-        name = summary["mode"]
-        return cls(
-            name,
-            summary["k"],
-            "ngram" if name == "speculative-ngram" else "draft_model",
-            name == "speculative-adaptive",
-        )
+    server_default: bool = False  # the request leaves speculation to the server
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -208,6 +203,8 @@ def build_request(
     req.sampling.max_new_tokens = max_new_tokens
     req.sampling.ignore_eos = ignore_eos
     req.sampling.seed = seed
+    if mode.server_default:
+        return req
     req.speculation.num_speculative_tokens = mode.k
     req.speculation.method = mode.method
     req.speculation.adaptive = mode.adaptive  # explicit: a fixed-k mode is fixed whatever the server default
@@ -243,6 +240,7 @@ def run(args) -> dict:
     if draft_is_model:
         modes += [Mode("speculative", k, "draft_model") for k in ks]
         modes += [Mode("speculative-adaptive", k, "draft_model", True) for k in _ks(args.adaptive_ks)]
+        modes.append(DEFAULT_MODE(args.default_k))
     ngram_ks = ks if args.ngram_ks is None else _ks(args.ngram_ks)
     modes += [Mode("speculative-ngram", k, "ngram") for k in ngram_ks]
     hf_modes = [] if args.no_hf else [Mode("hf-generate")]
@@ -264,11 +262,13 @@ def run(args) -> dict:
             hf_draft = call_on_model_thread(load_model, args.assistant_model, "cpu", quiet=True)
     prompt_ids = {p["id"]: encode_prompt(tokenizer, p["text"], chat=True) for p in prompts}
     results: dict[tuple, list[list[Sample]]] = {}
-    largest = max(ks + ngram_ks + _ks(args.adaptive_ks))
+    largest = max(ks + ngram_ks + _ks(args.adaptive_ks) + [args.default_k])
+    # the adaptive modes ask for the replayable schedule's policy by name only through the
+    # server: the stack runs the default (load-aware) policy, which speculative-default shows
     with local_stack(
         args.target_model,
         args.draft_model if draft_is_model else "ngram",
-        num_speculative_tokens=largest,
+        num_speculative_tokens=args.default_k,
         extra_coordinator=["--max-speculative-tokens", str(largest)],
         log_dir=Path(args.log_dir) if args.log_dir else None,
     ) as stack:
@@ -318,19 +318,27 @@ def run(args) -> dict:
         sweep: list[dict] = []
         alone: dict[str, dict[int, list[int]]] = {}
         if concurrency:
-            best = _best(summaries, temperatures[0])
-            sweep, alone = asyncio.run(
-                _concurrency(
-                    stack.coordinator_address,
-                    prompts,
-                    best,
-                    temperatures[0],
-                    args.max_new_tokens,
-                    concurrency,
-                    args.repeats,
-                    say,
+            swept = [Mode("target-only", 0, "none")]
+            if draft_is_model:
+                swept += [Mode("speculative", k, "draft_model") for k in ks] + [DEFAULT_MODE(args.default_k)]
+            else:
+                swept += [Mode("speculative-ngram", k, "ngram") for k in ngram_ks]
+            for temperature in temperatures:
+                part, alone_at = asyncio.run(
+                    _concurrency(
+                        stack.coordinator_address,
+                        prompts,
+                        swept,
+                        temperature,
+                        args.max_new_tokens,
+                        concurrency,
+                        args.repeats,
+                        say,
+                    )
                 )
-            )
+                sweep += part
+                if temperature == temperatures[0]:
+                    alone = alone_at
     rep = report(summaries, sweep, args)
     if args.peer == "vllm":
         rep["peer"] = run_peer(args, prompts, concurrency, alone.get("target-only", {}), say)
@@ -355,22 +363,25 @@ def assistant_for(args) -> str | None:
     return default_standalone_draft_for(args.target_model)
 
 
+def _share(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
 def _ks(text: str) -> list[int]:
     return [int(k) for k in text.split(",") if k.strip()]
 
 
-def _best(summaries: list[dict], temperature: float) -> Mode:
-    spec = [s for s in summaries if s["mode"].startswith("speculative") and s["temperature"] == temperature]
-    return Mode.of_summary(max(spec, key=lambda s: s["tokens_per_s"]))
+def DEFAULT_MODE(k: int) -> Mode:
+    return Mode("speculative-default", k, "draft_model", True, server_default=True)
 
 
 async def _concurrency(
-    address, prompts, best: Mode, temperature, max_new_tokens, levels, repeats, say
+    address, prompts, modes: list[Mode], temperature, max_new_tokens, levels, repeats, say
 ) -> tuple[list[dict], dict[str, dict[int, list[int]]]]:
-    """Per level and mode (target-only, ``best``): ``level`` streams at once (prompt i mod the
-    prompts, seed i, natural EOS), ``repeats`` times; the median aggregate tokens/s, latency
-    percentiles over every stream, and how many streams' tokens differ from the same request
-    run alone (measured once per request, one at a time)."""
+    """Per level and mode: ``level`` streams at once (prompt i mod the prompts, seed i, natural
+    EOS), ``repeats`` times, the modes of a level interleaved; the median aggregate tokens/s,
+    latency percentiles over every stream, and how many streams' tokens differ from the same
+    request run alone (measured once per request, one at a time)."""
     import grpc
 
     from specdec.v1 import coordinator_pb2_grpc
@@ -379,30 +390,35 @@ async def _concurrency(
     alone_by_mode: dict[str, dict[int, list[int]]] = {}
     async with grpc.aio.insecure_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        for mode in (Mode("target-only", 0, "none"), best):
 
-            def make(i: int, mode: Mode = mode):
-                return build_request(prompts[i % len(prompts)], mode, temperature, max_new_tokens, i, False)
+        def make(i: int, mode: Mode):
+            return build_request(prompts[i % len(prompts)], mode, temperature, max_new_tokens, i, False)
 
+        for mode in modes:
             alone: dict[int, list[int]] = {}
             for i in range(max(levels)):
-                alone[i] = (await stream_one(stub, make(i))).token_ids
-            alone_by_mode[mode.mode] = alone
-            for level in levels:
-                rates, ttfts, itls, changed = [], [], [], 0
-                for _ in range(repeats):
+                alone[i] = (await stream_one(stub, make(i, mode))).token_ids
+            alone_by_mode[mode.mode if mode.mode != "speculative" else f"speculative-{mode.k}"] = alone
+        for level in levels:
+            runs: dict[Mode, list] = {mode: [] for mode in modes}
+            for rep in range(repeats):
+                for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:  # rotated per repeat
                     started = time.perf_counter()
-                    samples = await asyncio.gather(*(stream_one(stub, make(i)) for i in range(level)))
-                    wall = time.perf_counter() - started
-                    rates.append(sum(s.tokens for s in samples) / wall)
-                    ttfts += [s.ttft for s in samples if s.ttft is not None]
-                    itls += [v for s in samples for v in s.itl]
-                    changed += sum(s.token_ids != alone[i] for i, s in enumerate(samples))
+                    samples = await asyncio.gather(*(stream_one(stub, make(i, mode)) for i in range(level)))
+                    runs[mode].append((time.perf_counter() - started, samples))
+            for mode in modes:
+                alone = alone_by_mode[mode.mode if mode.mode != "speculative" else f"speculative-{mode.k}"]
+                rates = [sum(s.tokens for s in samples) / wall for wall, samples in runs[mode]]
+                ttfts = [s.ttft for _, samples in runs[mode] for s in samples if s.ttft is not None]
+                itls = [v for _, samples in runs[mode] for s in samples for v in s.itl]
+                changed = sum(s.token_ids != alone[i] for _, samples in runs[mode] for i, s in enumerate(samples))
+                speculating = [s for _, samples in runs[mode] for s in samples]
                 out.append(
                     {
                         "concurrency": level,
                         "mode": mode.mode,
                         "k": mode.k,
+                        "temperature": temperature,
                         "aggregate_tokens_per_s": statistics.median(rates),
                         "aggregate_tokens_per_s_min": min(rates),
                         "aggregate_tokens_per_s_max": max(rates),
@@ -412,11 +428,15 @@ async def _concurrency(
                         "itl_s_p99": percentile(itls, 99),
                         "streams_changed_vs_alone": changed,
                         "streams": level * repeats,
+                        "steps_speculating": _share(
+                            sum(s.drafts for s in speculating), sum(s.passes for s in speculating)
+                        ),
                     }
                 )
                 say(
-                    f"concurrency {level} {mode.mode} k={mode.k}: {out[-1]['aggregate_tokens_per_s']:.1f} tokens/s, "
-                    f"{changed} of {level * repeats} streams differ from alone"
+                    f"T={temperature} concurrency {level} {mode.mode} k={mode.k}: "
+                    f"{out[-1]['aggregate_tokens_per_s']:.1f} tokens/s, {changed} of {level * repeats} streams "
+                    "differ from alone"
                 )
     return out, alone_by_mode
 
@@ -535,11 +555,12 @@ def table(rep: dict) -> str:
         )
     for c in rep["concurrency"]:
         lines.append(
-            f"concurrency {c['concurrency']:>2}: {c['mode']:<20} k={c['k']}: "
+            f"T={c.get('temperature', 0):.1f} concurrency {c['concurrency']:>2}: {c['mode']:<20} k={c['k']}: "
             f"{c['aggregate_tokens_per_s']:>6.1f} tokens/s aggregate, ttft p50/p99 "
             f"{fmt(c.get('ttft_s_p50'), '.3f')}/{fmt(c.get('ttft_s_p99'), '.3f')} s, itl p50/p99 "
             f"{fmt(c.get('itl_s_p50'), '.3f')}/{fmt(c.get('itl_s_p99'), '.3f')} s, "
-            f"{c.get('streams_changed_vs_alone', 0)} of {c.get('streams', 0)} streams differ from alone"
+            f"{c.get('streams_changed_vs_alone', 0)} of {c.get('streams', 0)} streams differ from alone, "
+            f"{fmt(c.get('steps_speculating'), '.0%')} of steps speculating"
         )
     lines.append(
         f"best: {rep['best']}, speedup vs target-only {fmt(rep['speedup_vs_target_only'], '.2f')}x "
@@ -556,7 +577,9 @@ def plot(rep: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    sweep = rep.get("concurrency") or []
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4))
+    ax1, ax2 = axes[0], axes[1]
     for s_mode in ("speculative", "speculative-adaptive", "speculative-ngram", "hf-assisted"):
         for t in sorted({s["temperature"] for s in rep["modes"]}):
             pts = sorted((s["k"], s) for s in rep["modes"] if s["mode"] == s_mode and s["temperature"] == t)
@@ -581,6 +604,23 @@ def plot(rep: dict, path: str) -> None:
     ax2.set_ylabel("acceptance rate")
     ax2.set_title("acceptance vs k")
     ax2.legend(fontsize=7)
+    if sweep:
+        ax3 = axes[2]
+        for key in sorted({(c["mode"], c["k"], c.get("temperature", 0)) for c in sweep}):
+            pts = sorted(
+                (c["concurrency"], c["aggregate_tokens_per_s"])
+                for c in sweep
+                if (c["mode"], c["k"], c.get("temperature", 0)) == key
+            )
+            mode, k, t = key
+            label = f"{mode} T={t}" if mode in ("target-only", "speculative-default") else f"{mode} k={k} T={t}"
+            style = "--" if mode == "target-only" else "-"
+            ax3.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=label)
+        ax3.set_xscale("log", base=2)
+        ax3.set_xlabel("concurrent streams")
+        ax3.set_ylabel("aggregate tokens/s (median)")
+        ax3.set_title("throughput vs load")
+        ax3.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -605,6 +645,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="k sweep")
     p.add_argument("--adaptive-ks", default="2", help="k of the adaptive-policy modes ('' = skip)")
+    p.add_argument(
+        "--default-k",
+        type=int,
+        default=SERVE_DEFAULT_K,
+        help="the stack's default k (as `specdec serve`'s): what speculative-default requests, which leave "
+        "speculation to the server, use at most",
+    )
     p.add_argument("--temperatures", default="0,0.7", help="sampling settings; the first is the headline")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)

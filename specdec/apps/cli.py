@@ -10,6 +10,10 @@ import time
 
 from specdec.runtime.flags import non_negative_int, positive_int
 
+# `specdec serve` / `run`'s default k: the best k of the held-out CPU bench with the shipped draft
+# (docs/performance.md); the load-aware policy chooses each step's k in 0..k.
+SERVE_DEFAULT_K = 2
+
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
@@ -213,7 +217,8 @@ def _device_flags(args, role: str = "") -> list[str]:
 
 
 def _policy_flags(args) -> list[str]:
-    return ["--fixed-k"] if args.fixed_k else []
+    flags = ["--fixed-k"] if args.fixed_k else []
+    return flags + (["--replayable-schedule"] if args.replayable_schedule else [])
 
 
 def _stack_flags(p: argparse.ArgumentParser) -> None:
@@ -224,15 +229,24 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
         help="draft model spec, 'ngram', 'none' (no speculation), or 'auto' (default: the shipped "
         "distilled draft 'smollm2-draft' for the default target, 'ngram' for any other)",
     )
-    # 2: the best k of the held-out CPU bench with the shipped draft (docs/performance.md)
     p.add_argument(
-        "-k", "--num-speculative-tokens", type=int, default=2, help="tokens a draft block proposes (default 2)"
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=SERVE_DEFAULT_K,
+        help=f"tokens a draft block proposes at most (default {SERVE_DEFAULT_K})",
     )
     p.add_argument(
         "--fixed-k",
         action="store_true",
-        help="a block every step (default: adaptive, target-only steps while blocks do not pay; "
-        "specdec/loop/policy.py)",
+        help="a block of k every step (default: adaptive, each step's k in 0..k chosen from the batch's "
+        "load and the request's acceptance; docs/goodput.md)",
+    )
+    p.add_argument(
+        "--replayable-schedule",
+        action="store_true",
+        help="adaptive requests choose k from their own past only, never the load: seeded sampled output "
+        "then reproduces under any load and through a takeover (docs/goodput.md)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")

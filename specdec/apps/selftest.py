@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import random
 import sys
 import time
 from collections import Counter
@@ -48,6 +49,9 @@ class Case:
     # The adaptive policy with this (fixed, per_token) step cost: k then changes from step to step
     # with the acceptance so far; None = every step proposes k.
     adaptive_cost: tuple[float, float] | None = None
+    # The load-aware policy (specdec.loop.goodput), fed a pseudo-random batch load every step so
+    # that k in 0..k follows something outside the request, as it does under real load.
+    load_aware: bool = False
 
 
 CASES: tuple[Case, ...] = (
@@ -115,6 +119,14 @@ CASES: tuple[Case, ...] = (
         {"temperature": 1.0},
         tokens=4,
         adaptive_cost=(0.5, 0.3),
+    ),
+    Case(
+        "load_aware_k",
+        "load-aware policy: each step's k in 0..3 chosen from a batch load that changes at random "
+        "from step to step (alone: k=3; 31 others: k=0) over 4 tokens",
+        {"temperature": 1.0},
+        tokens=4,
+        load_aware=True,
     ),
 )
 SUBSET_HEAD = (0, 1, 2, 3, 5, 8, 9, 11, 12, 14)
@@ -266,8 +278,13 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     policy: dict[str, Any] = {}
     if case.adaptive_cost is not None:
         policy = {"adaptive": True, "step_cost": StepCost(*case.adaptive_cost)}
+    chosen_ks: set[int] = set()
     for i in range(n):
-        result = speculative_generate(target, draft, case.prompt, base.with_seed(BASE_SEED + i), case.k, **policy)
+        params = base.with_seed(BASE_SEED + i)
+        if case.load_aware:
+            result = _load_aware_run(target, draft, case, params, random.Random(i), chosen_ks)
+        else:
+            result = speculative_generate(target, draft, case.prompt, params, case.k, **policy)
         observed[tuple(result.token_ids[: case.tokens])] += 1
         proposed += result.stats.proposed_tokens
         accepted += result.stats.accepted_tokens
@@ -275,9 +292,66 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     verdict = judge(case, observed, law, n, proposed, accepted, time.perf_counter() - started)
     if case.adaptive_cost is not None and verdict.passed and not target_only:
         verdict.passed, verdict.detail = False, "the adaptive policy never chose k = 0: its path was not exercised"
+    if case.load_aware and verdict.passed and len(chosen_ks) < 3:
+        verdict.passed, verdict.detail = False, f"the load-aware policy chose only k in {sorted(chosen_ks)}"
     if len(draft.store if hasattr(draft, "store") else []) or len(target.store):
         verdict.passed, verdict.detail = False, "sessions left behind in an engine after the runs"
     return verdict
+
+
+class _RandomlyLoadedTarget:
+    """An in-process target that reports a pseudo-random batch around each verify (the load-aware
+    policy's input) and a fixed cost curve: memory-bound up to 8 rows, compute past it."""
+
+    CURVE = ((1, 0.040), (2, 0.041), (4, 0.042), (8, 0.045), (16, 0.090), (32, 0.180))
+    OTHERS = (0, 0, 2, 8, 31)
+
+    def __init__(self, engine, rng: random.Random, block_sizes: set[int]):
+        from specdec.loop.generate import LocalTarget
+
+        self.inner = LocalTarget(engine)
+        self.context_length = self.inner.context_length
+        self.rng = rng
+        self.rows = 0
+        self.block_sizes = block_sizes  # every block size verified (the policy's choices)
+
+    async def start(self, *args, **kwargs):
+        return await self.inner.start(*args, **kwargs)
+
+    async def verify(self, session_id, step, proposal, commit, return_features=False):
+        self.rows = len(proposal) + 1
+        self.block_sizes.add(len(proposal))
+        return await self.inner.verify(session_id, step, proposal, commit, return_features)
+
+    async def release(self, session_id):
+        await self.inner.release(session_id)
+
+    async def cost_curve(self):
+        from specdec.loop.goodput import CostCurve
+
+        return CostCurve(self.CURVE)
+
+    def take_load(self, session_id):
+        from specdec.engine.batching import PassLoad
+
+        others = self.rng.choice(self.OTHERS)
+        return PassLoad(others + self.rows, others + 1, 0.0, others + 1)
+
+
+def _load_aware_run(target, draft, case: Case, params, rng: random.Random, chosen_ks: set[int]):
+    import asyncio
+
+    from specdec.loop.generate import LocalDraft, SpeculativeRun
+
+    loaded = _RandomlyLoadedTarget(target, rng, chosen_ks)
+    run = SpeculativeRun(loaded, LocalDraft(draft), case.prompt, params, case.k, adaptive=True, load_aware=True)
+
+    async def go():
+        async for _ in run.steps():
+            pass
+
+    asyncio.run(go())
+    return run.result()
 
 
 def _run_case_by_name(args: tuple[str, int]) -> CaseResult:

@@ -18,12 +18,25 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from specdec.engine.sessions import PassRequest, SessionStore, Work
 from specdec.errors import ResourceExhaustedError
+
+
+@dataclass(frozen=True)
+class PassLoad:
+    """One batched pass as a replica reports it with an answer (what a load-aware policy reads):
+    ``size`` (a target: rows; a draft: sessions advancing a position), the ``sessions`` sharing
+    it, its ``seconds``, and the replica's ``live_sessions``."""
+
+    size: int
+    sessions: int
+    seconds: float
+    live_sessions: int
 
 
 @dataclass
@@ -41,6 +54,7 @@ class Job:
     result: Any = None
     error: BaseException | None = None
     cancelled: bool = False
+    last_pass: PassLoad | None = None  # the latest pass it took part in
 
     @property
     def pending(self) -> PassRequest:
@@ -181,8 +195,11 @@ class BatchRunner:
         sizes = [chunk if chunk is not None else self.store.feed_length(job.pending) for job, chunk in chosen]
         rows = sum(sizes)
         prefill_rows = sum(size for (job, _), size in zip(chosen, sizes, strict=True) if job.pending.prefill)
+        started = time.perf_counter()
         results = self.store.run_requests([(job.pending, chunk) for job, chunk in chosen]) if chosen else []
+        load = PassLoad(rows, len(chosen), time.perf_counter() - started, len(self.store))
         for (job, _), result in zip(chosen, results, strict=True):
+            job.last_pass = load
             job._advance(value=result)
         for job, _ in chosen:
             self._settle(job, finished)

@@ -20,16 +20,18 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from specdec.engine.batching import PassLoad
 from specdec.engine.commits import Commit
 from specdec.errors import InvalidArgumentError, MalformedProposalError, PeerError
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import TargetVerdict, decide
+from specdec.loop.goodput import DRAFT_CALL_SECONDS, BatchLoad, Costs, GoodputK
 from specdec.loop.policy import StepCost, make_policy
 from specdec.loop.stats import StepStats
 from specdec.loop.stopping import FINISH_LENGTH, StopChecker
@@ -150,12 +152,17 @@ class SpeculativeRun:
         committed_steps: Sequence[int] | None = None,
         adaptive: bool = False,
         step_cost: StepCost = StepCost(),
+        load_aware: bool = False,
     ):
         """``committed``: tokens this request already committed in an earlier run (a resumed or
         taken-over request continues from them, with the same seed, hence the same tokens);
         ``committed_steps``: how many of them each earlier step committed (an adaptive run
         rebuilds its state from them). ``adaptive``: a step proposes ``num_speculative_tokens``
-        while the request's blocks pay for themselves, else none (specdec.loop.policy)."""
+        while the request's blocks pay for themselves, else none (specdec.loop.policy).
+        ``load_aware`` (with ``adaptive``): instead, each step's k in 0 .. num_speculative_tokens
+        maximises the batch's expected goodput from the load the replicas report
+        (specdec.loop.goodput), where the target reports its pass cost; seeded sampled output
+        then depends on the load."""
         if num_speculative_tokens < 0:
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
         if committed_steps is None:
@@ -168,13 +175,19 @@ class SpeculativeRun:
         self.params = params.with_seed(self.seed)
         self.target = target
         self.draft = draft if num_speculative_tokens > 0 else None
-        self.policy = make_policy(num_speculative_tokens, adaptive, step_cost)
+        self.policy: Any = make_policy(num_speculative_tokens, adaptive, step_cost)
         self.policy.replay(committed_steps)
+        self.committed_steps = list(committed_steps)
+        self.adaptive = adaptive and num_speculative_tokens > 0
+        self.load_aware = load_aware and self.adaptive
+        self.k_max = num_speculative_tokens
+        self.draft_load: PassLoad | None = None  # the latest draft pass this request was in
         self.prompt = [int(t) for t in prompt]
         self.session_id = session_id or uuid.uuid4().hex
         self.stopper = StopChecker(self.params, eos_token_ids, tokenizer)
         self.stopper.resume(committed)
         self.stats = StepStats()
+        self.stats.policy = "load_aware" if self.load_aware else "adaptive" if self.adaptive else "fixed"
         self.step = 0
         self.failover = failover
         self.sequence = self.prompt + [int(t) for t in committed]  # prompt + committed tokens
@@ -247,6 +260,9 @@ class SpeculativeRun:
                     await self._start_draft(self.draft)
                 except Exception as exc:  # noqa: BLE001 - the draft may fail, the request may not
                     await self._drop_draft(f"start: {exc}")
+            if self.load_aware:
+                await self._use_load_aware_policy()
+            last_start = 0.0
             while not self.stopper.finished:
                 room = self.target.context_length - len(self.sequence) - 1  # a step emits up to k + 1
                 if room < 0:
@@ -258,6 +274,8 @@ class SpeculativeRun:
                     span.set_attribute("specdec.session_id", sid)
                     span.set_attribute("specdec.step", self.step)
                     k = self.policy.next_k()
+                    step_start = time.perf_counter()
+                    cycle, last_start = (step_start - last_start if last_start else 0.0), step_start
                     proposal, verdict = await self._propose_and_verify(min(k, room))
                     decision = decide(
                         proposal.tokens, proposal.q_of_proposals(), verdict, self.seed, len(self.sequence)
@@ -265,6 +283,8 @@ class SpeculativeRun:
                     # What the policy chose, not what the draft managed: a replay from the
                     # committed tokens (which cannot see a short or dropped block) agrees.
                     self.policy.observe(k, decision.num_accepted)
+                    self._observe_load(k, cycle)
+                    self.stats.record_choice(k)
                     self.stats.record(decision, len(proposal))
                     emitted = self.stopper.feed(decision.tokens)
                     self._keep_features(verdict, len(emitted))
@@ -279,6 +299,47 @@ class SpeculativeRun:
         finally:
             self.stats.total_seconds = time.perf_counter() - started
             await self._release_all()
+
+    async def _use_load_aware_policy(self) -> None:
+        """Switch to the goodput policy where the target reports its pass cost (a replica that
+        does not batch reports none: the request keeps the adaptive policy)."""
+        curve_of = getattr(self.target, "cost_curve", None)
+        target_curve = await curve_of() if curve_of is not None else None
+        if target_curve is None:
+            self.load_aware = False
+            self.stats.policy = "adaptive"
+            return
+        draft_curve, call = None, DRAFT_CALL_SECONDS
+        if isinstance(self.draft, LocalDraft):
+            call = 0.0  # in this process (the n-gram draft): no round trip
+        elif self.draft is not None and hasattr(self.draft, "cost_curve"):
+            draft_curve = await self.draft.cost_curve()
+        self.policy = GoodputK(self.k_max, Costs(target_curve, draft_curve, call))
+        self.policy.replay(self.committed_steps)
+
+    def _observe_load(self, k: int, cycle: float) -> None:
+        """Tell a load-aware policy what this step saw of the batch."""
+        if not self.load_aware:
+            return
+        take = getattr(self.target, "take_load", None)
+        target_load = take(self.session_id) if take is not None else None
+        take = getattr(self.draft, "take_load", None)
+        draft_load = take(self.session_id) if take is not None else None
+        if draft_load is not None:
+            self.draft_load = draft_load
+        others = self.draft_load.sessions - 1 if self.draft_load is not None else 0
+        if target_load is None:
+            load = BatchLoad(other_drafting=others, cycle_seconds=cycle, last_k=k)
+        else:
+            load = BatchLoad(
+                other_rows=max(0, target_load.size - (k + 1)),
+                other_sessions=max(0, target_load.sessions - 1),
+                other_drafting=max(0, others),
+                other_live=max(0, target_load.live_sessions - 1),
+                cycle_seconds=cycle,
+                last_k=k,
+            )
+        self.policy.observe_load(load)
 
     async def _propose_and_verify(self, k: int) -> tuple[DraftProposal, TargetVerdict]:
         sid, step, proposal = self.session_id, self.step, EMPTY
@@ -360,6 +421,7 @@ async def generate_async(
     session_id: str | None = None,
     adaptive: bool = False,
     step_cost: StepCost = StepCost(),
+    load_aware: bool = False,
 ) -> GenerationResult:
     run = SpeculativeRun(
         target,
@@ -372,6 +434,7 @@ async def generate_async(
         session_id,
         adaptive=adaptive,
         step_cost=step_cost,
+        load_aware=load_aware,
     )
     async for _ in run.steps():
         pass

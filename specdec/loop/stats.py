@@ -22,6 +22,13 @@ class StepStats:
     draft_failovers: int = 0
     target_failovers: int = 0
     drafts: int = 0
+    policy: str = "fixed"  # fixed / adaptive / load_aware: how each step's k was chosen
+    steps_by_k: list[int] = field(default_factory=list)  # [k] = steps whose policy chose k
+
+    def record_choice(self, k: int) -> None:
+        if len(self.steps_by_k) <= k:
+            self.steps_by_k.extend([0] * (k + 1 - len(self.steps_by_k)))
+        self.steps_by_k[k] += 1
 
     def record(self, decision: StepDecision, num_proposed: int) -> None:
         self.target_passes += 1

@@ -15,7 +15,7 @@ import contextlib
 import time
 from typing import Any
 
-from specdec.engine.batching import BatchRunner, Job
+from specdec.engine.batching import BatchRunner, Job, PassLoad
 from specdec.engine.sessions import Work
 from specdec.runtime.model_thread import on_model_thread
 from specdec.telemetry import metrics
@@ -49,6 +49,12 @@ class IterationLoop:
         """The work's result (or its exception), its passes batched with everyone else's.
         ``admit_tokens``: the work starts a session of that many prompt tokens, which waits for
         room in the KV pool (see BatchRunner)."""
+        return (await self.run_with_load(work, session_id, admit_tokens))[0]
+
+    async def run_with_load(
+        self, work: Work, session_id: str, admit_tokens: int | None = None
+    ) -> tuple[Any, PassLoad | None]:
+        """:meth:`run`, and the last pass the work took part in."""
         self.start()
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
@@ -64,7 +70,7 @@ class IterationLoop:
                 elif job.cancelled:
                     future.cancel()
                 else:
-                    future.set_result(job.result)
+                    future.set_result((job.result, job.last_pass))
 
         def done(job: Job) -> None:  # on the model thread
             loop.call_soon_threadsafe(settle, job)

@@ -44,7 +44,10 @@ class CoordinatorConfig:
     default_k: int = 4
     max_k: int = 16
     default_adaptive: bool = True  # draft-model requests that do not say: pause blocks that do not pay
-    step_cost: StepCost = StepCost()  # the adaptive policy's cost model (specdec.loop.policy)
+    step_cost: StepCost = StepCost()  # the replayable adaptive policy's cost model (specdec.loop.policy)
+    # Adaptive requests choose k from their own past only (specdec.loop.policy), not from the
+    # load (specdec.loop.goodput): seeded sampled output then reproduces under any load.
+    replayable_schedule: bool = False
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096
     max_concurrent_requests: int = 64
@@ -184,6 +187,10 @@ class CoordinatorCore:
         if self.tokenizer is None:
             log.warning("no tokenizer for %r: text prompts, text output and stop strings are unavailable", spec)
         self.ngram = NgramDraft(self.vocab_size)
+
+    def cost_model(self) -> list[tuple[str, str, list[tuple[int, float]]]]:
+        """The load-aware policy's current pass-cost estimates: (kind, replica address, points)."""
+        return self.pool.cost_model()
 
     async def close(self) -> None:
         await self.pool.close()
@@ -457,12 +464,15 @@ class CoordinatorCore:
             parsed.k,
             self.eos_token_ids,
             self.tokenizer,
-            session_id=parsed.request_id,
+            # Per run: a resumed or taken-over request never collides with (or releases) the
+            # sessions of the run before it, which may still live until their TTL.
+            session_id=f"{parsed.request_id}/{uuid.uuid4().hex[:8]}",
             failover=routing,
             committed=committed,
             committed_steps=committed_steps,
             adaptive=parsed.adaptive,
             step_cost=self.config.step_cost,
+            load_aware=not self.config.replayable_schedule,
         )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)

@@ -11,18 +11,27 @@ from collections.abc import Sequence
 
 import grpc
 
+from specdec.engine.batching import PassLoad
 from specdec.engine.commits import Commit
 from specdec.errors import MalformedProposalError, PeerError
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import TargetVerdict
+from specdec.loop.goodput import CostCurve
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import insecure_channel
 from specdec.v1 import draft_pb2, draft_pb2_grpc, engine_pb2, target_pb2, target_pb2_grpc
 
+# What gRPC's core says when the connection died under a call (a replica killed mid-RPC): the
+# replica is gone, not broken -- UNAVAILABLE, so the loop fails over as for any lost replica.
+TRANSPORT_FAILURE = "Internal error from Core"
+
 
 def _peer_error(who: str, exc: grpc.aio.AioRpcError) -> PeerError:
-    return PeerError(exc.code().name, f"{who}: {exc.code().name}: {exc.details()}")
+    code = exc.code().name
+    if code == "INTERNAL" and exc.details() == TRANSPORT_FAILURE:
+        code = "UNAVAILABLE"
+    return PeerError(code, f"{who}: {code}: {exc.details()}")
 
 
 def _start_request(session_id: str, prompt: Sequence[int], params: SamplingParams, **extra):
@@ -31,7 +40,51 @@ def _start_request(session_id: str, prompt: Sequence[int], params: SamplingParam
     )
 
 
-class GrpcDraft:
+class _LoadReports:
+    """What a replica reports of its batched passes: its profiled cost curve (asked once, then
+    refreshed from every reported pass, shared by all sessions on the replica) and each
+    session's latest pass (taken by the loop after each call)."""
+
+    kind = ""
+    address = ""
+    _curve: CostCurve | None = None
+    _curve_asked: bool = False
+
+    def _init_reports(self) -> None:
+        self._loads: dict[str, PassLoad] = {}
+
+    async def info(self) -> engine_pb2.EngineInfo:
+        raise NotImplementedError
+
+    async def cost_curve(self) -> CostCurve | None:
+        if not self._curve_asked:
+            self._curve_asked = True
+            try:
+                self._curve = wire.cost_curve_from_info(await self.info())
+            except PeerError:
+                self._curve = None
+
+        return self._curve
+
+    def _report(self, session_id: str, msg: engine_pb2.PassLoad) -> None:
+        load = wire.pass_load_from_proto(msg)
+        if load is None:
+            return
+        self._loads[session_id] = load
+        if self._curve is not None:
+            self._curve.observe(load.size, load.seconds)
+
+    @property
+    def current_curve(self) -> CostCurve | None:
+        return self._curve
+
+    def take_load(self, session_id: str) -> PassLoad | None:
+        return self._loads.pop(session_id, None)
+
+
+class GrpcDraft(_LoadReports):
+    kind = "draft"
+
     def __init__(
         self, address: str, timeout: float = 5.0, channel: grpc.aio.Channel | None = None, draft_kind: str = "model"
     ):
@@ -40,6 +93,7 @@ class GrpcDraft:
         self.channel = channel or insecure_channel(address)
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
         self.wants_features = draft_kind == "feature"  # it drafts from the target's features
+        self._init_reports()
 
     async def info(self) -> engine_pb2.EngineInfo:
         try:
@@ -60,9 +114,11 @@ class GrpcDraft:
             reply = await self.stub.Propose(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise _peer_error(f"draft {self.address}", exc) from None
+        self._report(session_id, reply.load)
         return wire.proposal_from_proto(reply.tokens)
 
     async def release(self, session_id: str) -> None:
+        self._loads.pop(session_id, None)
         try:
             await self.stub.Release(engine_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
@@ -72,13 +128,16 @@ class GrpcDraft:
         await self.channel.close()
 
 
-class GrpcTarget:
+class GrpcTarget(_LoadReports):
+    kind = "target"
+
     def __init__(self, address: str, timeout: float = 60.0, channel: grpc.aio.Channel | None = None):
         self.address = address
         self.timeout = timeout
         self.channel = channel or insecure_channel(address)
         self.stub = target_pb2_grpc.TargetStub(self.channel)
         self.context_length = 0  # set by info()
+        self._init_reports()
 
     async def info(self) -> engine_pb2.EngineInfo:
         try:
@@ -115,9 +174,11 @@ class GrpcTarget:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and proposal.tokens:
                 raise MalformedProposalError("proposals", exc.details() or "refused by the target") from None
             raise _peer_error(f"target {self.address}", exc) from None
+        self._report(session_id, reply.load)
         return wire.verdict_from_proto(reply)
 
     async def release(self, session_id: str) -> None:
+        self._loads.pop(session_id, None)
         try:
             await self.stub.Release(engine_pb2.ReleaseRequest(session_id=session_id), timeout=10.0)
         except grpc.aio.AioRpcError as exc:

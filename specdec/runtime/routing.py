@@ -113,6 +113,11 @@ class PeerPool:
                 raise PeerError("UNAVAILABLE", f"no target replica available after {timeout:.0f}s")
             await asyncio.sleep(0.5)
 
+    def cost_model(self) -> list[tuple[str, str, list[tuple[int, float]]]]:
+        """(kind, address, points) of every replica whose pass cost is known here."""
+        peers: list = list(self._targets.values()) + list(self._drafts.values())
+        return [(p.kind, p.address, p.current_curve.points) for p in peers if p.current_curve is not None]
+
     async def close(self) -> None:
         for peer in list(self._targets.values()) + list(self._drafts.values()):
             await peer.close()

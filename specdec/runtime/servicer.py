@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from specdec.engine.batching import BatchRunner
+from specdec.engine.batching import BatchRunner, PassLoad
 from specdec.errors import DrainingError
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import wire
@@ -56,6 +56,16 @@ def batch_runner_for(engine, args) -> BatchRunner | None:
     if not getattr(engine, "supports_works", False):
         return None
     return BatchRunner(engine.store, args.max_batch_tokens, args.max_batch_sessions, args.max_waiting_sessions)
+
+
+def profiled_costs(engine, batch: BatchRunner | None, args) -> list[tuple[int, float]]:
+    """The startup profile of the replica's batched pass (specdec.engine.profile), which its Info
+    reports for the coordinator's load-aware policy; none where it does not batch."""
+    if batch is None:
+        return []
+    from specdec.engine.profile import pass_costs
+
+    return pass_costs(engine.store, min(args.max_batch_sessions, args.max_sessions, batch.max_batch_tokens))
 
 
 def add_replica_arguments(p) -> None:
@@ -112,6 +122,7 @@ class SessionServicer:
     engine: Any
     model_spec: str
     batching: IterationLoop | None = None  # set where the engine's calls are batched
+    cost_points: list[tuple[int, float]] = []  # noqa: RUF012 - replaced, never mutated: its pass profile
 
     async def engine_call(
         self,
@@ -124,9 +135,20 @@ class SessionServicer:
         """One engine call: as a work in the batch (``work(*args)``) where this replica batches,
         else ``call(*args)`` alone on the model thread. ``admit_tokens``: it starts a session of
         that many prompt tokens (which waits for KV room where this replica batches)."""
+        return (await self.engine_call_with_load(session_id, work, call, *args, admit_tokens=admit_tokens))[0]
+
+    async def engine_call_with_load(
+        self,
+        session_id: str,
+        work: Callable[..., Any],
+        call: Callable[..., Any],
+        *args,
+        admit_tokens: int | None = None,
+    ) -> tuple[Any, PassLoad | None]:
+        """:meth:`engine_call`, and the last batched pass it took part in (None: not batched)."""
         if self.batching is not None:
-            return await self.batching.run(work(*args), session_id, admit_tokens)
-        return await on_model_thread(call, *args)
+            return await self.batching.run_with_load(work(*args), session_id, admit_tokens)
+        return await on_model_thread(call, *args), None
 
     @grpc_method
     async def StartSession(self, request, context):

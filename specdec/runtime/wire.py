@@ -9,12 +9,14 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from specdec.engine.batching import PassLoad
 from specdec.engine.commits import Commit
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
 from specdec.exact.verify import TargetVerdict
+from specdec.loop.goodput import CostCurve
 from specdec.loop.stats import StepStats
 from specdec.v1 import coordinator_pb2, draft_pb2, engine_pb2, target_pb2
 
@@ -77,8 +79,34 @@ def sparse_from_proto(msg: engine_pb2.SparseDistribution) -> SparseDist:
     return SparseDist(np.asarray(msg.token_ids, dtype=np.int64), np.asarray(msg.probs, dtype=np.float32))
 
 
-def proposal_to_proto(proposal: DraftProposal) -> draft_pb2.ProposeResponse:
-    return draft_pb2.ProposeResponse(tokens=proposed_tokens_to_proto(proposal))
+def proposal_to_proto(proposal: DraftProposal, load: PassLoad | None = None) -> draft_pb2.ProposeResponse:
+    return draft_pb2.ProposeResponse(tokens=proposed_tokens_to_proto(proposal), load=pass_load_to_proto(load))
+
+
+def pass_load_to_proto(load: PassLoad | None) -> engine_pb2.PassLoad | None:
+    if load is None:
+        return None
+    return engine_pb2.PassLoad(
+        size=load.size, sessions=load.sessions, seconds=load.seconds, live_sessions=load.live_sessions
+    )
+
+
+def cost_curve_from_info(info: engine_pb2.EngineInfo) -> CostCurve | None:
+    """The replica's profiled pass cost (None where it reports none: it does not batch)."""
+    points = [(int(n), float(t)) for n, t in zip(info.cost_sizes, info.cost_seconds, strict=False) if n > 0]
+    if not points or len(info.cost_sizes) != len(info.cost_seconds):
+        return None
+    try:
+        return CostCurve(points)
+    except ValueError:
+        return None
+
+
+def pass_load_from_proto(msg: engine_pb2.PassLoad) -> PassLoad | None:
+    """None for an absent or empty report (a replica that does not batch)."""
+    if msg.size <= 0 or msg.sessions <= 0:
+        return None
+    return PassLoad(int(msg.size), int(msg.sessions), float(msg.seconds), int(msg.live_sessions))
 
 
 def proposed_tokens_to_proto(proposal: DraftProposal) -> list[draft_pb2.ProposedToken]:
@@ -93,12 +121,13 @@ def proposal_from_proto(tokens: Iterable[draft_pb2.ProposedToken]) -> DraftPropo
     return DraftProposal([int(t.token_id) for t in tokens], [sparse_from_proto(t.q) for t in tokens])
 
 
-def verdict_to_proto(verdict: TargetVerdict) -> target_pb2.VerifyResponse:
+def verdict_to_proto(verdict: TargetVerdict, load: PassLoad | None = None) -> target_pb2.VerifyResponse:
     return target_pb2.VerifyResponse(
         p_proposed=verdict.p_proposed,
         recovered=verdict.recovered,
         bonus=verdict.bonus,
         features=features_to_proto(verdict.features),
+        load=pass_load_to_proto(load),
     )
 
 
@@ -182,6 +211,8 @@ def stats_to_proto(stats: StepStats) -> coordinator_pb2.SpeculationStats:
         draft_failovers=stats.draft_failovers,
         target_failovers=stats.target_failovers,
         drafts=stats.drafts,
+        policy=stats.policy,
+        steps_by_k=list(stats.steps_by_k),
     )
 
 

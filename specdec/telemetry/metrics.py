@@ -88,6 +88,37 @@ QUEUE_WAIT = Histogram(
 )
 
 
+# The coordinator's speculation policy (docs/goodput.md)
+K_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+CHOSEN_K = Histogram("specdec_chosen_k", "k chosen per step", ["policy"], buckets=K_BUCKETS, registry=REGISTRY)
+POLICY_STEPS = Counter(
+    "specdec_policy_steps",
+    "Steps of adaptive requests, speculating or not",
+    ["policy", "speculating"],
+    registry=REGISTRY,
+)
+COST_MODEL = Gauge(
+    "specdec_cost_model_seconds",
+    "The load-aware policy's current estimate of one pass's seconds, per replica and pass size",
+    ["kind", "replica", "size"],
+    registry=REGISTRY,
+)
+
+
+def record_choices(policy: str, steps_by_k) -> None:
+    """A finished request's steps by the k its policy chose."""
+    for k, steps in enumerate(steps_by_k):
+        for _ in range(steps):
+            CHOSEN_K.labels(policy).observe(k)
+        if steps:
+            POLICY_STEPS.labels(policy, "true" if k else "false").inc(steps)
+
+
+def record_cost_curve(kind: str, replica: str, points) -> None:
+    for size, seconds in points:
+        COST_MODEL.labels(kind, replica, str(size)).set(seconds)
+
+
 def record_iteration(sessions: int, rows: int, prefill_rows: int) -> None:
     if sessions:
         ITERATIONS.inc()
@@ -146,6 +177,7 @@ class RequestRecorder:
             DRAFTS.inc(s.drafts)
             for position, count in enumerate(s.accepted_per_position):
                 ACCEPTED_BY_POSITION.labels(str(position)).inc(count)
+            record_choices(s.policy or "fixed", s.steps_by_k)
             STEP_SECONDS.labels("draft").inc(s.draft_seconds)
             STEP_SECONDS.labels("verify").inc(s.verify_seconds)
 

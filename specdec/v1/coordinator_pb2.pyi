@@ -70,7 +70,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., resume_from_index: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_passes", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds", "total_seconds", "draft_fallbacks", "draft_failovers", "target_failovers", "drafts")
+    __slots__ = ("target_passes", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds", "total_seconds", "draft_fallbacks", "draft_failovers", "target_failovers", "drafts", "policy", "steps_by_k")
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class SpeculationStats(_message.Message):
     DRAFT_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BY_K_FIELD_NUMBER: _ClassVar[int]
     target_passes: int
     proposed_tokens: int
     accepted_tokens: int
@@ -93,7 +95,9 @@ class SpeculationStats(_message.Message):
     draft_failovers: int
     target_failovers: int
     drafts: int
-    def __init__(self, target_passes: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., draft_fallbacks: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., target_failovers: _Optional[int] = ..., drafts: _Optional[int] = ...) -> None: ...
+    policy: str
+    steps_by_k: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, target_passes: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., draft_fallbacks: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., target_failovers: _Optional[int] = ..., drafts: _Optional[int] = ..., policy: _Optional[str] = ..., steps_by_k: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "seed", "stats")

@@ -28,7 +28,9 @@ class ProposedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., q: _Optional[_Union[_engine_pb2.SparseDistribution, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "load")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[ProposedToken]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[ProposedToken, _Mapping]]] = ...) -> None: ...
+    load: _engine_pb2.PassLoad
+    def __init__(self, tokens: _Optional[_Iterable[_Union[ProposedToken, _Mapping]]] = ..., load: _Optional[_Union[_engine_pb2.PassLoad, _Mapping]] = ...) -> None: ...

@@ -90,7 +90,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind", "sessions_started", "replica_id", "draining", "tp_size", "rank_param_bytes", "rank_kv_bytes", "feature_size")
+    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind", "sessions_started", "replica_id", "draining", "tp_size", "rank_param_bytes", "rank_kv_bytes", "feature_size", "cost_sizes", "cost_seconds")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,8 @@ class EngineInfo(_message.Message):
     RANK_PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     RANK_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COST_SIZES_FIELD_NUMBER: _ClassVar[int]
+    COST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     model_id: str
     vocab_size: int
@@ -125,4 +127,18 @@ class EngineInfo(_message.Message):
     rank_param_bytes: _containers.RepeatedScalarFieldContainer[int]
     rank_kv_bytes: _containers.RepeatedScalarFieldContainer[int]
     feature_size: int
-    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ..., sessions_started: _Optional[int] = ..., replica_id: _Optional[str] = ..., draining: _Optional[bool] = ..., tp_size: _Optional[int] = ..., rank_param_bytes: _Optional[_Iterable[int]] = ..., rank_kv_bytes: _Optional[_Iterable[int]] = ..., feature_size: _Optional[int] = ...) -> None: ...
+    cost_sizes: _containers.RepeatedScalarFieldContainer[int]
+    cost_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ..., sessions_started: _Optional[int] = ..., replica_id: _Optional[str] = ..., draining: _Optional[bool] = ..., tp_size: _Optional[int] = ..., rank_param_bytes: _Optional[_Iterable[int]] = ..., rank_kv_bytes: _Optional[_Iterable[int]] = ..., feature_size: _Optional[int] = ..., cost_sizes: _Optional[_Iterable[int]] = ..., cost_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PassLoad(_message.Message):
+    __slots__ = ("size", "sessions", "seconds", "live_sessions")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    sessions: int
+    seconds: float
+    live_sessions: int
+    def __init__(self, size: _Optional[int] = ..., sessions: _Optional[int] = ..., seconds: _Optional[float] = ..., live_sessions: _Optional[int] = ...) -> None: ...

@@ -23,13 +23,15 @@ class VerifyChunk(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., commit: _Optional[_Union[_engine_pb2.Commit, _Mapping]] = ..., proposals: _Optional[_Iterable[_Union[_draft_pb2.ProposedToken, _Mapping]]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("p_proposed", "recovered", "bonus", "features")
+    __slots__ = ("p_proposed", "recovered", "bonus", "features", "load")
     P_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     p_proposed: _containers.RepeatedScalarFieldContainer[float]
     recovered: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     features: _engine_pb2.Features
-    def __init__(self, p_proposed: _Optional[_Iterable[float]] = ..., recovered: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_engine_pb2.Features, _Mapping]] = ...) -> None: ...
+    load: _engine_pb2.PassLoad
+    def __init__(self, p_proposed: _Optional[_Iterable[float]] = ..., recovered: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., features: _Optional[_Union[_engine_pb2.Features, _Mapping]] = ..., load: _Optional[_Union[_engine_pb2.PassLoad, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,257 @@
+"""Load-aware speculation: each step's k chosen to maximise the expected committed tokens per
+second of the whole batch the request shares (docs/goodput.md).
+
+Verifying k proposals costs k more target rows and k draft positions. While the target pass is
+memory-bound (few rows) the rows are nearly free and speculation pays; in a full batch every row
+is compute, and a rejected proposal's row is compute thrown away. So the right k for a request
+depends on everything else in the pass: the same request should speculate alone and stop when
+many share its passes. The pieces, each a small pure part:
+
+- :class:`CostCurve`: seconds of one batched pass against its size (target: rows; draft: sessions
+  advancing one position), measured by the replica at startup (specdec.engine.profile) and
+  refreshed online from the pass times the replicas report.
+- :class:`PositionAcceptance`: the request's own acceptance per block position, decayed.
+- :class:`BatchLoad`: what the request saw of the batch on its last step.
+- :func:`choose_k`: the expected-value rule over those; :class:`GoodputK`, the per-request policy
+  around it (with probes while the request's own blocks do not pay).
+
+k never changes the output law (any schedule of k gives the target's law). It does change which
+tokens a seed gives when sampling, and a load-dependent k depends on other users: seeded sampled
+output is reproducible only under the replayable policy (specdec.loop.policy, the coordinator's
+``--replayable-schedule``), whose k depends on the request's own past alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE = 0.6  # per position before the request's own blocks say (weight of one block)
+DRAFT_CALL_SECONDS = 0.002  # a propose round trip beyond its passes, until observed
+
+
+@dataclass(frozen=True)
+class PassLoad:
+    """One batched pass as a replica reports it with its answer: its size (target: rows; draft:
+    sessions advancing together), how many sessions shared it, its seconds (per position, for a
+    draft), and the replica's live sessions."""
+
+    size: int
+    sessions: int
+    seconds: float
+    live_sessions: int
+
+
+class CostCurve:
+    """Seconds of one pass of ``size`` (>= 1): piecewise linear through measured points, flat below
+    the first point (a pass of 1 costs what it costs) and extended past the last point by the
+    slope of the last segment. ``observe`` moves the curve toward a measured pass: the points on
+    either side of its size are scaled toward it (weight ``rate``), keeping the curve
+    non-decreasing, so a curve profiled on an idle machine follows the machine it runs on."""
+
+    def __init__(self, points: Iterable[tuple[int, float]], rate: float = 0.2):
+        pts = sorted((int(s), float(t)) for s, t in points)
+        if not pts or any(s < 1 or t < 0 for s, t in pts) or len({s for s, _ in pts}) != len(pts):
+            raise ValueError(f"a cost curve needs distinct sizes >= 1 with seconds >= 0, got {pts}")
+        if not 0.0 < rate <= 1.0:
+            raise ValueError(f"rate must be in (0, 1], got {rate}")
+        self.sizes = [s for s, _ in pts]
+        self.values = [t for _, t in pts]
+        self.rate = rate
+        self._monotone(0)
+
+    def _monotone(self, anchor: int) -> None:
+        for i in range(anchor + 1, len(self.values)):
+            self.values[i] = max(self.values[i], self.values[i - 1])
+        for i in range(anchor - 1, -1, -1):
+            self.values[i] = min(self.values[i], self.values[i + 1])
+
+    @property
+    def points(self) -> list[tuple[int, float]]:
+        return list(zip(self.sizes, self.values, strict=True))
+
+    def seconds(self, size: float) -> float:
+        if size <= 0:
+            return 0.0
+        sizes, values = self.sizes, self.values
+        if size <= sizes[0] or len(sizes) == 1:
+            return values[0] if size <= sizes[0] else values[0] * size / sizes[0]
+        i = min(bisect.bisect_left(sizes, size), len(sizes) - 1)
+        lo, hi = sizes[i - 1], sizes[i]
+        slope = (values[i] - values[i - 1]) / (hi - lo)
+        return values[i - 1] + slope * (size - lo)
+
+    def observe(self, size: int, seconds: float) -> None:
+        if size < 1 or not seconds > 0:
+            return
+        predicted = self.seconds(size)
+        if predicted <= 0:
+            return
+        ratio = seconds / predicted
+        i = bisect.bisect_left(self.sizes, size)
+        touched = {min(i, len(self.sizes) - 1), max(i - 1, 0)}
+        for j in touched:
+            self.values[j] *= 1.0 + self.rate * (ratio - 1.0)
+        self._monotone(min(touched))
+
+
+class PositionAcceptance:
+    """The request's acceptance per block position j = 1..k: the decayed share of its blocks that
+    reached position j and accepted it (each block weighs ``decay`` times the one after it at that
+    position), starting at ``prior`` with the weight of one block."""
+
+    def __init__(self, k_max: int, decay: float = 0.9, prior: float = PRIOR_ACCEPTANCE):
+        if k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {k_max}")
+        if not 0.0 < decay <= 1.0 or not 0.0 <= prior <= 1.0:
+            raise ValueError(f"decay must be in (0, 1] and prior in [0, 1], got {decay}, {prior}")
+        self.decay = decay
+        self.reached = [1.0] * k_max
+        self.accepted = [prior] * k_max
+
+    def observe(self, k: int, accepted: int) -> None:
+        """A block of ``k`` proposals accepted its first ``accepted``."""
+        for j in range(min(k, accepted + 1, len(self.reached))):
+            self.reached[j] = self.decay * self.reached[j] + 1.0
+            self.accepted[j] = self.decay * self.accepted[j] + (1.0 if j < accepted else 0.0)
+
+    def rates(self) -> list[float]:
+        return [a / r for a, r in zip(self.accepted, self.reached, strict=True)]
+
+    def expected_tokens(self) -> list[float]:
+        """E[tokens a step commits] for k = 0 .. k_max: 1 + the expected accepted prefix."""
+        out, run = [1.0], 1.0
+        for rate in self.rates():
+            run *= rate
+            out.append(out[-1] + run)
+        return out
+
+    def per_token(self) -> float:
+        """Accepted per proposal over a block of k_max, the figure others' blocks are judged by."""
+        expected = self.expected_tokens()
+        return (expected[-1] - 1.0) / (len(expected) - 1)
+
+
+@dataclass(frozen=True)
+class BatchLoad:
+    """What a request saw on its last step: ``other_rows`` / ``other_sessions`` in the target
+    pass it was in, ``other_drafting`` sessions in the draft pass it was in, ``other_live``
+    sessions on the target replica, the wall ``cycle_seconds`` of its step (0: not measured) and
+    the ``last_k`` it proposed then."""
+
+    other_rows: int = 0
+    other_sessions: int = 0
+    other_drafting: int = 0
+    other_live: int = 0
+    cycle_seconds: float = 0.0
+    last_k: int = 0
+
+
+IDLE = BatchLoad()
+
+
+@dataclass(frozen=True)
+class Costs:
+    target: CostCurve  # seconds of a target pass by rows
+    draft: CostCurve | None  # seconds of a draft position by sessions (None: costs nothing, e.g. n-gram)
+    draft_call_seconds: float = DRAFT_CALL_SECONDS
+
+    def draft_step(self, k: int, others: int) -> float:
+        """The draft time a step proposing ``k`` adds: its call, and k positions' worth of one
+        more session in a draft pass of ``others``."""
+        if k == 0:
+            return 0.0
+        if self.draft is None:
+            return self.draft_call_seconds
+        marginal = self.draft.seconds(others + 1) - self.draft.seconds(others)
+        return self.draft_call_seconds + k * marginal
+
+
+def step_goodputs(expected: Sequence[float], load: BatchLoad, costs: Costs, per_token: float) -> list[float]:
+    """Expected tokens committed per second by the batch, for each k = 0 .. len(expected) - 1.
+
+    The batch's cycle: what the request's last step took (``cycle_seconds``, which holds the others'
+    passes, round trips and contention), corrected by the modelled difference between proposing k
+    and what it proposed then; where nothing was measured, the modelled cycle. Tokens: the
+    request's own expected tokens plus the others' (one each, plus their proposals times the
+    request's own per-token acceptance: their acceptance is not seen here)."""
+    rows_o = load.other_rows
+
+    def modelled(k: int) -> float:
+        return costs.target.seconds(rows_o + k + 1) + costs.draft_step(k, load.other_drafting)
+
+    base = load.cycle_seconds if load.cycle_seconds > 0 else modelled(load.last_k)
+    others_k = max(0.0, (load.other_rows - load.other_sessions) / max(1, load.other_sessions))
+    others = load.other_live * (1.0 + per_token * others_k)
+    out = []
+    for k, tokens in enumerate(expected):
+        cycle = max(1e-6, base + modelled(k) - modelled(load.last_k))
+        out.append((others + tokens) / cycle)
+    return out
+
+
+def choose_k(expected: Sequence[float], load: BatchLoad, costs: Costs, per_token: float) -> int:
+    """The k in 0 .. len(expected) - 1 of the highest expected batch goodput (the smallest on ties)."""
+    goodputs = step_goodputs(expected, load, costs, per_token)
+    return max(range(len(goodputs)), key=lambda k: (goodputs[k], -k))
+
+
+@dataclass
+class GoodputK:
+    """The load-aware policy of one request: k in 0 .. ``k_max`` per step by :func:`choose_k`.
+
+    When even an idle batch would not speculate (the request's own blocks do not pay for
+    themselves), it probes with a block of ``k_max`` now and then, waiting twice as long after each
+    probe that does not pay (at most ``max_probe_gap`` steps), so a request whose draft improves
+    finds out. When only the load stops it, it does not probe: its estimate stays, and it
+    speculates again when the load falls."""
+
+    k_max: int
+    costs: Costs
+    decay: float = 0.9
+    max_probe_gap: int = 16
+    acceptance: PositionAcceptance = field(init=False)
+    load: BatchLoad = field(init=False, default=IDLE)
+    idle: int = field(init=False, default=0)
+    probe_gap: int = field(init=False, default=1)
+
+    def __post_init__(self):
+        if self.max_probe_gap < 1:
+            raise ValueError(f"max_probe_gap must be >= 1, got {self.max_probe_gap}")
+        self.acceptance = PositionAcceptance(self.k_max, self.decay)
+
+    def _best(self, load: BatchLoad) -> int:
+        return choose_k(self.acceptance.expected_tokens(), load, self.costs, self.acceptance.per_token())
+
+    def pays_alone(self) -> bool:
+        return self._best(IDLE) > 0
+
+    def next_k(self) -> int:
+        best = self._best(self.load)
+        if best > 0 or not self.idle >= self.probe_gap or self.pays_alone():
+            return best
+        return self.k_max  # a probe
+
+    def observe(self, k: int, accepted: int) -> None:
+        if k == 0:
+            self.idle += 1
+            return
+        self.acceptance.observe(k, accepted)
+        if self.idle:  # this block followed target-only steps: a probe, or the load fell
+            self.probe_gap = 1 if self.pays_alone() else min(2 * self.probe_gap, self.max_probe_gap)
+        self.idle = 0
+
+    def observe_load(self, load: BatchLoad) -> None:
+        self.load = load
+
+    def replay(self, step_lengths: Iterable[int]) -> None:
+        """Rebuild the acceptance estimate from the tokens each earlier step committed. Which k
+        each step had is not recorded; a step that committed n > 1 tokens accepted n - 1
+        proposals of at least that many, which is what is observed (a one-token step says
+        nothing). The k a taken-over request chooses next depends on this estimate only as an
+        optimisation: its law does not."""
+        for n in step_lengths:
+            if n > 1:
+                accepted = min(n - 1, self.k_max)
+                self.acceptance.observe(accepted, accepted)

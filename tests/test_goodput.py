@@ -1,0 +1,182 @@
+"""The load-aware policy as pure functions: cost curves, acceptance estimates, the choice of k."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.loop.goodput import (
+    IDLE,
+    BatchLoad,
+    CostCurve,
+    Costs,
+    GoodputK,
+    PositionAcceptance,
+    choose_k,
+)
+
+# A memory-bound pass (rows nearly free up to 8, then compute: the 2-core CPU's shape) and a
+# compute-bound one (every row costs the same), in seconds.
+FLAT = CostCurve([(1, 0.040), (2, 0.041), (4, 0.042), (8, 0.045), (16, 0.090), (32, 0.180)])
+LINEAR = CostCurve([(1, 0.010), (8, 0.080), (32, 0.320)])
+FIXED_PLUS_ROWS = CostCurve([(1, 0.030), (8, 0.100)])  # 20 ms per pass + 10 ms per row
+DRAFT = CostCurve([(1, 0.003), (8, 0.006), (32, 0.020)])
+
+
+def expected(rate: float, k_max: int) -> list[float]:
+    out, run = [1.0], 1.0
+    for _ in range(k_max):
+        run *= rate
+        out.append(out[-1] + run)
+    return out
+
+
+CASES = [
+    # (name, acceptance per position, load, target curve, k chosen must satisfy)
+    ("alone, cheap rows, high acceptance: speculate deep", 0.9, IDLE, FLAT, lambda k: k == 4),
+    ("alone, cheap rows, low acceptance: a short block", 0.3, IDLE, FLAT, lambda k: 1 <= k <= 2),
+    ("alone, cheap rows, no acceptance: none", 0.0, IDLE, FLAT, lambda k: k == 0),
+    ("alone, every row costs, middling acceptance: none", 0.5, IDLE, LINEAR, lambda k: k == 0),
+    ("alone, rows cost only what they cost: never, even if always right", 0.98, IDLE, LINEAR, lambda k: k == 0),
+    ("alone, a fixed cost per pass to share, near-certain acceptance", 0.98, IDLE, FIXED_PLUS_ROWS, lambda k: k >= 3),
+    (
+        "a full batch on the memory-bound curve (past its knee): none",
+        0.6,
+        BatchLoad(other_rows=15, other_sessions=15, other_drafting=0, other_live=15),
+        FLAT,
+        lambda k: k == 0,
+    ),
+    (
+        "a light batch still under the knee: speculate",
+        0.7,
+        BatchLoad(other_rows=2, other_sessions=2, other_live=2),
+        FLAT,
+        lambda k: k >= 2,
+    ),
+]
+
+
+@pytest.mark.parametrize("name, rate, load, curve, ok", CASES, ids=[c[0] for c in CASES])
+def test_choice_of_k(name, rate, load, curve, ok):
+    k = choose_k(expected(rate, 4), load, Costs(curve, DRAFT), rate)
+    assert ok(k), (name, k)
+
+
+def test_the_choice_is_a_function_of_its_inputs_only():
+    load = BatchLoad(other_rows=5, other_sessions=3, other_drafting=2, other_live=3, cycle_seconds=0.07, last_k=2)
+    costs = Costs(FLAT, DRAFT)
+    picks = {choose_k(expected(0.55, 4), load, costs, 0.55) for _ in range(20)}
+    assert len(picks) == 1
+
+
+def test_speculation_turns_off_as_load_rises_and_back_on_as_it_falls():
+    costs = Costs(FLAT, DRAFT)
+    ks = []
+    for others in [0, 1, 3, 7, 15, 31, 15, 7, 3, 1, 0]:
+        load = BatchLoad(other_rows=others, other_sessions=others, other_live=others)
+        ks.append(choose_k(expected(0.6, 4), load, costs, 0.6))
+    assert ks[0] > 0 and ks[-1] > 0  # alone it pays
+    assert ks[5] == 0  # 31 others: every row is compute
+    assert ks == ks[::-1]  # the same load gives the same k, whichever way it came
+
+
+def test_a_measured_cycle_counts_what_the_model_does_not_see():
+    # The same pass costs, but the step took far longer than its passes (others' draft passes,
+    # round trips): the extra rows' share of the cycle is small, so blocks pay more easily.
+    costs = Costs(LINEAR, DRAFT)
+    modelled = choose_k(expected(0.8, 4), BatchLoad(last_k=0), costs, 0.8)
+    measured = choose_k(expected(0.8, 4), BatchLoad(last_k=0, cycle_seconds=1.0), costs, 0.8)
+    assert modelled == 0 and measured > 0
+
+
+def test_cost_curve_interpolates_extends_and_follows_observations():
+    curve = CostCurve([(1, 1.0), (4, 2.0), (8, 4.0)])
+    assert curve.seconds(0) == 0.0
+    assert curve.seconds(1) == curve.seconds(0.5) == 1.0
+    assert curve.seconds(2) == pytest.approx(1.0 + 1.0 / 3)
+    assert curve.seconds(16) == pytest.approx(8.0)  # the last segment's slope
+    for _ in range(50):
+        curve.observe(8, 8.0)  # the machine is twice as slow at 8 rows as profiled
+    assert curve.seconds(8) == pytest.approx(8.0, rel=0.01)
+    assert curve.seconds(1) <= curve.seconds(4) <= curve.seconds(8)  # still non-decreasing
+    curve.observe(4, 0.0)  # nonsense is ignored
+    curve.observe(0, 5.0)
+    assert curve.seconds(8) == pytest.approx(8.0, rel=0.01)
+    with pytest.raises(ValueError):
+        CostCurve([])
+    with pytest.raises(ValueError):
+        CostCurve([(0, 1.0)])
+    with pytest.raises(ValueError):
+        CostCurve([(2, 1.0), (2, 3.0)])
+
+
+def test_position_acceptance_counts_reached_positions_only():
+    acc = PositionAcceptance(3, decay=1.0, prior=0.5)
+    acc.observe(3, 1)  # accepted position 1, rejected position 2, never reached 3
+    acc.observe(3, 3)
+    assert acc.rates() == pytest.approx([(0.5 + 2) / 3, (0.5 + 1) / 3, (0.5 + 1) / 2])
+    tokens = acc.expected_tokens()
+    assert tokens[0] == 1.0 and tokens == sorted(tokens) and len(tokens) == 4
+
+
+def test_goodput_policy_probes_only_when_its_own_blocks_do_not_pay():
+    costs = Costs(FLAT, DRAFT)
+    policy = GoodputK(4, costs, max_probe_gap=4)
+    assert policy.next_k() > 0  # optimistic start
+    for _ in range(30):
+        k = policy.next_k()
+        policy.observe(k, 0)  # the draft is never right
+    ks = []
+    for _ in range(40):
+        k = policy.next_k()
+        ks.append(k)
+        policy.observe(k, 0)
+    assert 0 < sum(1 for k in ks if k) <= 40 // 4 + 1  # probes, at most every max_probe_gap steps
+
+    loaded = GoodputK(4, costs)
+    loaded.observe_load(BatchLoad(other_rows=31, other_sessions=31, other_live=31))
+    ks = []
+    for _ in range(40):
+        k = loaded.next_k()
+        ks.append(k)
+        loaded.observe(k, k)  # (any block would be accepted, but none is proposed)
+    assert ks == [0] * 40  # under load: no probes
+    loaded.observe_load(IDLE)
+    assert loaded.next_k() > 0  # the load fell: it speculates again
+
+
+def test_replay_rebuilds_an_estimate_from_step_lengths():
+    costs = Costs(FLAT, DRAFT)
+    fresh, replayed = GoodputK(4, costs), GoodputK(4, costs)
+    replayed.replay([5, 5, 5, 1, 5])
+    assert replayed.acceptance.rates()[3] > fresh.acceptance.rates()[3]
+
+
+def test_the_startup_profile_measures_every_size_leaves_nothing_and_is_kept(tmp_path, monkeypatch):
+    from specdec.engine import profile
+    from specdec.engine.sessions import SessionStore
+    from specdec.modeling.tiny import tiny_llama
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    store = SessionStore(tiny_llama(32, seed=5, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2))
+    points = profile.pass_costs(store, 8)
+    assert [n for n, _ in points] == [1, 2, 4, 8] and all(t > 0 for _, t in points)
+    assert len(store) == 0 and store.sessions_started == 0  # scratch sessions are gone, uncounted
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    monkeypatch.setattr(profile, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert profile.pass_costs(store, 8) == points  # the next start reads it back
+    assert profile.profile_sizes(6) == [1, 2, 4, 6] and profile.profile_sizes(1000)[-1] == 64
+
+
+def test_pass_reports_and_profiles_round_trip_the_wire():
+    from specdec.engine.batching import PassLoad
+    from specdec.runtime import wire
+    from specdec.v1 import engine_pb2
+
+    load = PassLoad(size=7, sessions=3, seconds=0.012, live_sessions=5)
+    assert wire.pass_load_from_proto(wire.pass_load_to_proto(load)) == load
+    assert wire.pass_load_from_proto(engine_pb2.PassLoad()) is None  # a replica that does not batch
+    info = engine_pb2.EngineInfo(cost_sizes=[1, 4], cost_seconds=[0.01, 0.02])
+    curve = wire.cost_curve_from_info(info)
+    assert curve is not None and curve.points == [(1, 0.01), (4, 0.02)]
+    assert wire.cost_curve_from_info(engine_pb2.EngineInfo()) is None
+    assert wire.cost_curve_from_info(engine_pb2.EngineInfo(cost_sizes=[1, 2], cost_seconds=[0.1])) is None

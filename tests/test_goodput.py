@@ -57,14 +57,14 @@ CASES = [
 
 @pytest.mark.parametrize("name, rate, load, curve, ok", CASES, ids=[c[0] for c in CASES])
 def test_choice_of_k(name, rate, load, curve, ok):
-    k = choose_k(expected(rate, 4), load, Costs(curve, DRAFT), rate)
+    k = choose_k(expected(rate, 4), load, Costs(curve, DRAFT))
     assert ok(k), (name, k)
 
 
 def test_the_choice_is_a_function_of_its_inputs_only():
     load = BatchLoad(other_rows=5, other_sessions=3, other_drafting=2, other_live=3, cycle_seconds=0.07, last_k=2)
     costs = Costs(FLAT, DRAFT)
-    picks = {choose_k(expected(0.55, 4), load, costs, 0.55) for _ in range(20)}
+    picks = {choose_k(expected(0.55, 4), load, costs) for _ in range(20)}
     assert len(picks) == 1
 
 
@@ -73,7 +73,7 @@ def test_speculation_turns_off_as_load_rises_and_back_on_as_it_falls():
     ks = []
     for others in [0, 1, 3, 7, 15, 31, 15, 7, 3, 1, 0]:
         load = BatchLoad(other_rows=others, other_sessions=others, other_live=others)
-        ks.append(choose_k(expected(0.6, 4), load, costs, 0.6))
+        ks.append(choose_k(expected(0.6, 4), load, costs))
     assert ks[0] > 0 and ks[-1] > 0  # alone it pays
     assert ks[5] == 0  # 31 others: every row is compute
     assert ks == ks[::-1]  # the same load gives the same k, whichever way it came
@@ -83,8 +83,8 @@ def test_a_measured_cycle_counts_what_the_model_does_not_see():
     # The same pass costs, but the step took far longer than its passes (others' draft passes,
     # round trips): the extra rows' share of the cycle is small, so blocks pay more easily.
     costs = Costs(LINEAR, DRAFT)
-    modelled = choose_k(expected(0.8, 4), BatchLoad(last_k=0), costs, 0.8)
-    measured = choose_k(expected(0.8, 4), BatchLoad(last_k=0, cycle_seconds=1.0), costs, 0.8)
+    modelled = choose_k(expected(0.8, 4), BatchLoad(last_k=0), costs)
+    measured = choose_k(expected(0.8, 4), BatchLoad(last_k=0, cycle_seconds=1.0), costs)
     assert modelled == 0 and measured > 0
 
 
@@ -153,17 +153,23 @@ def test_replay_rebuilds_an_estimate_from_step_lengths():
 
 def test_the_startup_profile_measures_every_size_leaves_nothing_and_is_kept(tmp_path, monkeypatch):
     from specdec.engine import profile
-    from specdec.engine.sessions import SessionStore
     from specdec.modeling.tiny import tiny_llama
 
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    store = SessionStore(tiny_llama(32, seed=5, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2))
-    points = profile.pass_costs(store, 8)
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.target import TargetEngine
+
+    model = tiny_llama(32, seed=5, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    draft_points = profile.pass_costs(DraftEngine(model), 4)
+    assert [n for n, _ in draft_points] == [1, 2, 4] and all(t > 0 for _, t in draft_points)
+    engine = TargetEngine(model)
+    store = engine.store
+    points = profile.pass_costs(engine, 8)
     assert [n for n, _ in points] == [1, 2, 4, 8] and all(t > 0 for _, t in points)
     assert len(store) == 0 and store.sessions_started == 0  # scratch sessions are gone, uncounted
-    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # one per engine kind
     monkeypatch.setattr(profile, "measure", lambda *a, **k: pytest.fail("measured again"))
-    assert profile.pass_costs(store, 8) == points  # the next start reads it back
+    assert profile.pass_costs(engine, 8) == points  # the next start reads it back
     assert profile.profile_sizes(6) == [1, 2, 4, 6] and profile.profile_sizes(1000)[-1] == 64
 
 

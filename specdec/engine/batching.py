@@ -197,10 +197,12 @@ class BatchRunner:
         prefill_rows = sum(size for (job, _), size in zip(chosen, sizes, strict=True) if job.pending.prefill)
         started = time.perf_counter()
         results = self.store.run_requests([(job.pending, chunk) for job, chunk in chosen]) if chosen else []
-        load = PassLoad(rows, len(chosen), time.perf_counter() - started, len(self.store))
         for (job, _), result in zip(chosen, results, strict=True):
-            job.last_pass = load
             job._advance(value=result)
+        # the iteration's cost: its pass and what the works computed from it (sampling math)
+        load = PassLoad(rows, len(chosen), time.perf_counter() - started, len(self.store))
+        for job, _ in chosen:
+            job.last_pass = load
         for job, _ in chosen:
             self._settle(job, finished)
         for job in list(self._jobs):

@@ -2,7 +2,8 @@
 policy's cost model starts from (specdec.loop.goodput; docs/goodput.md).
 
 Measured on the loaded model, on the device and thread count it serves with, through the same
-batched path the sessions use (scratch sessions, each advancing one row per pass), and kept in
+batched path the sessions use (scratch sessions, each taking a step per iteration: its row of the
+pass and the sampling math on its logits), and kept in
 the cache folder per model + device + dtype + threads + kernel so a restart does not measure
 again. The coordinator refreshes the curve online from the pass times replicas report, so the
 profile only has to be about right.
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.engine.sessions import PassRequest, SessionStore
+from specdec.engine.commits import Commit
+from specdec.engine.sessions import SessionStore, Work
 from specdec.exact.sampling import SamplingParams
 from specdec.paths import cache_dir
 
@@ -28,6 +30,7 @@ log = logging.getLogger("specdec.engine.profile")
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 32  # cached tokens per scratch session: decode passes, not prefill
 REPEATS = 3
+PROFILE_TEMPERATURE = 0.7  # sampled steps: their sampling math is part of a row's cost
 FORMAT = 1
 
 
@@ -39,9 +42,11 @@ def profile_sizes(max_size: int) -> list[int]:
     return sizes or [1]
 
 
-def _key(store: SessionStore, sizes: list[int]) -> str:
+def _key(engine, sizes: list[int]) -> str:
+    store: SessionStore = engine.store
     param = next(store.model.parameters())
     identity = {
+        "kind": type(engine).__name__,
         "model": store.model.config.to_json_string(use_diff=False),
         "weights": float(param.detach().reshape(-1)[:64].double().sum()),  # tells apart same-config models
         "device": str(param.device),
@@ -59,42 +64,72 @@ def _cache_file(key: str) -> Path:
     return cache_dir() / "profiles" / f"{key}.json"
 
 
-def measure(store: SessionStore, sizes: list[int], repeats: int = REPEATS) -> list[tuple[int, float]]:
-    """Median seconds of one pass with ``n`` sessions advancing a row each, for n in ``sizes``
-    (stopping early where the store's caps refuse more scratch sessions)."""
+def _step_work(engine, session_id: str, step: int, commit: Commit | None) -> Work:
+    """One step of a scratch session as the services run it: a target-only step (one row and
+    its sampling math) on a target, a one-token proposal (one position, its q) on a draft."""
+    if hasattr(engine, "verify_work"):
+        return engine.verify_work(session_id, step, [], [], commit)
+    return engine.propose_work(session_id, step, 1, commit)
+
+
+def _emitted(result) -> int:
+    return int(result.bonus) if hasattr(result, "bonus") else int(result.tokens[0])
+
+
+def measure(engine, sizes: list[int], repeats: int = REPEATS) -> list[tuple[int, float]]:
+    """Median seconds of one batched iteration with ``n`` scratch sessions each taking a step
+    (a row and its sampling math), for n in ``sizes``, through the batch runner the service
+    uses; stops early where the engine's caps refuse more scratch sessions."""
+    from specdec.engine.batching import BatchRunner
+
+    store: SessionStore = engine.store
     started = store.sessions_started
-    scratch = []
+    params = SamplingParams(temperature=PROFILE_TEMPERATURE, seed=0)
+    ids: list[str] = []
     points: list[tuple[int, float]] = []
+    runner = BatchRunner(store, max_batch_tokens=max(sizes) * (CONTEXT + 1), max_batch_sessions=max(sizes))
     try:
         vocab = store.vocab_size
         for i in range(max(sizes)):
             prompt = [(7 * i + j) % vocab for j in range(CONTEXT + 1)]
             try:
-                session = store.create(f"__profile-{i}", prompt, SamplingParams(seed=i))
-            except Exception:  # noqa: BLE001 - a capped store: profile the sizes that fit
+                engine.prefill(f"__profile-{i}", prompt, params.with_seed(i))
+            except Exception:  # noqa: BLE001 - a capped engine: profile the sizes that fit
                 break
-            store.warm(session)
-            scratch.append(session)
+            ids.append(f"__profile-{i}")
+        steps = dict.fromkeys(ids, 0)
+        pending: dict[str, Commit | None] = dict.fromkeys(ids)
         for n in sizes:
-            if n > len(scratch):
+            if n > len(ids):
                 break
             times = []
-            for _ in range(repeats + 1):  # the first pass of a size warms it
+            for _ in range(repeats + 1):  # the first iteration of a size warms it
+                jobs = []
+                for sid in ids[:n]:
+                    steps[sid] += 1
+                    jobs.append(runner.add(_step_work(engine, sid, steps[sid], pending[sid]), sid))
                 begin = time.perf_counter()
-                store.run_requests([(PassRequest(s), None) for s in scratch[:n]])
+                while not all(job.finished for job in jobs):
+                    runner.iterate()
                 times.append(time.perf_counter() - begin)
+                for sid, job in zip(ids[:n], jobs, strict=True):
+                    if job.error is not None:
+                        raise job.error
+                    length = len(store.get(sid).tokens)
+                    pending[sid] = Commit(steps[sid], length, (_emitted(job.result),))
             points.append((n, statistics.median(times[1:])))
     finally:
-        for session in scratch:
-            store.release(session.session_id)
+        for sid in ids:
+            store.release(sid)
         store.sessions_started = started  # scratch sessions are not served ones
     return points
 
 
-def pass_costs(store: SessionStore, max_size: int) -> list[tuple[int, float]]:
-    """The profile for ``store`` (from the cache where it was measured before)."""
+def pass_costs(engine, max_size: int) -> list[tuple[int, float]]:
+    """The profile of ``engine`` (a draft or target engine whose calls are works), from the
+    cache where it was measured before."""
     sizes = profile_sizes(max_size)
-    key = _key(store, sizes)
+    key = _key(engine, sizes)
     path = _cache_file(key)
     try:
         cached = json.loads(path.read_text())
@@ -102,10 +137,10 @@ def pass_costs(store: SessionStore, max_size: int) -> list[tuple[int, float]]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     begin = time.perf_counter()
-    points = measure(store, sizes)
+    points = measure(engine, sizes)
     log.info(
         "%s: profiled its batched pass in %.1fs: %s",
-        store.name,
+        engine.store.name,
         time.perf_counter() - begin,
         ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in points),
     )

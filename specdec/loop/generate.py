@@ -276,14 +276,16 @@ class SpeculativeRun:
                     k = self.policy.next_k()
                     step_start = time.perf_counter()
                     cycle, last_start = (step_start - last_start if last_start else 0.0), step_start
+                    draft_before = self.stats.draft_seconds
                     proposal, verdict = await self._propose_and_verify(min(k, room))
+                    proposing = self.stats.draft_seconds - draft_before if len(proposal) else 0.0
                     decision = decide(
                         proposal.tokens, proposal.q_of_proposals(), verdict, self.seed, len(self.sequence)
                     )
                     # What the policy chose, not what the draft managed: a replay from the
                     # committed tokens (which cannot see a short or dropped block) agrees.
                     self.policy.observe(k, decision.num_accepted)
-                    self._observe_load(k, cycle)
+                    self._observe_load(k, cycle, proposing)
                     self.stats.record_choice(k)
                     self.stats.record(decision, len(proposal))
                     emitted = self.stopper.feed(decision.tokens)
@@ -317,7 +319,7 @@ class SpeculativeRun:
         self.policy = GoodputK(self.k_max, Costs(target_curve, draft_curve, call))
         self.policy.replay(self.committed_steps)
 
-    def _observe_load(self, k: int, cycle: float) -> None:
+    def _observe_load(self, k: int, cycle: float, proposing: float) -> None:
         """Tell a load-aware policy what this step saw of the batch."""
         if not self.load_aware:
             return
@@ -329,7 +331,7 @@ class SpeculativeRun:
             self.draft_load = draft_load
         others = self.draft_load.sessions - 1 if self.draft_load is not None else 0
         if target_load is None:
-            load = BatchLoad(other_drafting=others, cycle_seconds=cycle, last_k=k)
+            load = BatchLoad(other_drafting=others, cycle_seconds=cycle, last_k=k, propose_seconds=proposing)
         else:
             load = BatchLoad(
                 other_rows=max(0, target_load.size - (k + 1)),
@@ -338,6 +340,7 @@ class SpeculativeRun:
                 other_live=max(0, target_load.live_sessions - 1),
                 cycle_seconds=cycle,
                 last_k=k,
+                propose_seconds=proposing,
             )
         self.policy.observe_load(load)
 

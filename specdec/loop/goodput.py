@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PRIOR_ACCEPTANCE = 0.6  # per position before the request's own blocks say (weight of one block)
 DRAFT_CALL_SECONDS = 0.002  # a propose round trip beyond its passes, until observed
@@ -127,18 +127,13 @@ class PositionAcceptance:
             out.append(out[-1] + run)
         return out
 
-    def per_token(self) -> float:
-        """Accepted per proposal over a block of k_max, the figure others' blocks are judged by."""
-        expected = self.expected_tokens()
-        return (expected[-1] - 1.0) / (len(expected) - 1)
-
 
 @dataclass(frozen=True)
 class BatchLoad:
     """What a request saw on its last step: ``other_rows`` / ``other_sessions`` in the target
     pass it was in, ``other_drafting`` sessions in the draft pass it was in, ``other_live``
-    sessions on the target replica, the wall ``cycle_seconds`` of its step (0: not measured) and
-    the ``last_k`` it proposed then."""
+    sessions on the target replica, the wall ``cycle_seconds`` of its step (0: not measured), the
+    ``last_k`` it proposed then and how long that proposal took (``propose_seconds``)."""
 
     other_rows: int = 0
     other_sessions: int = 0
@@ -146,54 +141,52 @@ class BatchLoad:
     other_live: int = 0
     cycle_seconds: float = 0.0
     last_k: int = 0
+    propose_seconds: float = 0.0  # the wall time of its last step's proposal (0: none)
 
 
 IDLE = BatchLoad()
+CALL_RATE = 0.3  # how fast the estimate of a proposal's overhead follows each measured one
 
 
 @dataclass(frozen=True)
 class Costs:
     target: CostCurve  # seconds of a target pass by rows
     draft: CostCurve | None  # seconds of a draft position by sessions (None: costs nothing, e.g. n-gram)
-    draft_call_seconds: float = DRAFT_CALL_SECONDS
+    draft_call_seconds: float = DRAFT_CALL_SECONDS  # a proposal's overhead beyond its passes (learnt)
 
-    def draft_step(self, k: int, others: int) -> float:
-        """The draft time a step proposing ``k`` adds: its call, and k positions' worth of one
-        more session in a draft pass of ``others``."""
+
+def step_goodputs(expected: Sequence[float], load: BatchLoad, costs: Costs) -> list[float]:
+    """Expected tokens committed per second by the batch, for each k = 0 .. len(expected) - 1,
+    were every session on the replica to do as this request does (the batch as copies of it).
+
+    Symmetric, not "me alone against the others' fixed rows": a pass's fixed cost is shared only
+    by the sessions in it, so a batch where some sessions speculate and others do not falls out
+    of step (their requests reach the target at different times) and pays for more passes; and
+    one session's extra rows look cheap to it while everyone's together are not. The cycle: what
+    the request's last step took (``cycle_seconds``, which holds what no model sees: round
+    trips, the coordinator, a shared CPU), with the modelled passes of that step replaced by the
+    modelled passes of a batch proposing k each; where nothing was measured, the modelled cycle."""
+    sessions = max(load.other_live, load.other_sessions) + 1
+    observed_rows = load.other_rows + load.last_k + 1
+
+    def passes(k: int) -> float:
+        target = costs.target.seconds(sessions * (k + 1))
         if k == 0:
-            return 0.0
-        if self.draft is None:
-            return self.draft_call_seconds
-        marginal = self.draft.seconds(others + 1) - self.draft.seconds(others)
-        return self.draft_call_seconds + k * marginal
+            return target
+        per_position = costs.draft.seconds(sessions) if costs.draft is not None else 0.0
+        return target + costs.draft_call_seconds + k * per_position
+
+    if load.cycle_seconds > 0:
+        measured_passes = costs.target.seconds(observed_rows) + load.propose_seconds
+        base = max(0.0, load.cycle_seconds - measured_passes)
+    else:
+        base = 0.0
+    return [sessions * tokens / max(1e-6, base + passes(k)) for k, tokens in enumerate(expected)]
 
 
-def step_goodputs(expected: Sequence[float], load: BatchLoad, costs: Costs, per_token: float) -> list[float]:
-    """Expected tokens committed per second by the batch, for each k = 0 .. len(expected) - 1.
-
-    The batch's cycle: what the request's last step took (``cycle_seconds``, which holds the others'
-    passes, round trips and contention), corrected by the modelled difference between proposing k
-    and what it proposed then; where nothing was measured, the modelled cycle. Tokens: the
-    request's own expected tokens plus the others' (one each, plus their proposals times the
-    request's own per-token acceptance: their acceptance is not seen here)."""
-    rows_o = load.other_rows
-
-    def modelled(k: int) -> float:
-        return costs.target.seconds(rows_o + k + 1) + costs.draft_step(k, load.other_drafting)
-
-    base = load.cycle_seconds if load.cycle_seconds > 0 else modelled(load.last_k)
-    others_k = max(0.0, (load.other_rows - load.other_sessions) / max(1, load.other_sessions))
-    others = load.other_live * (1.0 + per_token * others_k)
-    out = []
-    for k, tokens in enumerate(expected):
-        cycle = max(1e-6, base + modelled(k) - modelled(load.last_k))
-        out.append((others + tokens) / cycle)
-    return out
-
-
-def choose_k(expected: Sequence[float], load: BatchLoad, costs: Costs, per_token: float) -> int:
+def choose_k(expected: Sequence[float], load: BatchLoad, costs: Costs) -> int:
     """The k in 0 .. len(expected) - 1 of the highest expected batch goodput (the smallest on ties)."""
-    goodputs = step_goodputs(expected, load, costs, per_token)
+    goodputs = step_goodputs(expected, load, costs)
     return max(range(len(goodputs)), key=lambda k: (goodputs[k], -k))
 
 
@@ -222,7 +215,18 @@ class GoodputK:
         self.acceptance = PositionAcceptance(self.k_max, self.decay)
 
     def _best(self, load: BatchLoad) -> int:
-        return choose_k(self.acceptance.expected_tokens(), load, self.costs, self.acceptance.per_token())
+        return choose_k(self.acceptance.expected_tokens(), load, self.costs)
+
+    def _learn_call(self, load: BatchLoad) -> None:
+        """A proposal's overhead beyond its passes (round trip, queueing, serialising q) from
+        the measured proposal time, so the cost of a block is not only what the curves see."""
+        if load.last_k <= 0 or load.propose_seconds <= 0:
+            return
+        draft = self.costs.draft
+        per_position = draft.seconds(load.other_drafting + 1) if draft is not None else 0.0
+        overhead = max(0.0, load.propose_seconds - load.last_k * per_position)
+        call = self.costs.draft_call_seconds + CALL_RATE * (overhead - self.costs.draft_call_seconds)
+        self.costs = replace(self.costs, draft_call_seconds=call)
 
     def pays_alone(self) -> bool:
         return self._best(IDLE) > 0
@@ -243,6 +247,7 @@ class GoodputK:
         self.idle = 0
 
     def observe_load(self, load: BatchLoad) -> None:
+        self._learn_call(load)
         self.load = load
 
     def replay(self, step_lengths: Iterable[int]) -> None:

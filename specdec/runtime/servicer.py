@@ -65,7 +65,7 @@ def profiled_costs(engine, batch: BatchRunner | None, args) -> list[tuple[int, f
         return []
     from specdec.engine.profile import pass_costs
 
-    return pass_costs(engine.store, min(args.max_batch_sessions, args.max_sessions, batch.max_batch_tokens))
+    return pass_costs(engine, min(args.max_batch_sessions, args.max_sessions, batch.max_batch_tokens))
 
 
 def add_replica_arguments(p) -> None:

@@ -58,6 +58,7 @@ def test_specdec_run_streams_an_answer_with_stats(model_dirs):
             str(model_dirs / "draft"),
             "-k",
             "3",
+            "--fixed-k",  # speculation on, whatever the load-aware default would measure
             "--max-new-tokens",
             "12",
             "--seed",

@@ -12,6 +12,7 @@ from specdec.loop.goodput import (
     GoodputK,
     PositionAcceptance,
     choose_k,
+    load_bucket,
 )
 
 # A memory-bound pass (rows nearly free up to 8, then compute: the 2-core CPU's shape) and a
@@ -186,3 +187,30 @@ def test_pass_reports_and_profiles_round_trip_the_wire():
     assert curve is not None and curve.points == [(1, 0.01), (4, 0.02)]
     assert wire.cost_curve_from_info(engine_pb2.EngineInfo()) is None
     assert wire.cost_curve_from_info(engine_pb2.EngineInfo(cost_sizes=[1, 2], cost_seconds=[0.1])) is None
+
+
+def test_the_regime_measures_both_keeps_the_better_and_explores_the_other():
+    from specdec.loop.goodput import SpeculationRegime
+
+    now = [0]  # tenths of a second (exact)
+    regime = SpeculationRegime(window_seconds=1.0, explore_every=5, clock=lambda: now[0] / 10)
+    truth = {True: 30, False: 50}  # tokens per second the replica commits in each regime
+
+    def windows(n, sessions=8):
+        seen = []
+        for _ in range(n):
+            for _ in range(10):
+                on, window = regime.speculating(sessions)
+                regime.committed(window, truth[on] // 10)
+                regime.committed(window - 1, 1000)  # a late step of an earlier window: not counted
+                now[0] += 1
+            seen.append(on)
+        return seen
+
+    seen = windows(22)
+    assert seen[:2] == [True, False]  # each measured once, "on" first
+    assert seen[2:] == [i % 5 == 3 for i in range(20)]  # then the better, the other one window in 5
+    truth[True] = 90  # the load changed what pays: the explorations find it (the EWMA takes two)
+    later = windows(20)
+    assert later[:8].count(True) <= 2 and later[-10:].count(True) == 8  # on, but for the explorations of off
+    assert regime.speculating(1)[0] is True and load_bucket(1) != load_bucket(8)  # a bucket of its own

@@ -316,7 +316,8 @@ class SpeculativeRun:
             call = 0.0  # in this process (the n-gram draft): no round trip
         elif self.draft is not None and hasattr(self.draft, "cost_curve"):
             draft_curve = await self.draft.cost_curve()
-        self.policy = GoodputK(self.k_max, Costs(target_curve, draft_curve, call))
+        regime = getattr(self.target, "regime", None)
+        self.policy = GoodputK(self.k_max, Costs(target_curve, draft_curve, call), regime=regime)
         self.policy.replay(self.committed_steps)
 
     def _observe_load(self, k: int, cycle: float, proposing: float) -> None:

@@ -204,6 +204,8 @@ class GoodputK:
     costs: Costs
     decay: float = 0.9
     max_probe_gap: int = 16
+    regime: SpeculationRegime | None = None  # the replica's measured on/off (None: the model alone)
+    window: int = field(init=False, default=-1)  # the regime window of this step
     acceptance: PositionAcceptance = field(init=False)
     load: BatchLoad = field(init=False, default=IDLE)
     idle: int = field(init=False, default=0)
@@ -232,12 +234,24 @@ class GoodputK:
         return self._best(IDLE) > 0
 
     def next_k(self) -> int:
+        if self.regime is not None:
+            sessions = max(self.load.other_live, self.load.other_sessions) + 1
+            on, self.window = self.regime.speculating(sessions)
+            if not on:
+                return 0
+            # measured to pay on this replica now: the model chooses only how deep
+            goodputs = step_goodputs(self.acceptance.expected_tokens(), self.load, self.costs)
+            return max(range(1, len(goodputs)), key=lambda k: (goodputs[k], -k))
         best = self._best(self.load)
         if best > 0 or not self.idle >= self.probe_gap or self.pays_alone():
             return best
         return self.k_max  # a probe
 
     def observe(self, k: int, accepted: int) -> None:
+        if self.regime is not None:
+            self.regime.committed(self.window, accepted + 1)
+            if k == 0:
+                return  # the replica's regime said off: nothing learnt about this request's draft
         if k == 0:
             self.idle += 1
             return
@@ -260,3 +274,72 @@ class GoodputK:
             if n > 1:
                 accepted = min(n - 1, self.k_max)
                 self.acceptance.observe(accepted, accepted)
+
+
+REGIME_WINDOW_SECONDS = 0.5  # a regime holds for this long, for every request on the replica
+REGIME_EXPLORE_EVERY = 10  # windows: one in this many runs the losing regime again
+REGIME_RATE = 0.3  # EWMA weight of one window's figure
+
+
+def load_bucket(sessions: int) -> int:
+    """Live sessions on a replica in powers of two (1, 2, 3-4, 5-8, ...): regimes are judged per bucket."""
+    return max(0, sessions - 1).bit_length()
+
+
+class SpeculationRegime:
+    """Whether the load-aware requests on one target replica speculate at all, from measured
+    goodput: the model (:func:`choose_k`) sees passes, not a CPU shared by draft, target and
+    coordinator, so on/off is measured instead. Time runs in windows of ``window_seconds``; in
+    each, every request on the replica follows one regime ("on": speculate, the model choosing
+    how deep; "off": k = 0), and the window's figure is the tokens they committed per second,
+    kept per load bucket (EWMA). Each bucket measures both, then keeps the better, running the
+    other again one window in ``explore_every``. One object per target replica in a
+    coordinator, shared by its requests; ``clock`` injected for tests."""
+
+    def __init__(
+        self, window_seconds: float = REGIME_WINDOW_SECONDS, explore_every: int = REGIME_EXPLORE_EVERY, clock=None
+    ):
+        import time
+
+        self.window_seconds = window_seconds
+        self.explore_every = explore_every
+        self.clock = clock or time.monotonic
+        self.rates: dict[tuple[int, bool], float] = {}
+        self.window = 0  # id of the current window
+        self.on = True
+        self._start = self.clock()
+        self._tokens = 0
+        self._sessions = 1
+        self._windows_in_bucket: dict[int, int] = {}
+
+    def _roll(self) -> None:
+        now = self.clock()
+        if now - self._start < self.window_seconds:
+            return
+        bucket = load_bucket(self._sessions)
+        if self._tokens:
+            rate = self._tokens / (now - self._start)
+            key = (bucket, self.on)
+            self.rates[key] = (
+                rate if key not in self.rates else self.rates[key] + REGIME_RATE * (rate - self.rates[key])
+            )
+        seen = self._windows_in_bucket[bucket] = self._windows_in_bucket.get(bucket, 0) + 1
+        on, off = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if on is None or off is None:
+            self.on = on is None  # measure what is missing, "on" first
+        else:
+            best = on >= off
+            self.on = (not best) if seen % self.explore_every == 0 else best
+        self.window += 1
+        self._start, self._tokens, self._sessions = now, 0, 1
+
+    def speculating(self, sessions: int) -> tuple[bool, int]:
+        """The regime now, and the window it belongs to (a step reports its tokens with it)."""
+        self._roll()
+        self._sessions = max(self._sessions, sessions)
+        return self.on, self.window
+
+    def committed(self, window: int, tokens: int) -> None:
+        """A step decided in ``window`` committed ``tokens`` (counted only in its own window)."""
+        if window == self.window:
+            self._tokens += tokens

@@ -189,28 +189,129 @@ def test_pass_reports_and_profiles_round_trip_the_wire():
     assert wire.cost_curve_from_info(engine_pb2.EngineInfo(cost_sizes=[1, 2], cost_seconds=[0.1])) is None
 
 
-def test_the_regime_measures_both_keeps_the_better_and_explores_the_other():
+def _regime_clock(window_seconds=1.0, **kw):
     from specdec.loop.goodput import SpeculationRegime
 
     now = [0]  # tenths of a second (exact)
-    regime = SpeculationRegime(window_seconds=1.0, explore_every=5, clock=lambda: now[0] / 10)
-    truth = {True: 30, False: 50}  # tokens per second the replica commits in each regime
+    return SpeculationRegime(window_seconds=window_seconds, clock=lambda: now[0] / 10, **kw), now
+
+
+def test_the_regime_measures_both_keeps_the_better_and_explores_the_other_ever_less_often():
+    regime, now = _regime_clock(explore_every=5, explore_max=20)
+    truth = {True: 30, False: 50}  # tokens per second per session the replica commits in each regime
 
     def windows(n, sessions=8):
         seen = []
         for _ in range(n):
             for _ in range(10):
                 on, window = regime.speculating(sessions)
-                regime.committed(window, truth[on] // 10)
-                regime.committed(window - 1, 1000)  # a late step of an earlier window: not counted
+                regime.committed(window, truth[on] * sessions // 10)
                 now[0] += 1
             seen.append(on)
         return seen
 
-    seen = windows(22)
-    assert seen[:2] == [True, False]  # each measured once, "on" first
-    assert seen[2:] == [i % 5 == 3 for i in range(20)]  # then the better, the other one window in 5
-    truth[True] = 90  # the load changed what pays: the explorations find it (the EWMA takes two)
-    later = windows(20)
-    assert later[:8].count(True) <= 2 and later[-10:].count(True) == 8  # on, but for the explorations of off
+    seen = windows(60)
+    # each measured once, "on" first (and "on" again while off's figure comes in: scored a window late)
+    assert seen[:3] == [True, False, True]
+    explorations = [i for i in range(3, 60) if seen[i]]
+    assert explorations == [7, 17, 37, 57]  # after 5, then 10, 20, at most 20 windows (each confirmed)
+    truth[True] = 90  # the load changed what pays: two explorations (EWMA) find it and "on" takes over
+    later = windows(60)
+    assert later[:17].count(True) == 0 and later[-10:].count(True) >= 8
     assert regime.speculating(1)[0] is True and load_bucket(1) != load_bucket(8)  # a bucket of its own
+
+
+def test_the_regime_counts_late_commits_per_session_and_skips_prefill_bursts():
+    def scored(sessions_seen, tokens, late=0, prefills=0):
+        """One window (1 s) whose decisions saw ``sessions_seen``; its figure once scored."""
+        regime, now = _regime_clock()
+        windows = {regime.speculating(n)[1] for n in sessions_seen}
+        for _ in range(prefills):
+            regime.prefill_started()
+        regime.committed(windows.pop(), tokens)
+        now[0] += 10
+        regime.speculating(sessions_seen[-1])  # the next window
+        regime.committed(0, late)  # a step decided in window 0 that ended after it
+        now[0] += 10
+        regime.speculating(sessions_seen[-1])  # scores window 0
+        return regime.rates
+
+    bucket = load_bucket(8)
+    assert scored([8, 8], 16, late=8) == {(bucket, True): pytest.approx(3.0)}  # 24 tokens / 1 s / 8 sessions
+    # sessions finishing inside the window: per mean session seen (6), not per the most (8)
+    assert scored([8, 8, 4, 4], 60) == {(bucket, True): pytest.approx(10.0)}
+    assert scored([8, 8], 100, prefills=2) == {}  # a quarter of the sessions starting at once: not scored
+    assert scored([8, 8], 100, prefills=1) != {}  # one start among eight: scored
+    assert scored([8], 0) == {}  # nothing committed: nothing said
+    with pytest.raises(ValueError, match="explore_every"):
+        _regime_clock(explore_every=1)
+
+
+def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates():
+    """Under a regime that says off, the draft never prefills (its CPU is the target's on a
+    shared machine); once it says on, the draft starts late from the committed tokens and the
+    greedy output is still the target's own."""
+    import asyncio
+
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.target import TargetEngine
+    from specdec.exact.sampling import SamplingParams
+    from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun
+    from specdec.modeling.tiny import tiny_llama
+
+    target_model = tiny_llama(48, seed=1, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    draft_engine = DraftEngine(tiny_llama(48, seed=2, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1))
+
+    class Regime:  # off for the first `off_steps` decisions, then on
+        def __init__(self, off_steps):
+            self.left = off_steps
+
+        def speculating(self, sessions):
+            self.left -= 1
+            return self.left < 0, 0
+
+        def committed(self, window, tokens):
+            pass
+
+        prefill_started = prefill_finished = lambda self: None
+
+    class Target(LocalTarget):
+        def __init__(self, engine, regime):
+            super().__init__(engine)
+            self.regime = regime
+
+        async def cost_curve(self):
+            return CostCurve(((1, 0.01), (8, 0.012)))
+
+    class CountingDraft(LocalDraft):
+        def __init__(self, engine):
+            super().__init__(engine)
+            self.starts: list[int] = []
+
+        async def start(self, session_id, prompt, params, features=None):
+            self.starts.append(len(prompt))
+            await super().start(session_id, prompt, params, features)
+
+    prompt = [3, 7, 11, 5]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+    def run(off_steps):
+        draft = CountingDraft(draft_engine)
+        target = TargetEngine(target_model)
+        loop = SpeculativeRun(
+            Target(target, Regime(off_steps)), draft, prompt, params, 2, adaptive=True, load_aware=True
+        )
+
+        async def go():
+            async for _ in loop.steps():
+                pass
+
+        asyncio.run(go())
+        assert len(target.store) == 0 and len(draft_engine.store) == 0  # both freed
+        return loop.result(), draft.starts
+
+    never, starts = run(off_steps=100)
+    assert starts == [] and never.stats.drafts == 0
+    late, starts = run(off_steps=3)
+    assert starts == [len(prompt) + 3]  # after three one-token target-only steps
+    assert late.stats.drafts > 0 and late.token_ids == never.token_ids  # greedy: the target's own

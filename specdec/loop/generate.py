@@ -192,6 +192,7 @@ class SpeculativeRun:
         self.failover = failover
         self.sequence = self.prompt + [int(t) for t in committed]  # prompt + committed tokens
         self.target_len = self.draft_len = len(self.sequence)  # what each peer was told is committed
+        self.draft_started = False  # a draft session exists for this run (started by the first block)
         # For a feature draft: the target's hidden state after each committed token but the last,
         # [len(sequence) - 1, H] (row t precedes token t + 1); None when no draft needs them.
         self.features: torch.Tensor | None = None
@@ -210,6 +211,21 @@ class SpeculativeRun:
             await draft.start(self.session_id, self.sequence, self.params, self.features)
         else:
             await draft.start(self.session_id, self.sequence, self.params)
+        self.draft_started, self.draft_len = True, len(self.sequence)
+
+    async def _start_draft_or_drop(self) -> None:
+        assert self.draft is not None
+        try:
+            await self._start_draft(self.draft)
+        except Exception as exc:  # noqa: BLE001 - the draft may fail, the request may not
+            await self._drop_draft(f"start: {exc}")
+
+    @property
+    def _draft_starts_late(self) -> bool:
+        """A load-aware run may never speculate (under load): its draft session, and the draft's
+        prefill of the prompt (CPU the target's passes need on a shared machine), wait for its
+        first block. The draft's draws are keyed by position, so a late start proposes the same."""
+        return self.load_aware and not self.wants_features
 
     async def _drop_draft(self, why: str) -> None:
         """The draft failed: move the session to another draft replica (re-prefilled from the
@@ -251,15 +267,19 @@ class SpeculativeRun:
         started = time.perf_counter()
         sid = self.session_id
         try:
-            try:
-                await self._start_target(self.target)
-            except PeerError as exc:
-                await self._replace_target(exc)
-            if self.draft is not None:
+            regime = getattr(self.target, "regime", None) if self.load_aware else None
+            if regime is not None:
+                regime.prefill_started()
+            try:  # both prefills: a burst of them spoils the regime's window (specdec.loop.goodput)
                 try:
-                    await self._start_draft(self.draft)
-                except Exception as exc:  # noqa: BLE001 - the draft may fail, the request may not
-                    await self._drop_draft(f"start: {exc}")
+                    await self._start_target(self.target)
+                except PeerError as exc:
+                    await self._replace_target(exc)
+                if self.draft is not None and not self._draft_starts_late:
+                    await self._start_draft_or_drop()
+            finally:
+                if regime is not None:
+                    regime.prefill_finished()
             if self.load_aware:
                 await self._use_load_aware_policy()
             last_start = 0.0
@@ -347,6 +367,8 @@ class SpeculativeRun:
 
     async def _propose_and_verify(self, k: int) -> tuple[DraftProposal, TargetVerdict]:
         sid, step, proposal = self.session_id, self.step, EMPTY
+        if self.draft is not None and k > 0 and not self.draft_started:
+            await self._start_draft_or_drop()  # (its prefill is not a proposal's time)
         t0 = time.perf_counter()
         # Retried on a replacement replica: the step must propose exactly what the lost replica
         # would have (same draws), or the tokens would differ from an undisturbed run.
@@ -400,7 +422,7 @@ class SpeculativeRun:
         return Commit(self.step - 1, peer_len, tuple(self.sequence[peer_len:]), features)
 
     async def _release_all(self) -> None:
-        peers = [p for p in (self.target, self.draft) if p is not None]
+        peers = [p for p in (self.target, self.draft if self.draft_started else None) if p is not None]
         # Shielded: a cancelled request must still free its caches on every service.
         await asyncio.shield(asyncio.gather(*(p.release(self.session_id) for p in peers), return_exceptions=True))
 

@@ -277,7 +277,8 @@ class GoodputK:
 
 
 REGIME_WINDOW_SECONDS = 0.5  # a regime holds for this long, for every request on the replica
-REGIME_EXPLORE_EVERY = 10  # windows: one in this many runs the losing regime again
+REGIME_EXPLORE_EVERY = 10  # windows: the losing regime runs again after this many at first ...
+REGIME_EXPLORE_MAX = 20  # ... the gap doubling, up to this, while each exploration confirms the loser
 REGIME_RATE = 0.3  # EWMA weight of one window's figure
 
 
@@ -286,60 +287,147 @@ def load_bucket(sessions: int) -> int:
     return max(0, sessions - 1).bit_length()
 
 
+@dataclass
+class _Window:
+    """One regime window's tally: committed tokens of the steps decided in it (late commits
+    included), and the sessions its decisions saw."""
+
+    id: int
+    on: bool
+    start: float
+    end: float = 0.0
+    tokens: int = 0
+    decisions: int = 0
+    session_sum: int = 0
+    max_sessions: int = 1
+    exploring: bool = False  # it runs the regime that lost, to measure it again
+    disturbed: bool = False  # a burst of prefills ran in it: its figure says nothing of either regime
+
+    def see(self, sessions: int) -> None:
+        self.decisions += 1
+        self.session_sum += sessions
+        self.max_sessions = max(self.max_sessions, sessions)
+
+    def per_session_rate(self) -> float | None:
+        seconds = self.end - self.start
+        if self.disturbed or not self.tokens or not self.decisions or seconds <= 0:
+            return None
+        return self.tokens / seconds / (self.session_sum / self.decisions)
+
+
 class SpeculationRegime:
     """Whether the load-aware requests on one target replica speculate at all, from measured
     goodput: the model (:func:`choose_k`) sees passes, not a CPU shared by draft, target and
     coordinator, so on/off is measured instead. Time runs in windows of ``window_seconds``; in
     each, every request on the replica follows one regime ("on": speculate, the model choosing
-    how deep; "off": k = 0), and the window's figure is the tokens they committed per second,
-    kept per load bucket (EWMA). Each bucket measures both, then keeps the better, running the
-    other again one window in ``explore_every``. One object per target replica in a
-    coordinator, shared by its requests; ``clock`` injected for tests."""
+    how deep; "off": k = 0). A window's figure is the tokens committed by the steps decided in it
+    (a step that ends after the window still counts, so long steps are not cut short), per second
+    and per live session (so a bucket's windows with fewer sessions, as streams finish, compare
+    fairly), kept per load bucket (EWMA); it is scored one window late, once its steps are in.
+    Windows that ran a burst of prefills (a quarter or more of the sessions starting) are not
+    scored. Each bucket measures both, then keeps the better, running the other again after
+    ``explore_every`` windows, that gap doubling (up to ``explore_max``) while the explorations
+    confirm it. One object per target replica in a coordinator, shared by its requests;
+    ``clock`` injected for tests."""
 
     def __init__(
-        self, window_seconds: float = REGIME_WINDOW_SECONDS, explore_every: int = REGIME_EXPLORE_EVERY, clock=None
+        self,
+        window_seconds: float = REGIME_WINDOW_SECONDS,
+        explore_every: int = REGIME_EXPLORE_EVERY,
+        explore_max: int = REGIME_EXPLORE_MAX,
+        clock=None,
     ):
         import time
 
+        if explore_every < 2 or explore_max < explore_every:
+            raise ValueError(f"need 2 <= explore_every <= explore_max, got {explore_every}, {explore_max}")
         self.window_seconds = window_seconds
         self.explore_every = explore_every
+        self.explore_max = explore_max
         self.clock = clock or time.monotonic
         self.rates: dict[tuple[int, bool], float] = {}
-        self.window = 0  # id of the current window
-        self.on = True
-        self._start = self.clock()
-        self._tokens = 0
-        self._sessions = 1
-        self._windows_in_bucket: dict[int, int] = {}
+        self._current = _Window(0, True, self.clock())
+        self._closed: _Window | None = None  # the window before, still taking its late commits
+        self._prefilling = 0
+        self._since_explore: dict[int, int] = {}
+        self._gap: dict[int, int] = {}
+
+    @property
+    def window(self) -> int:
+        return self._current.id
+
+    @property
+    def on(self) -> bool:
+        return self._current.on
+
+    def _score(self, closed: _Window) -> None:
+        rate = closed.per_session_rate()
+        if rate is None:
+            return
+        key = (load_bucket(closed.max_sessions), closed.on)
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + REGIME_RATE * (rate - old)
+
+    def _next_regime(self, bucket: int, measuring: bool) -> tuple[bool, bool]:
+        """The next window's regime, and whether it is an exploration. ``measuring``: the regime
+        of the window just closed, not yet scored."""
+        known = {regime: self.rates[(bucket, regime)] for regime in (True, False) if (bucket, regime) in self.rates}
+        missing = [regime for regime in (True, False) if regime not in known and regime != measuring]
+        if missing:
+            return missing[0], False  # measure what is missing, "on" first
+        if len(known) < 2:
+            return (next(iter(known)) if known else True), False
+        best = known[True] >= known[False]
+        since = self._since_explore[bucket] = self._since_explore.get(bucket, 0) + 1
+        if since < self._gap.get(bucket, self.explore_every):
+            return best, False
+        self._since_explore[bucket] = 0
+        return not best, True
+
+    def _after_exploring(self, bucket: int, best_before: bool) -> None:
+        """An exploration that confirms the better regime doubles the wait for the next."""
+        best_now = self.rates[(bucket, True)] >= self.rates[(bucket, False)]
+        gap = self._gap.get(bucket, self.explore_every)
+        self._gap[bucket] = min(2 * gap, self.explore_max) if best_now == best_before else self.explore_every
 
     def _roll(self) -> None:
         now = self.clock()
-        if now - self._start < self.window_seconds:
+        current = self._current
+        if now - current.start < self.window_seconds:
             return
-        bucket = load_bucket(self._sessions)
-        if self._tokens:
-            rate = self._tokens / (now - self._start)
-            key = (bucket, self.on)
-            self.rates[key] = (
-                rate if key not in self.rates else self.rates[key] + REGIME_RATE * (rate - self.rates[key])
-            )
-        seen = self._windows_in_bucket[bucket] = self._windows_in_bucket.get(bucket, 0) + 1
-        on, off = self.rates.get((bucket, True)), self.rates.get((bucket, False))
-        if on is None or off is None:
-            self.on = on is None  # measure what is missing, "on" first
-        else:
-            best = on >= off
-            self.on = (not best) if seen % self.explore_every == 0 else best
-        self.window += 1
-        self._start, self._tokens, self._sessions = now, 0, 1
+        current.end = now
+        if self._closed is not None:
+            closed = self._closed
+            bucket = load_bucket(closed.max_sessions)
+            before = self.rates.get((bucket, True), 0.0) >= self.rates.get((bucket, False), 0.0)
+            self._score(closed)
+            if closed.exploring and closed.per_session_rate() is not None:
+                self._after_exploring(bucket, before)
+        on, exploring = self._next_regime(load_bucket(current.max_sessions), current.on)
+        nxt = _Window(current.id + 1, on, now, exploring=exploring)
+        nxt.disturbed = self._burst(current.max_sessions)
+        self._closed, self._current = current, nxt
+
+    def _burst(self, sessions: int) -> bool:
+        return self._prefilling > 0 and 4 * self._prefilling >= sessions
 
     def speculating(self, sessions: int) -> tuple[bool, int]:
         """The regime now, and the window it belongs to (a step reports its tokens with it)."""
         self._roll()
-        self._sessions = max(self._sessions, sessions)
-        return self.on, self.window
+        self._current.see(sessions)
+        return self._current.on, self._current.id
 
     def committed(self, window: int, tokens: int) -> None:
-        """A step decided in ``window`` committed ``tokens`` (counted only in its own window)."""
-        if window == self.window:
-            self._tokens += tokens
+        """A step decided in ``window`` committed ``tokens`` (counted in that window, late or not)."""
+        for tally in (self._current, self._closed):
+            if tally is not None and tally.id == window:
+                tally.tokens += tokens
+
+    def prefill_started(self) -> None:
+        """A request on the replica starts its prefill: a burst of them spoils a window's figure."""
+        self._prefilling += 1
+        if self._burst(self._current.max_sessions):
+            self._current.disturbed = True
+
+    def prefill_finished(self) -> None:
+        self._prefilling = max(0, self._prefilling - 1)

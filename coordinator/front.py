@@ -39,6 +39,7 @@ class Backend(Protocol):
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]: ...
     async def stop(self) -> None: ...
     async def cost_model(self) -> list: ...
+    async def model_id(self) -> str: ...
 
 
 class LocalBackend:
@@ -61,6 +62,9 @@ class LocalBackend:
 
     async def cost_model(self) -> list:
         return self.core.cost_model()
+
+    async def model_id(self) -> str:
+        return self.core.model_id
 
 
 class CoordinatorFront:

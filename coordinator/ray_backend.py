@@ -54,6 +54,11 @@ class CoordinatorActor:
     async def cost_model(self) -> list:
         return self.core.cost_model()
 
+    async def model_id(self) -> str:
+        if not self.ready:
+            await self.setup()
+        return self.core.model_id
+
 
 def _unwrap(exc: BaseException) -> BaseException:
     """The error the actor raised, as the front should report it."""
@@ -134,6 +139,12 @@ class RayBackend:
             except (RayTaskError, RayActorError):
                 continue  # a restarting actor: the next poll asks again
         return out
+
+    async def model_id(self) -> str:
+        try:
+            return await self.actors[0].model_id.remote()
+        except (RayTaskError, RayActorError) as exc:
+            raise _unwrap(exc) from None
 
     async def stop(self) -> None:
         for actor in self.actors:

@@ -25,6 +25,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=1, help="coordinator Ray actors")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS or a local one)")
     p.add_argument("--no-ray", action="store_true", help="run the request path in the front process (debugging only)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on this port "
+        "(0 = off; `specdec serve` turns it on at 8000)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name the HTTP API lists and accepts (default: the target's model as it reports it)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
@@ -52,10 +64,22 @@ async def serve(args: argparse.Namespace) -> None:
     bound = server.add_insecure_port(f"{args.host}:{args.port}")
     if bound == 0:
         raise SystemExit(f"specdec coordinator: cannot listen on {args.host}:{args.port}")
+    http = None
+    if args.http_port:
+        from coordinator.http_api_server import HttpServer
+
+        name = args.served_model_name or await backend.model_id()
+        http = await HttpServer.start(front, name, args.host, args.http_port)
     await server.start()
     await srv.set_serving(health, [SERVICE], front.serving)
     print(f"[specdec] coordinator service SERVING on {args.host}:{bound}", file=sys.stderr, flush=True)
-    await srv.serve_until_signal(server, health, [SERVICE], 10.0, front.stop)
+
+    async def stop() -> None:
+        if http is not None:
+            await http.stop()
+        await front.stop()
+
+    await srv.serve_until_signal(server, health, [SERVICE], 10.0, stop)
 
 
 def main(args: argparse.Namespace) -> int:

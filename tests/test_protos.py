@@ -39,9 +39,13 @@ def test_public_api_names_are_pinned():
         "max_new_tokens",
         "stop",
         "ignore_eos",
+        "stop_token_ids",
     }
     assert fields("SpeculationParams") == {"num_speculative_tokens", "method", "adaptive"}
-    assert fields("GenerateResponse") == {"request_id", "token_ids", "text", "finish_reason", "seed", "stats"}
+    assert fields("GenerateResponse") >= {"request_id", "token_ids", "text", "finish_reason", "seed", "stats"}
+    assert "prompt_tokens" in fields("GenerateResponse") and "prompt_tokens" in fields("GenerateChunk")
+    assert {"messages", "apply_chat_template"} <= fields("GenerateRequest")
+    assert fields("ChatMessage") == {"role", "content"}
     assert {"token_ids", "text", "finish_reason", "seed", "stats"} <= fields("GenerateChunk")
     assert {
         "target_passes",

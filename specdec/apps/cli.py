@@ -165,9 +165,12 @@ def cmd_serve(args) -> int:
         extra_coordinator=_policy_flags(args),
         draft_replicas=args.draft_replicas,
         target_replicas=args.target_replicas,
+        http_port=args.http_port,
     ) as stack:
+        http = f"  OpenAI-compatible HTTP API: {stack.http_url}/v1\n" if stack.http_url else ""
         print(
             f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)\n"
+            f"{http}"
             f"  registry and session log: {stack.redis_url}"
             f"{' (embedded redis-server)' if stack.embedded_redis else ''}\n"
             f"  add a draft replica: specdec draft --model {stack.draft_model} --port PORT --redis {stack.redis_url}",
@@ -304,6 +307,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the whole local stack (target, draft, coordinator on Ray) until stopped")
     _stack_flags(p)
     p.add_argument("--port", type=int, default=50051, help="public (coordinator) port")
+    p.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API's port (0 = off)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--target-device", default=None, help="device of the target (e.g. cuda:0)")
     p.add_argument("--draft-device", default=None, help="device of the draft (e.g. cuda:1)")

@@ -68,6 +68,7 @@ class Child:
 class Stack:
     children: list[Child] = field(default_factory=list)
     coordinator_address: str = ""
+    http_url: str = ""  # the OpenAI-compatible HTTP API, http://HOST:PORT (empty: off)
     redis_url: str = ""
     embedded_redis: object = None
     host: str = "127.0.0.1"
@@ -212,8 +213,11 @@ def local_stack(
     draft_replicas: int = 1,
     target_replicas: int = 1,
     redis_url: str | None = None,
+    http_port: int | None = None,
 ) -> Iterator[Stack]:
     """Bring the stack up (yields it once the coordinator is SERVING); always tear it down.
+
+    ``http_port``: the coordinator's OpenAI-compatible HTTP API (None: a free port; 0: off).
 
     Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here."""
     from specdec.runtime.redis_embedded import EmbeddedRedis
@@ -262,6 +266,9 @@ def local_stack(
         ]
         if not draft_model or draft_model == "none":  # no draft: requests run target-only by default
             args += ["--default-method", "none"]
+        http_port = free_port() if http_port is None else http_port
+        if http_port:
+            args += ["--http-port", str(http_port)]
         coordinator = stack.start(
             "coordinator",
             args + list(extra_coordinator or []),
@@ -271,7 +278,8 @@ def local_stack(
         )
         stack.wait_healthy(coordinator, startup_timeout, log_dir / "coordinator.log" if log_dir else None)
         stack.coordinator_address = coord_addr
-        _say(f"coordinator is SERVING on {coord_addr}")
+        stack.http_url = f"http://{host}:{http_port}" if http_port else ""
+        _say(f"coordinator is SERVING on {coord_addr}" + (f", HTTP API on {stack.http_url}/v1" if http_port else ""))
         yield stack
     finally:
         stack.stop()

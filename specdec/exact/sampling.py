@@ -41,6 +41,7 @@ from specdec.errors import InvalidArgumentError, NonFiniteLogitsError
 # Generous but finite: a single request must not be able to ask for unbounded work.
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 UINT64_MAX = (1 << 64) - 1
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 16, 512, 64
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,12 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # end the request when generated, even with ignore_eos
 
     def __post_init__(self) -> None:
         # Normalise containers so the object is hashable-ish and immutable in spirit.
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         self.validate()
 
@@ -101,17 +104,27 @@ class SamplingParams:
             raise InvalidArgumentError(
                 "max_new_tokens", f"must be in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens!r}"
             )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgumentError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise InvalidArgumentError("stop", "stop strings must be non-empty strings")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidArgumentError(
+                    "stop", f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgumentError(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}"
+            )
+        for token in self.stop_token_ids:
+            if not isinstance(token, int) or token < 0:
+                raise InvalidArgumentError("stop_token_ids", f"token ids must be integers >= 0, got {token!r}")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: logit_bias ids must exist in the vocabulary."""
-        for token in self.logit_bias:
-            if token >= vocab_size:
-                raise InvalidArgumentError(
-                    "logit_bias", f"token id {token} is outside the vocabulary (size {vocab_size})"
-                )
+        for name, tokens in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            for token in tokens:
+                if token >= vocab_size:
+                    raise InvalidArgumentError(name, f"token id {token} is outside the vocabulary (size {vocab_size})")
 
     # -- derived ----------------------------------------------------------------------------
     @property

@@ -96,7 +96,9 @@ class StopChecker:
             self.generated.append(token)
             taken.append(token)
             piece = self._settle(token)
-            if not self.params.ignore_eos and token in self.eos:
+            if token in self.params.stop_token_ids:
+                self.finish_reason = FINISH_STOP
+            elif not self.params.ignore_eos and token in self.eos:
                 self.finish_reason = FINISH_EOS
             elif piece and self.params.stop and self._find_stop(piece):
                 self.finish_reason = FINISH_STOP

@@ -275,9 +275,15 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
     """Token ids of ``prompt``; with ``chat`` (and a tokenizer that has a chat template) the
     prompt is one user message with the generation prompt appended."""
     if chat and getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        return [int(t) for t in ids]
+        return encode_chat(tokenizer, [("user", prompt)])
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def encode_chat(tokenizer, messages: list[tuple[str, str]]) -> list[int]:
+    """Token ids of a conversation ((role, content) pairs) through the tokenizer's chat template,
+    with the generation prompt (the assistant's turn) appended."""
+    encoded = tokenizer.apply_chat_template(
+        [{"role": role, "content": content} for role, content in messages], add_generation_prompt=True, tokenize=True
+    )
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(t) for t in ids]

@@ -22,7 +22,7 @@ from specdec.exact.rng import new_seed
 from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
 from specdec.loop.policy import StepCost
-from specdec.modeling.loading import encode_prompt, try_load_tokenizer
+from specdec.modeling.loading import encode_chat, encode_prompt, try_load_tokenizer
 from specdec.runtime import wire
 from specdec.runtime.output_log import OutputLog
 from specdec.runtime.registry import Registry
@@ -33,6 +33,10 @@ from specdec.v1 import coordinator_pb2
 log = logging.getLogger("specdec.coordinator")
 
 METHODS = ("draft_model", "ngram", "none")
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the context)
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class CoordinatorCore:
         self.vocab_size = 0
         self.context_length = 0
         self.eos_token_ids: list[int] = []
+        self.model_id = ""  # the target's model, as it reports it
         self.active = 0
         self.ngram: NgramDraft | None = None
 
@@ -182,6 +187,7 @@ class CoordinatorCore:
         for peer in self.pool._targets.values():
             peer.context_length = info.context_length
         self.eos_token_ids = list(info.eos_token_ids)
+        self.model_id = info.model_id
         spec = self.config.tokenizer or info.model_id
         self.tokenizer = await asyncio.to_thread(try_load_tokenizer, spec) if spec else None
         if self.tokenizer is None:
@@ -201,9 +207,12 @@ class CoordinatorCore:
     # -- validation ---------------------------------------------------------------------------
     def parse(self, request: coordinator_pb2.GenerateRequest, request_id: str) -> ParsedRequest:
         cfg = self.config
-        if request.prompt and request.prompt_token_ids:
-            raise InvalidArgumentError("prompt", "give either prompt or prompt_token_ids, not both")
-        if request.prompt_token_ids:
+        given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
+        if len(given) > 1:
+            raise InvalidArgumentError(given[1], f"give one of prompt, prompt_token_ids or messages, not {given}")
+        if request.messages:
+            prompt_ids = self._encode_messages(request.messages)
+        elif request.prompt_token_ids:
             prompt_ids = [int(t) for t in request.prompt_token_ids]
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -217,7 +226,7 @@ class CoordinatorCore:
             if not prompt_ids:
                 raise InvalidArgumentError("prompt", "tokenizes to zero tokens")
         else:
-            raise InvalidArgumentError("prompt", "empty: give prompt or prompt_token_ids")
+            raise InvalidArgumentError("prompt", "empty: give prompt, prompt_token_ids or messages")
         if request.apply_chat_template and not request.prompt:
             raise InvalidArgumentError("apply_chat_template", "needs a text prompt")
         if len(prompt_ids) >= self.context_length:
@@ -233,7 +242,7 @@ class CoordinatorCore:
         try:
             params.validate_for_vocab(self.vocab_size)
         except InvalidArgumentError as exc:
-            raise InvalidArgumentError("sampling.logit_bias", str(exc).split(": ", 1)[-1]) from None
+            raise InvalidArgumentError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("sampling.stop", "this server has no tokenizer to match stop strings")
         spec = request.speculation
@@ -251,6 +260,23 @@ class CoordinatorCore:
         if params.seed is None:
             params = params.with_seed(new_seed())
         return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive)
+
+    def _encode_messages(self, messages) -> list[int]:
+        """A conversation through the model's chat template, the assistant's turn to follow."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidArgumentError("messages", "this model has no chat template: send a prompt")
+        if len(messages) > MAX_MESSAGES:
+            raise InvalidArgumentError("messages", f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+        for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidArgumentError(f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
+        try:
+            prompt_ids = encode_chat(self.tokenizer, [(m.role, m.content) for m in messages])
+        except Exception as exc:  # noqa: BLE001 - a template may refuse an order of roles
+            raise InvalidArgumentError("messages", f"the chat template refused them: {exc}") from None
+        if not prompt_ids:
+            raise InvalidArgumentError("messages", "tokenize to zero tokens")
+        return prompt_ids
 
     # -- the public entry point ----------------------------------------------------------------
     async def generate(
@@ -434,6 +460,7 @@ class CoordinatorCore:
                 text=run.stopper.take_text(final=True),
                 finish_reason=result.finish_reason,
                 seed=result.seed,
+                prompt_tokens=len(parsed.prompt_ids),
                 stats=wire.stats_to_proto(result.stats),
             )
         except BaseException as exc:

@@ -44,6 +44,7 @@ def sampling_from_proto(msg: coordinator_pb2.SamplingParams, default_max_new_tok
             max_new_tokens=int(msg.max_new_tokens) or default_max_new_tokens,
             stop=tuple(msg.stop),
             ignore_eos=bool(msg.ignore_eos),
+            stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
         )
     except InvalidArgumentError as exc:  # name the field as the client spells it
         raise InvalidArgumentError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
@@ -61,6 +62,7 @@ def sampling_to_proto(params: SamplingParams) -> coordinator_pb2.SamplingParams:
         max_new_tokens=params.max_new_tokens,
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
+        stop_token_ids=list(params.stop_token_ids),
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -223,4 +225,5 @@ def add_chunk(response: coordinator_pb2.GenerateResponse, chunk: coordinator_pb2
     response.text += chunk.text
     if chunk.finish_reason:
         response.finish_reason, response.seed = chunk.finish_reason, chunk.seed
+        response.prompt_tokens = chunk.prompt_tokens
         response.stats.CopyFrom(chunk.stats)

@@ -1,0 +1,271 @@
+"""The OpenAI-compatible HTTP API's request schema, and its translation to the gRPC API's
+``GenerateRequest``: pure functions, so the HTTP front (``coordinator.http_front``) stays a thin
+encoding of the one request path.
+
+Parameters keep vLLM's meaning (docs/http-api.md lists each and the order of the transforms).
+Fields the server does not implement are refused (HTTP 400 naming the field), never ignored:
+a client that asks for something gets it or is told it cannot.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+
+from specdec.errors import InvalidArgumentError
+from specdec.v1 import coordinator_pb2
+
+MAX_CHOICES = 16  # n
+MAX_PROMPTS = 16  # a completions request's batch of prompts
+MAX_PROMPT_CHARS = 1 << 20  # one text prompt or message (the context bounds its tokens anyway)
+MAX_PROMPT_TOKEN_IDS = 1 << 17
+MAX_LOGIT_BIAS = 1024  # entries
+
+FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}  # ours -> OpenAI's
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class SpeculationOptions(_Strict):
+    """Our extension: speculation per request (the server's default when absent)."""
+
+    num_speculative_tokens: StrictInt | None = None
+    method: Literal["draft_model", "ngram", "none"] | None = None
+    adaptive: StrictBool | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _Common(_Strict):
+    """The sampling fields both endpoints take (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None  # vLLM: -1 or 0 = off
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    user: str | None = None  # accepted and ignored, as by vLLM
+    speculation: SpeculationOptions | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bounded_bias(cls, value):
+        if value is not None and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        return value
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16  # OpenAI's default
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """The request, validated; the first problem as an InvalidArgumentError naming its field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "body"
+        if error["type"] == "extra_forbidden":
+            raise InvalidArgumentError(where, "unknown or unsupported field") from None
+        raise InvalidArgumentError(where, error["msg"]) from None
+
+
+def _unsupported(field: str, why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(field, f"not supported by this server: {why}")
+
+
+def _sampling(req: _Common, max_tokens: int | None) -> coordinator_pb2.SamplingParams:
+    s = coordinator_pb2.SamplingParams()
+    if req.temperature is not None:
+        s.temperature = req.temperature
+    if req.top_p is not None:
+        s.top_p = req.top_p
+    if req.top_k is not None:
+        if req.top_k < -1:
+            raise InvalidArgumentError("top_k", f"must be -1 or 0 (off) or a positive integer, got {req.top_k}")
+        s.top_k = max(0, req.top_k)
+    if req.min_p is not None:
+        s.min_p = req.min_p
+    if req.presence_penalty is not None:
+        s.presence_penalty = req.presence_penalty
+    if req.frequency_penalty is not None:
+        s.frequency_penalty = req.frequency_penalty
+    if req.repetition_penalty is not None:
+        s.repetition_penalty = req.repetition_penalty
+    for token, bias in (req.logit_bias or {}).items():
+        try:
+            s.logit_bias[int(token)] = bias
+        except ValueError:
+            raise InvalidArgumentError("logit_bias", f"keys must be token ids, got {token!r}") from None
+    if req.seed is not None:
+        if not 0 <= req.seed < 1 << 64:
+            raise InvalidArgumentError("seed", f"must be an unsigned 64-bit integer, got {req.seed}")
+        s.seed = req.seed
+    if max_tokens is not None:
+        s.max_new_tokens = max_tokens
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    s.stop.extend(stops)
+    s.stop_token_ids.extend(req.stop_token_ids or [])
+    s.ignore_eos = req.ignore_eos
+    return s
+
+
+def _speculation(req: _Common, out: coordinator_pb2.GenerateRequest) -> None:
+    spec = req.speculation
+    if spec is None:
+        return
+    if spec.num_speculative_tokens is not None:
+        out.speculation.num_speculative_tokens = spec.num_speculative_tokens
+    if spec.method is not None:
+        out.speculation.method = spec.method
+    if spec.adaptive is not None:
+        out.speculation.adaptive = spec.adaptive
+
+
+def _choice_seed(seed: int, index: int) -> int:
+    """Choice ``index`` of a seeded request samples with seed + index (choice 0 is the request's
+    own seed, so n = 1 equals the gRPC API with that seed)."""
+    return (seed + index) % (1 << 64)
+
+
+def _fan_out(base: coordinator_pb2.GenerateRequest, n: int, request_id: str) -> list[coordinator_pb2.GenerateRequest]:
+    out = []
+    for index in range(n):
+        one = coordinator_pb2.GenerateRequest()
+        one.CopyFrom(base)
+        one.request_id = f"{request_id}-{index}"
+        if index and base.sampling.HasField("seed"):
+            one.sampling.seed = _choice_seed(base.sampling.seed, index)
+        out.append(one)
+    return out
+
+
+def completion_requests(req: CompletionRequest, request_id: str) -> list[coordinator_pb2.GenerateRequest]:
+    """One GenerateRequest per (prompt, choice), prompt-major, as OpenAI numbers the choices."""
+    if req.logprobs is not None:
+        raise _unsupported("logprobs", "log-probabilities are not implemented yet")
+    if req.best_of is not None and req.best_of != req.n:
+        raise _unsupported("best_of", "only best_of == n (no ranking of extra samples)")
+    if req.suffix:
+        raise _unsupported("suffix", "no insertion / fill-in-the-middle")
+    prompts: list[str | list[int]]
+    if isinstance(req.prompt, str):
+        prompts = [req.prompt]
+    elif req.prompt and isinstance(req.prompt[0], int):
+        prompts = [list(req.prompt)]
+    else:
+        prompts = list(req.prompt)  # type: ignore[arg-type]
+    if not prompts:
+        raise InvalidArgumentError("prompt", "empty")
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidArgumentError("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    out: list[coordinator_pb2.GenerateRequest] = []
+    for i, prompt in enumerate(prompts):
+        base = coordinator_pb2.GenerateRequest(sampling=_sampling(req, req.max_tokens))
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise InvalidArgumentError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
+            base.prompt = prompt
+        else:
+            if len(prompt) > MAX_PROMPT_TOKEN_IDS:
+                raise InvalidArgumentError("prompt", f"more than {MAX_PROMPT_TOKEN_IDS} token ids")
+            base.prompt_token_ids.extend(prompt)
+        _speculation(req, base)
+        out.extend(_fan_out(base, req.n, f"{request_id}-p{i}" if len(prompts) > 1 else request_id))
+    return out
+
+
+def _message_text(i: int, message: ChatMessage) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise _unsupported(f"messages.{i}.content.{j}", "only text parts ({'type': 'text', 'text': ...})")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def chat_requests(req: ChatCompletionRequest, request_id: str) -> list[coordinator_pb2.GenerateRequest]:
+    if req.logprobs or req.top_logprobs is not None:
+        raise _unsupported("logprobs", "log-probabilities are not implemented yet")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    base = coordinator_pb2.GenerateRequest(sampling=_sampling(req, max_tokens))
+    total = 0
+    for i, message in enumerate(req.messages):
+        text = _message_text(i, message)
+        total += len(text)
+        if total > MAX_PROMPT_CHARS:
+            raise InvalidArgumentError("messages", f"longer than {MAX_PROMPT_CHARS} characters in all")
+        role = "system" if message.role == "developer" else message.role  # OpenAI's newer name for it
+        base.messages.add(role=role, content=text)
+    _speculation(req, base)
+    return _fan_out(base, req.n, request_id)
+
+
+def finish_reason(ours: str) -> str:
+    return FINISH_REASONS.get(ours, ours)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def speculation_stats(stats: coordinator_pb2.SpeculationStats) -> dict[str, Any]:
+    """Our acceptance figures, as the extension object of a response (``specdec``)."""
+    proposed, accepted = stats.proposed_tokens, stats.accepted_tokens
+    return {
+        "target_passes": stats.target_passes,
+        "proposed_tokens": proposed,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "accepted_per_position": list(stats.accepted_per_position),
+        "policy": stats.policy,
+        "steps_by_k": list(stats.steps_by_k),
+        "draft_fallbacks": stats.draft_fallbacks,
+        "draft_failovers": stats.draft_failovers,
+        "target_failovers": stats.target_failovers,
+    }

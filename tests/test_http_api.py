@@ -1,0 +1,312 @@
+"""The OpenAI-compatible HTTP API, for real: the `openai` package (and raw HTTP for what it will
+not send) against the stack's coordinator, on tiny random models with a word tokenizer that has
+a chat template; every answer checked against the gRPC API's for the same request."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+from stack_util import live_sessions, request, stub
+
+from specdec.apps.launcher import local_stack
+from specdec.apps.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, case_runs, exact_law, judge
+from specdec.modeling.tiny import perturbed, word_tokenizer
+from specdec.v1 import coordinator_pb2 as pb
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+HTTP_RUNS = int(os.environ.get("SPECDEC_HTTP_RUNS", "400"))
+# role markers as words of the vocabulary, so the template's output tokenizes
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}w3{% elif m['role'] == 'user' %}w1{% else %}w2{% endif %} {{ m['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}w2{% endif %}"
+)
+LONG = 16384  # context and max_new_tokens limit of this stack
+FIXED_K = {"speculation": {"num_speculative_tokens": 2, "adaptive": False}}  # seeded: one schedule
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("http-models")
+    target = build_target()
+    # a long context (the same weights: RoPE does not depend on it) so a generation can outlast
+    # a client that hangs up
+    target.config.max_position_embeddings = LONG
+    target.save_pretrained(root / "target")
+    perturbed(target, scale=0.04, seed=DRAFT_SEED).save_pretrained(root / "draft")
+    for name in ("target", "draft"):
+        tokenizer = word_tokenizer(target.config.vocab_size)
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(root / name)
+    with local_stack(
+        str(root / "target"),
+        str(root / "draft"),
+        num_speculative_tokens=2,
+        log_dir=tmp_path_factory.mktemp("http-logs"),
+        extra_target=["--threads", "1"],
+        extra_draft=["--threads", "1"],
+        extra_coordinator=["--served-model-name", "tiny", "--max-new-tokens-limit", str(LONG)],
+    ) as s:
+        s.target = target
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="-", max_retries=0, timeout=120)
+
+
+def ids(text: str) -> list[int]:
+    """Token ids of the word tokenizer's text ("w5 w7" -> [5, 7])."""
+    return [int(word[1:]) for word in text.split()]
+
+
+def grpc_tokens(stack, **kwargs) -> pb.GenerateResponse:
+    return stub(stack.coordinator_address).Generate(request(**kwargs), timeout=120)
+
+
+def test_models_and_health(stack, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with urllib.request.urlopen(f"{stack.http_url}/health", timeout=10) as r:
+        assert r.status == 200 and json.load(r)["status"] == "ok"
+
+
+def test_greedy_completion_equals_the_grpc_api_streamed_or_not(stack, client):
+    want = grpc_tokens(stack, prompt="w5 w6 w7", temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    got = client.completions.create(
+        model="tiny", prompt="w5 w6 w7", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert ids(got.choices[0].text) == list(want.token_ids) and len(want.token_ids) == 12
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == 3 and got.usage.completion_tokens == 12
+    stats = got.model_extra["specdec"]["choices"][0]
+    assert stats["target_passes"] > 0 and stats["policy"] in ("fixed", "adaptive", "load_aware")
+    pieces, finish = [], None
+    for chunk in client.completions.create(
+        model="tiny",
+        prompt="w5 w6 w7",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        else:
+            assert chunk.usage.completion_tokens == 12  # the usage chunk, last
+    assert ids("".join(pieces)) == list(want.token_ids) and finish == "length"
+    echoed = client.completions.create(
+        prompt="w5 w6 w7", model="tiny", max_tokens=2, temperature=0, echo=True, extra_body={"ignore_eos": True}
+    )
+    text = echoed.choices[0].text
+    assert text.startswith("w5 w6 w7") and ids(text[len("w5 w6 w7") :]) == list(want.token_ids)[:2]
+
+
+def test_chat_goes_through_the_template_multi_turn_and_equals_grpc(stack, client):
+    messages = [
+        {"role": "system", "content": "w9"},
+        {"role": "user", "content": "w4 w5"},
+        {"role": "assistant", "content": "w6"},
+        {"role": "user", "content": "w7"},
+    ]
+    req = request(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    for m in messages:
+        req.messages.add(role=m["role"], content=m["content"])
+    want = stub(stack.coordinator_address).Generate(req, timeout=120)
+    assert want.prompt_tokens == 10  # the template's words: w3 w9 w1 w4 w5 w2 w6 w1 w7 w2
+    got = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert got.choices[0].message.role == "assistant"
+    assert ids(got.choices[0].message.content) == list(want.token_ids)
+    assert got.usage.prompt_tokens == want.prompt_tokens
+    deltas, roles = [], []
+    for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    ):
+        delta = chunk.choices[0].delta
+        roles += [delta.role] if delta.role else []
+        deltas.append(delta.content or "")
+    assert roles == ["assistant"] and ids("".join(deltas)) == list(want.token_ids)
+
+
+def test_seeded_sampling_is_the_same_on_both_apis_and_n_gives_seed_plus_i(stack, client):
+    sampling = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 8, "ignore_eos": True}
+    want = [
+        list(grpc_tokens(stack, prompt="w5 w6", seed=41 + i, k=2, adaptive=False, **sampling).token_ids)
+        for i in range(3)
+    ]
+    got = client.completions.create(
+        model="tiny",
+        prompt="w5 w6",
+        max_tokens=8,
+        temperature=1.0,
+        top_p=0.9,
+        seed=41,
+        n=3,
+        extra_body={"ignore_eos": True, **FIXED_K},
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [ids(c.text) for c in got.choices] == want
+    assert len({tuple(w) for w in want}) > 1  # three different samples
+    assert got.usage.prompt_tokens == 2 and got.usage.completion_tokens == 24  # the prompt counted once
+
+
+def test_stop_strings_and_stop_token_ids(stack, client):
+    base = ids(
+        client.completions.create(
+            model="tiny", prompt="w8 w9", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    token = base[3]
+    cut = base.index(token)
+    by_id = client.completions.create(
+        model="tiny", prompt="w8 w9", max_tokens=12, temperature=0, extra_body={"stop_token_ids": [token]}
+    )
+    assert ids(by_id.choices[0].text) == base[: cut + 1] and by_id.choices[0].finish_reason == "stop"
+    by_text = client.completions.create(model="tiny", prompt="w8 w9", max_tokens=12, temperature=0, stop=[f"w{token}"])
+    assert by_text.choices[0].finish_reason == "stop"
+    assert ids(by_text.choices[0].text) == base[:cut]  # the stop string is not returned
+    over_grpc = grpc_tokens(stack, prompt="w8 w9", temperature=0.0, max_new_tokens=12, stop_token_ids=[token])
+    assert list(over_grpc.token_ids) == base[: cut + 1] and over_grpc.finish_reason == "stop"
+
+
+def _sessions_clear(stack, within: float = 15.0) -> bool:
+    target = next(c.address for c in stack.children if c.name == "target-0")
+    draft = next(c.address for c in stack.children if c.name == "draft-0")
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if live_sessions(target, "target") == 0 and live_sessions(draft, "draft") == 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _metric(stack, name: str) -> float:
+    text = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_client_that_disconnects_mid_stream_frees_both_sessions(stack):
+    finished = _metric(stack, "specdec_requests_total")
+    body = {
+        "model": "tiny",
+        "prompt": "w5 w6",
+        "max_tokens": LONG - 100,  # tens of seconds of steps, unless cancelled
+        "temperature": 1.0,
+        "stream": True,
+        "ignore_eos": True,
+        **FIXED_K,
+    }
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{stack.http_url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"text":"w' in line:
+                break  # tokens are flowing: hang up
+    assert _sessions_clear(stack, within=3.0)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_tokens": LONG - 100}
+    chat["ignore_eos"] = True
+    with httpx.Client(timeout=3) as http, pytest.raises(httpx.TimeoutException):  # unary: the client gives up
+        http.post(f"{stack.http_url}/v1/chat/completions", json={**chat, **FIXED_K})
+    assert _sessions_clear(stack, within=3.0)
+    assert _metric(stack, "specdec_requests_total") == finished  # both cut short: neither finished
+
+
+def _post(stack, path: str, data: bytes, content_type: str = "application/json"):
+    req = urllib.request.Request(f"{stack.http_url}{path}", data=data, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "tiny", "prompt": "w5", "tools": []}, 400, "tools"),
+        ({"model": "tiny", "prompt": "w5", "top_p": 1.5}, 400, "top_p"),
+        ({"model": "tiny", "prompt": "w5", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "w5", "max_tokens": 10**9}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "w5", "logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
+        ({"model": "tiny", "prompt": "w5", "logprobs": 2}, 400, "logprobs"),
+        ({"model": "tiny", "prompt": "w5", "speculation": {"num_speculative_tokens": 99}}, 400, None),
+        ({"model": "other", "prompt": "w5"}, 404, "model"),
+        ({"model": "tiny"}, 400, "prompt"),
+    ],
+)
+def test_bad_input_gets_the_status_and_an_error_object_naming_the_field(stack, body, status, param):
+    code, answer = _post(stack, "/v1/completions", json.dumps(body).encode())
+    assert code == status, answer
+    error = answer["error"]
+    assert error["code"] == status and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    else:
+        assert "num_speculative_tokens" in error["message"]
+
+
+def test_bodies_that_are_not_requests_are_refused_and_the_server_answers_the_next(stack, client):
+    assert _post(stack, "/v1/completions", b"{not json")[0] == 400
+    assert _post(stack, "/v1/completions", b"[1, 2]")[0] == 400
+    assert _post(stack, "/v1/completions", b'{"prompt": "w5"}', content_type="text/plain")[0] == 415
+    big = json.dumps({"model": "tiny", "prompt": "w5 " * ((10 << 20) // 3)}).encode()  # ~10 MB
+    assert _post(stack, "/v1/completions", big)[0] == 413
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "w5"}])
+    ok = client.completions.create(model="tiny", prompt="w5", max_tokens=3, temperature=0)
+    assert len(ids(ok.choices[0].text)) >= 1
+
+
+def test_metrics_on_the_http_port_count_http_requests(stack, client):
+    before = _metric(stack, "specdec_emitted_tokens_total")
+    client.completions.create(model="tiny", prompt="w5", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert _metric(stack, "specdec_emitted_tokens_total") - before == 5
+
+
+CASE = next(c for c in CASES if c.name == "top_k")
+
+
+@pytest.mark.statistical
+def test_sampled_law_through_the_http_api_is_the_targets(stack, client):
+    """The selftest's top_k case through /v1/completions (token-id prompt, 16 seeded choices per
+    request): chi-square at alpha = 1e-3 (the selftest's judge) against the enumerated law."""
+    params = case_params(CASE)
+    law = exact_law(stack.target, CASE.prompt, params, CASE.tokens)
+    n = case_runs(CASE, HTTP_RUNS)
+    per_request = 16
+    observed: Counter = Counter()
+    proposed = accepted = 0
+    for start in range(0, n, per_request):
+        got = client.completions.create(
+            model="tiny",
+            prompt=list(CASE.prompt),
+            max_tokens=CASE.tokens,
+            n=min(per_request, n - start),
+            seed=BASE_SEED + start,
+            extra_body={
+                "ignore_eos": True,
+                "speculation": {"num_speculative_tokens": CASE.k, "adaptive": False},
+                **CASE.params,
+            },
+        )
+        for choice, stats in zip(got.choices, got.model_extra["specdec"]["choices"], strict=True):
+            observed[tuple(ids(choice.text))] += 1
+            proposed += stats["proposed_tokens"]
+            accepted += stats["accepted_tokens"]
+    assert sum(observed.values()) == n
+    verdict = judge(CASE, observed, law, n, proposed, accepted)
+    assert verdict.passed, verdict

@@ -44,13 +44,16 @@ def target(target_model):
     return TargetEngine(target_model)
 
 
-def full_sequence_probs(model, tokens, params):
-    """Reference: the target's distribution at the end of ``tokens``, no cache at all."""
+def full_sequence_probs(model, tokens, params, prompt_len):
+    """Reference: the target's distribution at the end of ``tokens`` (its first ``prompt_len``
+    the prompt), no cache at all."""
     from specdec.exact.sampling import token_counts
 
+    vocab = model.config.vocab_size
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]
-    return probs_from_logits(logits, params, token_counts(tokens, model.config.vocab_size))
+    generated, prompt_seen = token_counts(tokens[prompt_len:], vocab), token_counts(tokens[:prompt_len], vocab) > 0
+    return probs_from_logits(logits, params, generated, prompt_seen=prompt_seen)
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
@@ -66,7 +69,7 @@ def test_each_transform_gives_the_same_distribution_on_both_sides(target_model, 
     for i, q in enumerate(proposal.q):
         assert torch.allclose(q.to_dense(VOCAB).float(), p_rows[i], atol=1e-6), f"position {i}"
         # and position-wise penalties: row i saw the prompt plus proposals before i
-        reference = full_sequence_probs(target_model, prompt + proposal.tokens[:i], params)
+        reference = full_sequence_probs(target_model, prompt + proposal.tokens[:i], params, len(prompt))
         assert torch.allclose(p_rows[i], reference, atol=1e-5)
 
 
@@ -83,7 +86,7 @@ def test_forced_rejection_at_index_0_leaves_no_stale_kv(target_model, target):
         session = target.store.get("s")
         assert session.cached == committed[:-1]  # the rejected block's KV is gone
         got = target.target_probs("s", [])[0]
-        assert torch.allclose(got, full_sequence_probs(target_model, committed, params), atol=1e-5)
+        assert torch.allclose(got, full_sequence_probs(target_model, committed, params, len(PROMPT)), atol=1e-5)
         assert len(verdict.recovered) == 3
 
 
@@ -97,7 +100,7 @@ def test_stale_kv_would_be_detected(target_model):
         target_model(input_ids=torch.tensor([[*PROMPT, 10]]), cache=cache)  # KV for a rejected y_1
         stale = target_model(input_ids=torch.tensor([[20]]), cache=cache).logits[0, -1]
     stale_p = probs_from_logits(stale, params)
-    assert not torch.allclose(stale_p, full_sequence_probs(target_model, [*PROMPT, 20], params), atol=1e-3)
+    assert not torch.allclose(stale_p, full_sequence_probs(target_model, [*PROMPT, 20], params, len(PROMPT)), atol=1e-3)
 
 
 def test_all_accepted_block_emits_k_plus_one(target_model, target):
@@ -365,3 +368,27 @@ def test_ngram_lookup():
     assert ngram_lookup([1, 2, 3, 9, 2], 2) == [3, 9]  # falls back to a 1-gram match
     assert ngram_lookup([1, 2, 3], 2) == []
     assert ngram_lookup([5, 5, 5, 5], 2) == [5]  # the continuation of the latest match
+
+
+def test_a_session_started_from_generated_tokens_is_told_where_its_prompt_ends(target_model):
+    """A failover, resume or late draft starts a session from prompt + committed tokens: with
+    the request's prompt_length its penalties are those of the session that generated them."""
+    from dataclasses import replace
+
+    params = SamplingParams(
+        temperature=1.0, seed=3, repetition_penalty=1.4, presence_penalty=0.8, frequency_penalty=0.5
+    )
+    prompt, generated = [3, 7, 3, 9], [7, 7, 12]
+    original = TargetEngine(target_model)
+    original.prefill("s", prompt, params)
+    original.commit("s", Commit(1, len(prompt), tuple(generated)))
+    moved = TargetEngine(target_model)
+    moved.prefill("s", prompt + generated, replace(params, prompt_length=len(prompt)))
+    want = original.target_probs("s", [5])
+    assert torch.allclose(moved.target_probs("s", [5]), want, atol=1e-6)
+    naive = TargetEngine(target_model)  # all of it taken for prompt: the penalties differ
+    naive.prefill("s", prompt + generated, params)
+    assert not torch.allclose(naive.target_probs("s", [5]), want, atol=1e-3)
+    assert torch.allclose(
+        want[0], full_sequence_probs(target_model, prompt + generated, params, len(prompt)), atol=1e-5
+    )

@@ -224,3 +224,18 @@ def test_greedy_fast_paths_equal_the_general_ones(seed):
         SparseDist.of([proposals[2], (proposals[2] + 1) % vocab], [0.9, 0.1]),
     ]
     assert target_verify(dense, proposals, qs, seed, 10) == target_verify_greedy(argmax.tolist(), proposals)
+
+
+def test_presence_and_frequency_count_only_generated_tokens_repetition_the_prompt_too():
+    """OpenAI's and vLLM's meaning: the additive penalties see the generated tokens; the
+    multiplicative repetition penalty (transformers') sees the prompt as well."""
+    logits = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    generated = token_counts([1, 1], 4)  # token 1 generated twice
+    prompt_seen = token_counts([2], 4) > 0  # token 2 only in the prompt
+    additive = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    p = probs_from_logits(logits, additive, generated, prompt_seen=prompt_seen)
+    expected = torch.softmax(torch.tensor([1.0, 1.0 - 0.5 - 0.5, 1.0, 1.0]), -1)
+    assert torch.allclose(p, expected)  # token 2 (prompt only) is not penalised
+    repetition = SamplingParams(temperature=1.0, repetition_penalty=2.0)
+    p = probs_from_logits(logits, repetition, generated, prompt_seen=prompt_seen)
+    assert torch.allclose(p, torch.softmax(torch.tensor([1.0, 0.5, 0.5, 1.0]), -1))  # both seen

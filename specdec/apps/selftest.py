@@ -197,8 +197,9 @@ def exact_law(model, prompt: tuple[int, ...], params: SamplingParams, length: in
         prefixes = [x for x, w in law.items() if w > 0]
         batch = torch.tensor([list(prompt) + list(x) for x in prefixes], dtype=torch.long)
         logits = model(input_ids=batch).logits[:, -1, :].to(torch.float64)
-        counts = torch.stack([token_counts(list(prompt) + list(x), vocab) for x in prefixes])
-        probs = probs_from_logits(logits, params, counts, dtype=torch.float64)
+        counts = torch.stack([token_counts(list(x), vocab) for x in prefixes])  # the generated tokens
+        prompt_seen = token_counts(list(prompt), vocab) > 0
+        probs = probs_from_logits(logits, params, counts, dtype=torch.float64, prompt_seen=prompt_seen)
         law = {
             (*x, int(v)): law[x] * float(probs[row, v])
             for row, x in enumerate(prefixes)

@@ -48,10 +48,10 @@ class _Proposer(SessionEngine):
         self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int
     ) -> tuple[int, SparseDist]:
         if session.params.greedy:  # q is the one-hot: skip building (and truncating) the dense row
-            y = int(greedy_tokens(logits, session.params, counts))
+            y = int(greedy_tokens(logits, session.params, counts, session.prompt_seen))
             q = SparseDist.one_hot(y)
         else:
-            probs = probs_from_logits(logits, session.params, counts)
+            probs = probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
             q = truncate(probs, self.top_m, self.eps)
             y = sample_sparse(q, uniform(session.seed, position, Purpose.DRAFT))
         counts[y] += 1.0

@@ -58,7 +58,8 @@ class Session:
     prompt_len: int
     params: SamplingParams  # seed already resolved
     cache: Any  # a LeanCache, or a transformers Cache (models the lean pass does not cover); None once released
-    counts: torch.Tensor  # token counts of ``tokens`` (penalty history)
+    counts: torch.Tensor  # token counts of the generated tokens, ``tokens[prompt_len:]`` (penalty history)
+    prompt_seen: torch.Tensor  # bool [V]: the prompt's tokens (the repetition penalty's history too)
     cached: list[int] = field(default_factory=list)
     kv_bytes: int = 0
     # feature drafts only: the target's feature before each committed token from ``features_from`` on
@@ -192,13 +193,17 @@ class SessionStore:
         params.validate_for_vocab(self.vocab_size)
         self._check_capacity()
         self._reserve(None, len(prompt))
+        # a session started from prompt + generated tokens (resume, failover, a late draft) is
+        # told where the prompt ends: the penalties count the two differently
+        prompt_len = params.prompt_length if 0 < params.prompt_length <= len(prompt) else len(prompt)
         session = Session(
             session_id=session_id,
             tokens=prompt,
-            prompt_len=len(prompt),
+            prompt_len=prompt_len,
             params=params,
             cache=self._new_cache(),
-            counts=token_counts(prompt, self.vocab_size),
+            counts=token_counts(prompt[prompt_len:], self.vocab_size),
+            prompt_seen=token_counts(prompt[:prompt_len], self.vocab_size) > 0,
         )
         self._reserve(session, len(prompt))  # the prompt's KV is allocated (and accounted) from the start
         with self._table_lock:

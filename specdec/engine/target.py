@@ -40,7 +40,7 @@ class TargetEngine(SessionEngine):
             proposals = list(proposals)
             logits = self.store.forward(session, proposals, len(proposals) + 1)
             counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
-            return probs_from_logits(logits, session.params, counts)
+            return probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
 
     def verify(
         self,
@@ -75,8 +75,9 @@ class TargetEngine(SessionEngine):
             logits, features = yield PassRequest(session, proposals, len(proposals) + 1, return_features)
             counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
             if session.params.greedy:  # one-hot rows: their argmaxes are the whole verdict
-                verdict = target_verify_greedy(greedy_tokens(logits, session.params, counts).tolist(), proposals)
+                greedy = greedy_tokens(logits, session.params, counts, session.prompt_seen)
+                verdict = target_verify_greedy(greedy.tolist(), proposals)
             else:
-                p_rows = probs_from_logits(logits, session.params, counts)
+                p_rows = probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
                 verdict = target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
             return replace(verdict, features=features) if features is not None else verdict

@@ -9,9 +9,11 @@ Order of transforms, each on the result of the previous one:
 
 1. ``logit_bias``                 additive, per token id
 2. ``repetition_penalty``         HF/CTRL style: positive logits divided, negative multiplied,
-                                  for every token already seen in the history
+                                  for every token already seen in the prompt or the generated
+                                  tokens (as vLLM and transformers)
 3. ``presence_penalty`` and ``frequency_penalty``  OpenAI style: ``- presence * [count > 0]
-                                  - frequency * count``
+                                  - frequency * count``, counting the *generated* tokens only
+                                  (as OpenAI and vLLM: the prompt does not count)
 4. temperature                    ``temperature == 0`` means greedy: a one-hot on the argmax
                                   (ties broken toward the lowest id); steps 5-7 are then moot
 5. ``top_k``                      keep tokens whose probability is >= the k-th largest (so ties
@@ -21,8 +23,11 @@ Order of transforms, each on the result of the previous one:
                                   descending (ties by lower id), whose mass reaches top_p
 7. ``min_p``                      keep tokens with probability >= min_p * max probability
 
-The "history" for penalties at proposal position i is prompt + committed tokens + the proposals
-before i; callers pass it as per-row token counts (:func:`block_token_counts`).
+The "history" for penalties at proposal position i is the generated tokens committed so far +
+the proposals before i, passed as per-row token counts (:func:`block_token_counts`), and the
+prompt, passed as the set of its tokens (``prompt_seen``, for the repetition penalty only).
+Which tokens are the prompt is the request's: a session started from prompt + committed tokens
+(a resume, a failover, a late draft) is told ``prompt_length``.
 
 Everything is computed in float32 (float64 on request, for reference laws) with a log-softmax
 after every truncation, so no step ever exponentiates an unnormalised logit.
@@ -61,6 +66,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # end the request when generated, even with ignore_eos
+    # The request's prompt length, for a session that starts from the prompt plus tokens already
+    # generated (resume, failover, a late draft): the penalties tell the two apart. 0: every token
+    # a session starts from is prompt.
+    prompt_length: int = 0
 
     def __post_init__(self) -> None:
         # Normalise containers so the object is hashable-ish and immutable in spirit.
@@ -118,6 +127,8 @@ class SamplingParams:
         for token in self.stop_token_ids:
             if not isinstance(token, int) or token < 0:
                 raise InvalidArgumentError("stop_token_ids", f"token ids must be integers >= 0, got {token!r}")
+        if not isinstance(self.prompt_length, int) or self.prompt_length < 0:
+            raise InvalidArgumentError("prompt_length", f"must be an integer >= 0, got {self.prompt_length!r}")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: logit_bias ids must exist in the vocabulary."""
@@ -180,9 +191,11 @@ def _check_finite(logits: torch.Tensor) -> None:
     raise NonFiniteLogitsError("every logit in a row is -inf; the distribution is empty")
 
 
-def _apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor) -> torch.Tensor:
+def _apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, prompt_seen: torch.Tensor | None
+) -> torch.Tensor:
     if params.repetition_penalty != 1.0:
-        seen = counts > 0
+        seen = counts > 0 if prompt_seen is None else (counts > 0) | prompt_seen
         penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
         logits = torch.where(seen, penalised, logits)
     if params.presence_penalty != 0.0:
@@ -230,7 +243,11 @@ def _min_p(logprobs: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def _biased_and_penalised(
-    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None, dtype: torch.dtype
+    logits: torch.Tensor,
+    params: SamplingParams,
+    counts: torch.Tensor | None,
+    dtype: torch.dtype,
+    prompt_seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The finiteness check, then steps 1-3 of the pipeline (logit bias, penalties)."""
     logits = logits.to(dtype)
@@ -243,7 +260,7 @@ def _biased_and_penalised(
     if params.uses_penalties:
         if counts is None:
             raise ValueError("penalties need the token counts of the history")
-        logits = _apply_penalties(logits, params, counts.to(dtype))
+        logits = _apply_penalties(logits, params, counts.to(dtype), prompt_seen)
     return logits
 
 
@@ -252,13 +269,15 @@ def logprobs_from_logits(
     params: SamplingParams,
     counts: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
+    prompt_seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Transformed log-probabilities (float32, -inf where filtered) for rows of ``logits``.
 
-    ``logits``: [..., V]. ``counts``: penalty history counts broadcastable to ``logits``
-    (required when the params use penalties). For greedy params this returns log of the one-hot.
+    ``logits``: [..., V]. ``counts``: the generated tokens' counts, broadcastable to ``logits``
+    (required when the params use penalties); ``prompt_seen``: the prompt's tokens (bool [V], for
+    the repetition penalty). For greedy params this returns log of the one-hot.
     """
-    logits = _biased_and_penalised(logits, params, counts, dtype)
+    logits = _biased_and_penalised(logits, params, counts, dtype, prompt_seen)
     if params.greedy:
         # log of the one-hot, written directly: log(0) is a slow path on CPU
         return torch.full_like(logits, -math.inf).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
@@ -272,13 +291,18 @@ def logprobs_from_logits(
     return logprobs
 
 
-def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_tokens(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    counts: torch.Tensor | None = None,
+    prompt_seen: torch.Tensor | None = None,
+) -> torch.Tensor:
     """For greedy params: the token each row's one-hot puts its mass on (the argmax after logit
     bias and penalties, ties toward the lowest id) -- exactly where :func:`probs_from_logits`
     puts it, without building the dense one-hot rows. ``logits`` [..., V] -> ids [...]."""
     if not params.greedy:
         raise ValueError("greedy_tokens is for temperature 0")
-    return _biased_and_penalised(logits, params, counts, torch.float32).argmax(dim=-1)
+    return _biased_and_penalised(logits, params, counts, torch.float32, prompt_seen).argmax(dim=-1)
 
 
 def probs_from_logits(
@@ -286,11 +310,12 @@ def probs_from_logits(
     params: SamplingParams,
     counts: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
+    prompt_seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """THE transform: rows of logits -> rows of probabilities (each row sums to 1).
 
     float32 is what the engines use; the selftest passes float64 to enumerate the exact law.
     """
     if params.greedy:  # the one-hot itself (exp of its log, without the slow exp(-inf))
-        return greedy_one_hot(_biased_and_penalised(logits, params, counts, dtype))
-    return logprobs_from_logits(logits, params, counts, dtype).exp()
+        return greedy_one_hot(_biased_and_penalised(logits, params, counts, dtype, prompt_seen))
+    return logprobs_from_logits(logits, params, counts, dtype, prompt_seen).exp()

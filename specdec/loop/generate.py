@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -172,7 +172,8 @@ class SpeculativeRun:
         elif sum(committed_steps) != len(committed):
             raise ValueError(f"committed_steps add up to {sum(committed_steps)}, not {len(committed)} tokens")
         self.seed = params.seed if params.seed is not None else new_seed()
-        self.params = params.with_seed(self.seed)
+        # every session of the run, started when it may, is told where the prompt ends
+        self.params = replace(params.with_seed(self.seed), prompt_length=len(prompt))
         self.target = target
         self.draft = draft if num_speculative_tokens > 0 else None
         self.policy: Any = make_policy(num_speculative_tokens, adaptive, step_cost)

@@ -36,7 +36,11 @@ def _peer_error(who: str, exc: grpc.aio.AioRpcError) -> PeerError:
 
 def _start_request(session_id: str, prompt: Sequence[int], params: SamplingParams, **extra):
     return engine_pb2.StartSessionRequest(
-        session_id=session_id, prompt_token_ids=list(prompt), sampling=wire.sampling_to_proto(params), **extra
+        session_id=session_id,
+        prompt_token_ids=list(prompt),
+        sampling=wire.sampling_to_proto(params),
+        prompt_length=params.prompt_length,
+        **extra,
     )
 
 

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -154,7 +154,7 @@ class SessionServicer:
     async def StartSession(self, request, context):
         if self.draining:
             raise DrainingError(f"{self.model_spec}: this {self.kind} replica is draining; start the session elsewhere")
-        params = wire.sampling_from_proto(request.sampling)
+        params = replace(wire.sampling_from_proto(request.sampling), prompt_length=request.prompt_length)
         extra = self.prefill_arguments(request)
         with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
             span.set_attribute("specdec.session_id", request.session_id)

@@ -59,6 +59,7 @@ class _Common(_Strict):
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     ignore_eos: StrictBool = False
     user: str | None = None  # accepted and ignored, as by vLLM
     speculation: SpeculationOptions | None = None
@@ -143,6 +144,7 @@ def _sampling(req: _Common, max_tokens: int | None) -> coordinator_pb2.SamplingP
     s.stop.extend(stops)
     s.stop_token_ids.extend(req.stop_token_ids or [])
     s.ignore_eos = req.ignore_eos
+    s.min_tokens = req.min_tokens
     return s
 
 

@@ -180,6 +180,17 @@ def test_stop_strings_and_stop_token_ids(stack, client):
     by_text = client.completions.create(model="tiny", prompt="w8 w9", max_tokens=12, temperature=0, stop=[f"w{token}"])
     assert by_text.choices[0].finish_reason == "stop"
     assert ids(by_text.choices[0].text) == base[:cut]  # the stop string is not returned
+    # min_tokens: the stop token (here the greedy first token) cannot be generated before it
+    first = base[0]
+    held = client.completions.create(
+        model="tiny",
+        prompt="w8 w9",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"stop_token_ids": [first], "min_tokens": 3},
+    )
+    held_ids = ids(held.choices[0].text)
+    assert held_ids[0] != first and first not in held_ids[:3] and len(held_ids) >= 3
     over_grpc = grpc_tokens(stack, prompt="w8 w9", temperature=0.0, max_new_tokens=12, stop_token_ids=[token])
     assert list(over_grpc.token_ids) == base[: cut + 1] and over_grpc.finish_reason == "stop"
 

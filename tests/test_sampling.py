@@ -239,3 +239,18 @@ def test_presence_and_frequency_count_only_generated_tokens_repetition_the_promp
     repetition = SamplingParams(temperature=1.0, repetition_penalty=2.0)
     p = probs_from_logits(logits, repetition, generated, prompt_seen=prompt_seen)
     assert torch.allclose(p, torch.softmax(torch.tensor([1.0, 0.5, 0.5, 1.0]), -1))  # both seen
+
+
+def test_min_tokens_keeps_eos_and_stop_ids_out_until_enough_are_generated():
+    logits = torch.zeros(2, 5)
+    params = SamplingParams(temperature=1.0, min_tokens=2, max_new_tokens=8, stop_token_ids=(3,), eos_token_ids=(4,))
+    counts = torch.stack([token_counts([1], 5), token_counts([1, 2], 5)])  # 1 and 2 generated so far
+    p = probs_from_logits(logits, params, counts)
+    assert p[0].tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0, 0.0])  # too early to end
+    assert p[1].tolist() == pytest.approx([0.2] * 5)  # two generated: anything goes
+    greedy = SamplingParams(temperature=0.0, min_tokens=1, eos_token_ids=(0,))
+    assert int(greedy_tokens(torch.tensor([5.0, 1.0, 2.0]), greedy, token_counts([], 3))) == 2
+    with pytest.raises(InvalidArgumentError, match="min_tokens"):
+        SamplingParams(min_tokens=9, max_new_tokens=8)
+    with pytest.raises(ValueError, match="min_tokens"):
+        probs_from_logits(logits, params)  # the counts say how many are generated: required

@@ -14,6 +14,7 @@ REQUIRED = {
     "top_p",
     "min_p",
     "penalties_and_bias",
+    "min_tokens",
     "greedy",
     "k1",
     "k5_boundary",

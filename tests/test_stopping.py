@@ -133,3 +133,9 @@ def test_each_token_costs_a_decode_of_a_few_tokens_not_of_the_whole_output(token
         stopper.take_text()
     assert len(counting.lengths) == 2 * len(tokens)  # two window decodes per token, no full decode
     assert max(counting.lengths) <= 12  # windows of a few tokens (a character spans at most 4 bytes)
+
+
+def test_nothing_ends_the_request_before_min_tokens():
+    stopper = StopChecker(SamplingParams(max_new_tokens=8, min_tokens=3, stop_token_ids=(5,)), eos_token_ids=(9,))
+    assert stopper.feed([5, 9]) == [5, 9] and not stopper.finished  # a stop id and EOS, too early to count
+    assert stopper.feed([5, 7]) == [5] and stopper.finish_reason == FINISH_STOP  # the third token may end it

@@ -66,6 +66,11 @@ CASES: tuple[Case, ...] = (
         {"repetition_penalty": 1.8, "presence_penalty": 0.5, "frequency_penalty": 0.4, "logit_bias": {5: 1.5, 7: -2.0}},
         prompt=(5, 7, 5, 9),
     ),
+    Case(
+        "min_tokens",
+        "min_tokens=2 with stop ids 0-3: impossible in p and q for two tokens, possible at the third",
+        {"temperature": 1.0, "min_tokens": 2, "stop_token_ids": (0, 1, 2, 3)},
+    ),
     Case("greedy", "temperature 0: one-hot p and q, every run identical", {"temperature": 0.0}),
     Case("k1", "k=1 blocks, 3 steps' worth of tokens", {"temperature": 1.0}, k=1),
     Case("k5_boundary", "k=5 > max_new_tokens=3: the block is cut at the boundary", {"temperature": 1.0}, k=5),

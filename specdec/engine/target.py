@@ -39,7 +39,7 @@ class TargetEngine(SessionEngine):
         with session.lock:
             proposals = list(proposals)
             logits = self.store.forward(session, proposals, len(proposals) + 1)
-            counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
+            counts = block_token_counts(session.counts, proposals) if session.params.needs_counts else None
             return probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
 
     def verify(
@@ -73,7 +73,7 @@ class TargetEngine(SessionEngine):
             proposals = [int(t) for t in proposals]
             validate_block(proposals, q_block, self.vocab_size)
             logits, features = yield PassRequest(session, proposals, len(proposals) + 1, return_features)
-            counts = block_token_counts(session.counts, proposals) if session.params.uses_penalties else None
+            counts = block_token_counts(session.counts, proposals) if session.params.needs_counts else None
             if session.params.greedy:  # one-hot rows: their argmaxes are the whole verdict
                 greedy = greedy_tokens(logits, session.params, counts, session.prompt_seen)
                 verdict = target_verify_greedy(greedy.tolist(), proposals)

@@ -7,7 +7,9 @@ would compare the wrong distributions and the output would silently stop being t
 
 Order of transforms, each on the result of the previous one:
 
-1. ``logit_bias``                 additive, per token id
+1. ``logit_bias``                 additive, per token id; then ``min_tokens``: while fewer than
+                                  min_tokens tokens are generated, EOS and ``stop_token_ids``
+                                  are impossible (vLLM's meaning)
 2. ``repetition_penalty``         HF/CTRL style: positive logits divided, negative multiplied,
                                   for every token already seen in the prompt or the generated
                                   tokens (as vLLM and transformers)
@@ -70,11 +72,16 @@ class SamplingParams:
     # generated (resume, failover, a late draft): the penalties tell the two apart. 0: every token
     # a session starts from is prompt.
     prompt_length: int = 0
+    min_tokens: int = 0  # EOS and stop_token_ids impossible until this many tokens are generated
+    # The model's end-of-sequence ids, which min_tokens keeps out (filled in by the request path
+    # from the target's model, so the draft and the target mask the same set).
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise containers so the object is hashable-ish and immutable in spirit.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         self.validate()
 
@@ -129,10 +136,24 @@ class SamplingParams:
                 raise InvalidArgumentError("stop_token_ids", f"token ids must be integers >= 0, got {token!r}")
         if not isinstance(self.prompt_length, int) or self.prompt_length < 0:
             raise InvalidArgumentError("prompt_length", f"must be an integer >= 0, got {self.prompt_length!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidArgumentError(
+                "min_tokens",
+                f"must be an integer in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_tokens!r}",
+            )
+        if len(self.eos_token_ids) > MAX_STOP_TOKEN_IDS or any(
+            not isinstance(t, int) or t < 0 for t in self.eos_token_ids
+        ):
+            raise InvalidArgumentError("eos_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks that need the model: logit_bias ids must exist in the vocabulary."""
-        for name, tokens in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+        named = (
+            ("logit_bias", self.logit_bias),
+            ("stop_token_ids", self.stop_token_ids),
+            ("eos_token_ids", self.eos_token_ids),
+        )
+        for name, tokens in named:
             for token in tokens:
                 if token >= vocab_size:
                     raise InvalidArgumentError(name, f"token id {token} is outside the vocabulary (size {vocab_size})")
@@ -141,6 +162,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_counts(self) -> bool:
+        """Whether the pipeline reads the generated tokens' counts (penalties; min_tokens, which
+        reads how many there are)."""
+        return self.uses_penalties or self.min_tokens > 0
 
     @property
     def uses_penalties(self) -> bool:
@@ -257,11 +284,28 @@ def _biased_and_penalised(
         ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long)
         bias[ids] = torch.tensor(list(params.logit_bias.values()), dtype=dtype)
         logits = logits + bias
-    if params.uses_penalties:
+    if params.needs_counts:
         if counts is None:
-            raise ValueError("penalties need the token counts of the history")
-        logits = _apply_penalties(logits, params, counts.to(dtype), prompt_seen)
+            raise ValueError("penalties and min_tokens need the token counts of the generated tokens")
+        if params.min_tokens > 0:
+            logits = _before_min_tokens(logits, params, counts)
+        if params.uses_penalties:
+            logits = _apply_penalties(logits, params, counts.to(dtype), prompt_seen)
     return logits
+
+
+def _before_min_tokens(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor) -> torch.Tensor:
+    """Rows whose position has fewer than min_tokens generated tokens before it (the count of
+    their generated history) cannot end the request: EOS and stop token ids get -inf."""
+    ending = sorted(set(params.stop_token_ids) | set(params.eos_token_ids))
+    ending = [t for t in ending if t < logits.shape[-1]]
+    if not ending:
+        return logits
+    generated = counts.sum(dim=-1, keepdim=True)  # [..., 1]
+    early = (generated < params.min_tokens).expand(*logits.shape[:-1], len(ending))
+    ids = torch.tensor(ending, dtype=torch.long)
+    blocked = logits.index_select(-1, ids).masked_fill(early, -math.inf)
+    return logits.index_copy(-1, ids, blocked)
 
 
 def logprobs_from_logits(

@@ -172,8 +172,13 @@ class SpeculativeRun:
         elif sum(committed_steps) != len(committed):
             raise ValueError(f"committed_steps add up to {sum(committed_steps)}, not {len(committed)} tokens")
         self.seed = params.seed if params.seed is not None else new_seed()
-        # every session of the run, started when it may, is told where the prompt ends
-        self.params = replace(params.with_seed(self.seed), prompt_length=len(prompt))
+        # every session of the run, started when it may, is told where the prompt ends and
+        # which ids min_tokens keeps out
+        self.params = replace(
+            params.with_seed(self.seed),
+            prompt_length=len(prompt),
+            eos_token_ids=params.eos_token_ids or tuple(int(t) for t in eos_token_ids),
+        )
         self.target = target
         self.draft = draft if num_speculative_tokens > 0 else None
         self.policy: Any = make_policy(num_speculative_tokens, adaptive, step_cost)

@@ -96,6 +96,10 @@ class StopChecker:
             self.generated.append(token)
             taken.append(token)
             piece = self._settle(token)
+            if len(self.generated) < self.params.min_tokens:
+                if piece and self.params.stop and self._find_stop(piece):  # (keeps the tail searched)
+                    self._stop_at = None  # before min_tokens nothing ends the request (vLLM's meaning)
+                continue
             if token in self.params.stop_token_ids:
                 self.finish_reason = FINISH_STOP
             elif not self.params.ignore_eos and token in self.eos:

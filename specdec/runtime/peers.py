@@ -40,6 +40,7 @@ def _start_request(session_id: str, prompt: Sequence[int], params: SamplingParam
         prompt_token_ids=list(prompt),
         sampling=wire.sampling_to_proto(params),
         prompt_length=params.prompt_length,
+        eos_token_ids=list(params.eos_token_ids),
         **extra,
     )
 

@@ -154,7 +154,11 @@ class SessionServicer:
     async def StartSession(self, request, context):
         if self.draining:
             raise DrainingError(f"{self.model_spec}: this {self.kind} replica is draining; start the session elsewhere")
-        params = replace(wire.sampling_from_proto(request.sampling), prompt_length=request.prompt_length)
+        params = replace(
+            wire.sampling_from_proto(request.sampling),
+            prompt_length=request.prompt_length,
+            eos_token_ids=tuple(request.eos_token_ids),
+        )
         extra = self.prefill_arguments(request)
         with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
             span.set_attribute("specdec.session_id", request.session_id)

@@ -45,6 +45,7 @@ def sampling_from_proto(msg: coordinator_pb2.SamplingParams, default_max_new_tok
             stop=tuple(msg.stop),
             ignore_eos=bool(msg.ignore_eos),
             stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+            min_tokens=int(msg.min_tokens),
         )
     except InvalidArgumentError as exc:  # name the field as the client spells it
         raise InvalidArgumentError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
@@ -63,6 +64,7 @@ def sampling_to_proto(params: SamplingParams) -> coordinator_pb2.SamplingParams:
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
         stop_token_ids=list(params.stop_token_ids),
+        min_tokens=params.min_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed

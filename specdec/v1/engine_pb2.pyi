@@ -40,7 +40,7 @@ class Commit(_message.Message):
     def __init__(self, step: _Optional[int] = ..., base_len: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "traceparent", "return_features", "features", "prompt_length")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "traceparent", "return_features", "features", "prompt_length", "eos_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class StartSessionRequest(_message.Message):
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _coordinator_pb2.SamplingParams
@@ -55,7 +56,8 @@ class StartSessionRequest(_message.Message):
     return_features: bool
     features: Features
     prompt_length: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_coordinator_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., return_features: _Optional[bool] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_coordinator_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., return_features: _Optional[bool] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., prompt_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ("features",)

@@ -7,6 +7,7 @@ loop drops the draft instead of failing the request.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import grpc
@@ -53,7 +54,7 @@ class _LoadReports:
     kind = ""
     address = ""
     _curve: CostCurve | None = None
-    _curve_asked: bool = False
+    _curve_asked: asyncio.Future | None = None
 
     def _init_reports(self) -> None:
         self._loads: dict[str, PassLoad] = {}
@@ -62,14 +63,18 @@ class _LoadReports:
         raise NotImplementedError
 
     async def cost_curve(self) -> CostCurve | None:
-        if not self._curve_asked:
-            self._curve_asked = True
-            try:
-                self._curve = wire.cost_curve_from_info(await self.info())
-            except PeerError:
-                self._curve = None
-
+        """The replica's curve, asked once: requests that start while the answer is on its way
+        wait for it (not None, which would put them on another policy)."""
+        if self._curve_asked is None:
+            self._curve_asked = asyncio.ensure_future(self._ask_curve())
+        await asyncio.shield(self._curve_asked)
         return self._curve
+
+    async def _ask_curve(self) -> None:
+        try:
+            self._curve = wire.cost_curve_from_info(await self.info())
+        except PeerError:
+            self._curve = None
 
     def _report(self, session_id: str, msg: engine_pb2.PassLoad) -> None:
         load = wire.pass_load_from_proto(msg)

@@ -121,9 +121,10 @@ class Choice:
     finish_reason: str | None = None
     stats: coordinator_pb2.SpeculationStats | None = None
     seed: int = 0
-    chunks: list[coordinator_pb2.GenerateChunk] = field(default_factory=list)
+    logprobs: list[coordinator_pb2.TokenLogprobs] = field(default_factory=list)
 
     def add(self, chunk: coordinator_pb2.GenerateChunk) -> None:
+        self.logprobs.extend(chunk.logprobs)
         self.text += chunk.text
         self.tokens += len(chunk.token_ids)
         if chunk.finish_reason:
@@ -293,6 +294,14 @@ class _Response:
         self.created = int(time.time())
         self.choices = [Choice(i) for i in range(n_streams)]
         self.echo = "" if chat or not parsed.echo else parsed.prompt
+        self.wants_logprobs = bool(parsed.logprobs) if chat else parsed.logprobs is not None
+
+    def _logprobs(self, entries, offset: int) -> dict[str, Any] | None:
+        """The ``logprobs`` object of a choice (or of a chunk's tokens), None when not asked for;
+        ``offset``: characters of the choice's text before these tokens."""
+        if not self.wants_logprobs:
+            return None
+        return schema.chat_logprobs(entries) if self.chat else schema.completion_logprobs(entries, offset)
 
     def _envelope(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -313,12 +322,14 @@ class _Response:
         for c in self.choices:
             if self.chat:
                 message = {"role": "assistant", "content": c.text}
+                logprobs = self._logprobs(c.logprobs, 0)
                 choices.append(
-                    {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
+                    {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
                 )
             else:
                 text = self.echo + c.text
-                choices.append({"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason})
+                logprobs = self._logprobs(c.logprobs, len(self.echo))
+                choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         out["choices"] = choices
         out["usage"] = self._usage()
         out["specdec"] = self._stats()
@@ -352,13 +363,15 @@ class _Response:
 
     def events(self, index: int, chunk: coordinator_pb2.GenerateChunk) -> list[dict[str, Any]]:
         choice = self.choices[index]
+        offset = len(self.echo) + len(choice.text)
         choice.add(chunk)
         out = []
-        if chunk.text:
+        if chunk.text or (self.wants_logprobs and chunk.logprobs):  # text may lag its tokens (a held stop)
+            logprobs = self._logprobs(chunk.logprobs, offset)
             if self.chat:
-                piece = {"index": index, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None}
+                piece = {"index": index, "delta": {"content": chunk.text}, "logprobs": logprobs, "finish_reason": None}
             else:
-                piece = {"index": index, "text": chunk.text, "logprobs": None, "finish_reason": None}
+                piece = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
             out.append(self._chunk(piece))
         if chunk.finish_reason:
             last: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": choice.finish_reason}

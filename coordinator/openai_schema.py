@@ -21,6 +21,8 @@ MAX_PROMPTS = 16  # a completions request's batch of prompts
 MAX_PROMPT_CHARS = 1 << 20  # one text prompt or message (the context bounds its tokens anyway)
 MAX_PROMPT_TOKEN_IDS = 1 << 17
 MAX_LOGIT_BIAS = 1024  # entries
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API and vLLM
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf: what vLLM sends for a token the transforms exclude
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}  # ours -> OpenAI's
 
@@ -180,8 +182,8 @@ def _fan_out(base: coordinator_pb2.GenerateRequest, n: int, request_id: str) -> 
 
 def completion_requests(req: CompletionRequest, request_id: str) -> list[coordinator_pb2.GenerateRequest]:
     """One GenerateRequest per (prompt, choice), prompt-major, as OpenAI numbers the choices."""
-    if req.logprobs is not None:
-        raise _unsupported("logprobs", "log-probabilities are not implemented yet")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgumentError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}")
     if req.best_of is not None and req.best_of != req.n:
         raise _unsupported("best_of", "only best_of == n (no ranking of extra samples)")
     if req.suffix:
@@ -200,6 +202,8 @@ def completion_requests(req: CompletionRequest, request_id: str) -> list[coordin
     out: list[coordinator_pb2.GenerateRequest] = []
     for i, prompt in enumerate(prompts):
         base = coordinator_pb2.GenerateRequest(sampling=_sampling(req, req.max_tokens))
+        if req.logprobs is not None:
+            base.sampling.logprobs = req.logprobs
         if isinstance(prompt, str):
             if len(prompt) > MAX_PROMPT_CHARS:
                 raise InvalidArgumentError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
@@ -228,10 +232,15 @@ def _message_text(i: int, message: ChatMessage) -> str:
 
 
 def chat_requests(req: ChatCompletionRequest, request_id: str) -> list[coordinator_pb2.GenerateRequest]:
-    if req.logprobs or req.top_logprobs is not None:
-        raise _unsupported("logprobs", "log-probabilities are not implemented yet")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgumentError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     base = coordinator_pb2.GenerateRequest(sampling=_sampling(req, max_tokens))
+    if req.logprobs:
+        base.sampling.logprobs = req.top_logprobs or 0
     total = 0
     for i, message in enumerate(req.messages):
         text = _message_text(i, message)
@@ -270,4 +279,41 @@ def speculation_stats(stats: coordinator_pb2.SpeculationStats) -> dict[str, Any]
         "draft_fallbacks": stats.draft_fallbacks,
         "draft_failovers": stats.draft_failovers,
         "target_failovers": stats.target_failovers,
+    }
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+
+
+def completion_logprobs(entries, offset: int = 0) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` (OpenAI's legacy shape) from chunks' TokenLogprobs;
+    ``offset``: the characters of text before these tokens (text_offset counts from there)."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(e.token)
+        offset += len(e.token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_finite(e.logprob) for e in entries],
+        "top_logprobs": [{t: _finite(lp) for t, lp in zip(e.top_tokens, e.top_logprobs, strict=True)} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+
+
+def chat_logprobs(entries) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: ``content``, one entry per token with its top-n."""
+    return {
+        "content": [
+            {
+                **_chat_entry(e.token, e.logprob),
+                "top_logprobs": [_chat_entry(t, lp) for t, lp in zip(e.top_tokens, e.top_logprobs, strict=True)],
+            }
+            for e in entries
+        ]
     }

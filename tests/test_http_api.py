@@ -14,6 +14,7 @@ from collections import Counter
 import httpx
 import openai
 import pytest
+import torch
 from stack_util import live_sessions, request, stub
 
 from specdec.apps.launcher import local_stack
@@ -253,7 +254,7 @@ def _post(stack, path: str, data: bytes, content_type: str = "application/json")
         ({"model": "tiny", "prompt": "w5", "max_tokens": -1}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "w5", "max_tokens": 10**9}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "w5", "logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
-        ({"model": "tiny", "prompt": "w5", "logprobs": 2}, 400, "logprobs"),
+        ({"model": "tiny", "prompt": "w5", "logprobs": 21}, 400, "logprobs"),
         ({"model": "tiny", "prompt": "w5", "speculation": {"num_speculative_tokens": 99}}, 400, None),
         ({"model": "other", "prompt": "w5"}, 404, "model"),
         ({"model": "tiny"}, 400, "prompt"),
@@ -321,3 +322,57 @@ def test_sampled_law_through_the_http_api_is_the_targets(stack, client):
     assert sum(observed.values()) == n
     verdict = judge(CASE, observed, law, n, proposed, accepted)
     assert verdict.passed, verdict
+
+
+def test_logprobs_are_the_targets_with_or_without_speculation_streamed_or_not(stack, client):
+    from specdec.exact.sampling import SamplingParams, reported_logprobs, token_counts
+
+    def completion(k, **extra):
+        return client.completions.create(
+            model="tiny",
+            prompt="w5 w6 w7",
+            max_tokens=10,
+            logprobs=2,
+            seed=5,
+            extra_body={"ignore_eos": True, "speculation": {"num_speculative_tokens": k, "adaptive": False}},
+            **extra,
+        )
+
+    spec, alone = completion(2, temperature=0), completion(0, temperature=0)
+    assert spec.choices[0].text == alone.choices[0].text
+    lp, lp_alone = spec.choices[0].logprobs, alone.choices[0].logprobs
+    assert lp.tokens == alone.choices[0].logprobs.tokens and "".join(lp.tokens) == spec.choices[0].text.replace(" ", "")
+    assert lp.token_logprobs == pytest.approx(lp_alone.token_logprobs, abs=1e-5)
+    assert [list(t) for t in lp.top_logprobs] == [list(t) for t in lp_alone.top_logprobs] and len(
+        lp.top_logprobs[0]
+    ) == 2
+    assert spec.model_extra["specdec"]["choices"][0]["accepted_tokens"] > 0
+    # sampled: each token's logprob is the target's transformed law at its prefix
+    sampled = completion(2, temperature=0.9, top_p=0.95)
+    tokens = ids(sampled.choices[0].text)
+    params, vocab = SamplingParams(temperature=0.9, top_p=0.95), stack.target.config.vocab_size
+    want = []
+    for i, t in enumerate(tokens):
+        with torch.inference_mode():
+            logits = stack.target(input_ids=torch.tensor([[5, 6, 7, *tokens[:i]]])).logits[0, -1]
+        row = reported_logprobs(logits, params, token_counts(tokens[:i], vocab), token_counts([5, 6, 7], vocab) > 0)
+        want.append(float(row[t]))
+    assert sampled.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+    streamed = []
+    for chunk in completion(2, temperature=0.9, top_p=0.95, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx(sampled.choices[0].logprobs.token_logprobs, abs=1e-6)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "w5"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert [ids(c.token)[0] for c in content] == ids(chat.choices[0].message.content)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    assert all(bytes(c.bytes).decode() == c.token for c in content)

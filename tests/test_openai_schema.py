@@ -69,7 +69,7 @@ def test_chat_messages_and_speculation_extension():
         ({"prompt": "hi", "n": 17}, "n"),
         ({"prompt": "hi", "stream": "yes"}, "stream"),
         ({"prompt": "hi", "speculation": {"k": 2}}, "speculation.k"),
-        ({"prompt": "hi", "logprobs": 1}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "best_of": 3}, "best_of"),
         ({"prompt": "hi", "logit_bias": {"x": 1.0}}, "logit_bias"),
         ({"prompt": ["x"] * 17}, "prompt"),

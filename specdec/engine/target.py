@@ -15,7 +15,14 @@ import torch
 
 from specdec.engine.commits import Commit
 from specdec.engine.sessions import CacheLimits, PassRequest, SessionEngine, SessionStore, Work, run_alone
-from specdec.exact.sampling import SamplingParams, block_token_counts, greedy_tokens, probs_from_logits
+from specdec.exact.logprobs import block_candidates, row_logprobs
+from specdec.exact.sampling import (
+    SamplingParams,
+    block_token_counts,
+    greedy_tokens,
+    probs_from_logits,
+    reported_logprobs,
+)
 from specdec.exact.sparse import SparseDist
 from specdec.exact.verify import TargetVerdict, target_verify, target_verify_greedy, validate_block
 
@@ -80,4 +87,8 @@ class TargetEngine(SessionEngine):
             else:
                 p_rows = probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
                 verdict = target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
+            if session.params.logprobs is not None:
+                lp_rows = reported_logprobs(logits, session.params, counts, session.prompt_seen)
+                candidates = block_candidates(proposals, verdict.recovered, verdict.bonus)
+                verdict = replace(verdict, logprobs=row_logprobs(lp_rows, candidates, session.params.logprobs))
             return replace(verdict, features=features) if features is not None else verdict

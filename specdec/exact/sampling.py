@@ -76,6 +76,7 @@ class SamplingParams:
     # The model's end-of-sequence ids, which min_tokens keeps out (filled in by the request path
     # from the target's model, so the draft and the target mask the same set).
     eos_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # report each emitted token's logprob and its position's top-n (None: off)
 
     def __post_init__(self) -> None:
         # Normalise containers so the object is hashable-ish and immutable in spirit.
@@ -141,6 +142,8 @@ class SamplingParams:
                 "min_tokens",
                 f"must be an integer in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_tokens!r}",
             )
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise InvalidArgumentError("logprobs", f"must be an integer in [0, 20] (the top-n), got {self.logprobs!r}")
         if len(self.eos_token_ids) > MAX_STOP_TOKEN_IDS or any(
             not isinstance(t, int) or t < 0 for t in self.eos_token_ids
         ):
@@ -333,6 +336,20 @@ def logprobs_from_logits(
     if params.min_p > 0.0:
         logprobs = torch.log_softmax(_min_p(logprobs, params.min_p), dim=-1)
     return logprobs
+
+
+def reported_logprobs(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    counts: torch.Tensor | None = None,
+    prompt_seen: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The log-probabilities a request's ``logprobs`` reports (specdec.exact.logprobs): the
+    transformed distribution for sampled params; for greedy ones (a one-hot) the log-softmax of
+    the logits after bias and penalties, the scores the argmax is taken over."""
+    if not params.greedy:
+        return logprobs_from_logits(logits, params, counts, prompt_seen=prompt_seen)
+    return torch.log_softmax(_biased_and_penalised(logits, params, counts, torch.float32, prompt_seen), dim=-1)
 
 
 def greedy_tokens(

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.exact.logprobs import RowLogprobs
 from specdec.exact.rng import Purpose, uniform
 from specdec.exact.sparse import SparseDist, sample_dense, validate_sparse
 
@@ -40,6 +41,9 @@ class TargetVerdict:
     # When asked (a feature draft is in use): the target's final hidden states of the k + 1
     # verified positions, [k + 1, H]; row i precedes the token emitted at block index i.
     features: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # When the request asks for logprobs: per row (k + 1), its candidates' log-probabilities and
+    # top-n (specdec.exact.logprobs).
+    logprobs: list[RowLogprobs] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

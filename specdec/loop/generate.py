@@ -27,6 +27,7 @@ import torch
 from specdec.engine.batching import PassLoad
 from specdec.engine.commits import Commit
 from specdec.errors import InvalidArgumentError, MalformedProposalError, PeerError
+from specdec.exact.logprobs import TokenLogprob, emitted_logprobs
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import SamplingParams
@@ -199,6 +200,7 @@ class SpeculativeRun:
         self.sequence = self.prompt + [int(t) for t in committed]  # prompt + committed tokens
         self.target_len = self.draft_len = len(self.sequence)  # what each peer was told is committed
         self.draft_started = False  # a draft session exists for this run (started by the first block)
+        self.token_logprobs: list[TokenLogprob] = []  # per generated token, when params.logprobs is set
         # For a feature draft: the target's hidden state after each committed token but the last,
         # [len(sequence) - 1, H] (row t precedes token t + 1); None when no draft needs them.
         self.features: torch.Tensor | None = None
@@ -315,6 +317,8 @@ class SpeculativeRun:
                     self.stats.record_choice(k)
                     self.stats.record(decision, len(proposal))
                     emitted = self.stopper.feed(decision.tokens)
+                    if self.params.logprobs is not None:
+                        self._keep_logprobs(verdict, emitted)
                     self._keep_features(verdict, len(emitted))
                     self.sequence.extend(emitted)
                     span.set_attribute("specdec.k", len(proposal))
@@ -407,6 +411,13 @@ class SpeculativeRun:
         self.target_len = len(self.sequence)
         self.stats.verify_seconds += time.perf_counter() - t0
         return proposal, verdict
+
+    def _keep_logprobs(self, verdict: TargetVerdict, emitted: Sequence[int]) -> None:
+        """The emitted tokens' log-probabilities, from the rows of the verify pass that
+        committed them (specdec.exact.logprobs)."""
+        if verdict.logprobs is None:
+            raise PeerError("UNAVAILABLE", "the target replica returned no logprobs (an older version?)")
+        self.token_logprobs.extend(emitted_logprobs(verdict.logprobs, emitted))
 
     def _keep_features(self, verdict: TargetVerdict, emitted: int) -> None:
         """Row i of the block's features precedes the i-th emitted token: keep one per token."""

@@ -402,8 +402,11 @@ class CoordinatorCore:
             return None
         out = coordinator_pb2.GenerateChunk()
         out.CopyFrom(chunk)
+        cut = max(0, from_index - start)
         del out.token_ids[:]
-        out.token_ids.extend(chunk.token_ids[max(0, from_index - start) :])
+        out.token_ids.extend(chunk.token_ids[cut:])
+        del out.logprobs[:]
+        out.logprobs.extend(chunk.logprobs[cut:])
         if self.tokenizer is not None:  # text of the remainder only
             head = self.tokenizer.decode(tokens[: min(from_index, end)], skip_special_tokens=True)
             whole = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
@@ -436,6 +439,15 @@ class CoordinatorCore:
             run = await self._run(parsed, committed, committed_steps)
             steps = run.steps()
             final_tokens: list[int] = []
+            sent = 0  # of run.token_logprobs
+
+            def logprobs_of(tokens: list[int]) -> list:
+                nonlocal sent
+                if parsed.params.logprobs is None:
+                    return []
+                entries, sent = run.token_logprobs[sent : sent + len(tokens)], sent + len(tokens)
+                return wire.token_logprobs_to_proto(entries, self.tokenizer)
+
             while True:
                 with tracing.span_as_current(span):  # never current across our own yield
                     try:
@@ -447,7 +459,10 @@ class CoordinatorCore:
                     break
                 if tokens:
                     yield coordinator_pb2.GenerateChunk(
-                        request_id=parsed.request_id, token_ids=tokens, text=run.stopper.take_text()
+                        request_id=parsed.request_id,
+                        token_ids=tokens,
+                        text=run.stopper.take_text(),
+                        logprobs=logprobs_of(tokens),
                     )
             await steps.aclose()  # releases both sessions and closes the stats
             result = run.result()
@@ -461,6 +476,7 @@ class CoordinatorCore:
                 finish_reason=result.finish_reason,
                 seed=result.seed,
                 prompt_tokens=len(parsed.prompt_ids),
+                logprobs=logprobs_of(final_tokens),
                 stats=wire.stats_to_proto(result.stats),
             )
         except BaseException as exc:

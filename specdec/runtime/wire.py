@@ -12,6 +12,7 @@ import torch
 from specdec.engine.batching import PassLoad
 from specdec.engine.commits import Commit
 from specdec.errors import InvalidArgumentError
+from specdec.exact.logprobs import RowLogprobs
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
@@ -46,6 +47,7 @@ def sampling_from_proto(msg: coordinator_pb2.SamplingParams, default_max_new_tok
             ignore_eos=bool(msg.ignore_eos),
             stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
             min_tokens=int(msg.min_tokens),
+            logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
         )
     except InvalidArgumentError as exc:  # name the field as the client spells it
         raise InvalidArgumentError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
@@ -66,6 +68,8 @@ def sampling_to_proto(params: SamplingParams) -> coordinator_pb2.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         min_tokens=params.min_tokens,
     )
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     if params.seed is not None:
         msg.seed = params.seed
     for token, bias in params.logit_bias.items():
@@ -132,12 +136,34 @@ def verdict_to_proto(verdict: TargetVerdict, load: PassLoad | None = None) -> ta
         bonus=verdict.bonus,
         features=features_to_proto(verdict.features),
         load=pass_load_to_proto(load),
+        logprobs=[
+            target_pb2.RowLogprobs(
+                candidate_ids=list(row.candidates),
+                candidate_logprobs=list(row.candidates.values()),
+                top_ids=[t for t, _ in row.top],
+                top_logprobs=[lp for _, lp in row.top],
+            )
+            for row in verdict.logprobs or ()
+        ],
     )
 
 
 def verdict_from_proto(msg: target_pb2.VerifyResponse) -> TargetVerdict:
     features = features_from_proto(msg.features, "features") if msg.HasField("features") else None
-    return TargetVerdict([float(p) for p in msg.p_proposed], [int(r) for r in msg.recovered], int(msg.bonus), features)
+    logprobs = [
+        RowLogprobs(
+            dict(zip(map(int, row.candidate_ids), map(float, row.candidate_logprobs), strict=True)),
+            tuple(zip(map(int, row.top_ids), map(float, row.top_logprobs), strict=True)),
+        )
+        for row in msg.logprobs
+    ]
+    return TargetVerdict(
+        [float(p) for p in msg.p_proposed],
+        [int(r) for r in msg.recovered],
+        int(msg.bonus),
+        features,
+        logprobs or None,
+    )
 
 
 # -- target features (for feature drafts) ----------------------------------------------------
@@ -224,8 +250,28 @@ def add_chunk(response: coordinator_pb2.GenerateResponse, chunk: coordinator_pb2
     """Fold one stream chunk into the unary response (Generate is GenerateStream, collected)."""
     response.request_id = chunk.request_id
     response.token_ids.extend(chunk.token_ids)
+    response.logprobs.extend(chunk.logprobs)
     response.text += chunk.text
     if chunk.finish_reason:
         response.finish_reason, response.seed = chunk.finish_reason, chunk.seed
         response.prompt_tokens = chunk.prompt_tokens
         response.stats.CopyFrom(chunk.stats)
+
+
+def token_logprobs_to_proto(entries, tokenizer=None) -> list[coordinator_pb2.TokenLogprobs]:
+    """Emitted tokens' log-probabilities (specdec.exact.logprobs.TokenLogprob) for a chunk, with
+    each token's text when there is a tokenizer."""
+
+    def text(token: int) -> str:
+        return tokenizer.decode([token]) if tokenizer is not None else ""
+
+    return [
+        coordinator_pb2.TokenLogprobs(
+            logprob=e.logprob,
+            top_ids=[t for t, _ in e.top],
+            top_logprobs=[lp for _, lp in e.top],
+            token=text(e.token),
+            top_tokens=[text(t) for t, _ in e.top],
+        )
+        for e in entries
+    ]

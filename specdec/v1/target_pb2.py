@@ -26,7 +26,7 @@ from specdec.v1 import engine_pb2 as specdec_dot_v1_dot_engine__pb2
 from specdec.v1 import draft_pb2 as specdec_dot_v1_dot_draft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/engine.proto\x1a\x16specdec/v1/draft.proto\"\x9a\x01\n\x0bVerifyChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\"\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Commit\x12,\n\tproposals\x18\x04 \x03(\x0b\x32\x19.specdec.v1.ProposedToken\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\"\x92\x01\n\x0eVerifyResponse\x12\x12\n\np_proposed\x18\x01 \x03(\x02\x12\x11\n\trecovered\x18\x02 \x03(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x05\x12&\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x14.specdec.v1.Features\x12\"\n\x04load\x18\x05 \x01(\x0b\x32\x14.specdec.v1.PassLoad2\xda\x02\n\x06Target\x12Q\n\x0cStartSession\x12\x1f.specdec.v1.StartSessionRequest\x1a .specdec.v1.StartSessionResponse\x12?\n\x06Verify\x12\x17.specdec.v1.VerifyChunk\x1a\x1a.specdec.v1.VerifyResponse(\x01\x12?\n\x06\x43ommit\x12\x19.specdec.v1.CommitRequest\x1a\x1a.specdec.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x37\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x16.specdec.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/engine.proto\x1a\x16specdec/v1/draft.proto\"\x9a\x01\n\x0bVerifyChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\"\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Commit\x12,\n\tproposals\x18\x04 \x03(\x0b\x32\x19.specdec.v1.ProposedToken\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\"g\n\x0bRowLogprobs\x12\x15\n\rcandidate_ids\x18\x01 \x03(\x05\x12\x1a\n\x12\x63\x61ndidate_logprobs\x18\x02 \x03(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xbd\x01\n\x0eVerifyResponse\x12\x12\n\np_proposed\x18\x01 \x03(\x02\x12\x11\n\trecovered\x18\x02 \x03(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x05\x12&\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x14.specdec.v1.Features\x12\"\n\x04load\x18\x05 \x01(\x0b\x32\x14.specdec.v1.PassLoad\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.specdec.v1.RowLogprobs2\xda\x02\n\x06Target\x12Q\n\x0cStartSession\x12\x1f.specdec.v1.StartSessionRequest\x1a .specdec.v1.StartSessionResponse\x12?\n\x06Verify\x12\x17.specdec.v1.VerifyChunk\x1a\x1a.specdec.v1.VerifyResponse(\x01\x12?\n\x06\x43ommit\x12\x19.specdec.v1.CommitRequest\x1a\x1a.specdec.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x37\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x16.specdec.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYCHUNK']._serialized_start=89
   _globals['_VERIFYCHUNK']._serialized_end=243
-  _globals['_VERIFYRESPONSE']._serialized_start=246
-  _globals['_VERIFYRESPONSE']._serialized_end=392
-  _globals['_TARGET']._serialized_start=395
-  _globals['_TARGET']._serialized_end=741
+  _globals['_ROWLOGPROBS']._serialized_start=245
+  _globals['_ROWLOGPROBS']._serialized_end=348
+  _globals['_VERIFYRESPONSE']._serialized_start=351
+  _globals['_VERIFYRESPONSE']._serialized_end=540
+  _globals['_TARGET']._serialized_start=543
+  _globals['_TARGET']._serialized_end=889
 # @@protoc_insertion_point(module_scope)

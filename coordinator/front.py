@@ -68,14 +68,19 @@ class LocalBackend:
 
 
 class CoordinatorFront:
-    def __init__(self, backend: Backend, metrics_port: int = 0):
+    def __init__(self, backend: Backend, metrics_port: int = 0, model_name: str | None = None):
         self.backend = backend
         self._poll: asyncio.Future | None = None
         self.serving = False  # what the health check answers: the request path found a target
+        # the served model's name (metrics labels, the HTTP API's /v1/models): given, or the
+        # target's model as it reports it
+        self.model_name = model_name or ""
         metrics.serve_metrics(metrics_port)
 
     async def start(self) -> None:
         await self.backend.start()
+        if not self.model_name:
+            self.model_name = await self.backend.model_id()
         self.serving = True
         self._poll = asyncio.ensure_future(self._poll_cost_model())
 
@@ -100,7 +105,7 @@ class CoordinatorFront:
         self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], method: str = "GenerateStream"
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """The request's chunks. ``caller``: the caller's W3C trace headers (may be empty)."""
-        recorder = metrics.RequestRecorder()
+        recorder = metrics.RequestRecorder(self.model_name)
         span = tracing.start_span(f"coordinator.{method}", caller, {"rpc.method": method})
         try:
             with tracing.span_as_current(span):
@@ -118,6 +123,7 @@ class CoordinatorFront:
             span.record_exception(exc)
             raise
         finally:
+            recorder.close()
             span.end()
 
     async def unary(

@@ -55,7 +55,7 @@ async def serve(args: argparse.Namespace) -> None:
         from coordinator.ray_backend import RayBackend
 
         backend = RayBackend(config, replicas=args.replicas, address=args.ray_address)
-    front = CoordinatorFront(backend, metrics_port=args.metrics_port or 0)
+    front = CoordinatorFront(backend, metrics_port=args.metrics_port or 0, model_name=args.served_model_name)
     print("[specdec] coordinator: connecting to the target and draft...", file=sys.stderr, flush=True)
     await front.start()
     server = srv.create_server()
@@ -68,8 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.http_port:
         from coordinator.http_api_server import HttpServer
 
-        name = args.served_model_name or await backend.model_id()
-        http = await HttpServer.start(front, name, args.host, args.http_port)
+        http = await HttpServer.start(front, front.model_name, args.host, args.http_port)
     await server.start()
     await srv.set_serving(health, [SERVICE], front.serving)
     print(f"[specdec] coordinator service SERVING on {args.host}:{bound}", file=sys.stderr, flush=True)

@@ -283,10 +283,39 @@ def test_bodies_that_are_not_requests_are_refused_and_the_server_answers_the_nex
     assert len(ids(ok.choices[0].text)) >= 1
 
 
+def _vllm_metrics(stack) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
 def test_metrics_on_the_http_port_count_http_requests(stack, client):
     before = _metric(stack, "specdec_emitted_tokens_total")
-    client.completions.create(model="tiny", prompt="w5", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    vllm_before = _vllm_metrics(stack)
+    got = client.completions.create(
+        model="tiny", prompt="w5", max_tokens=5, temperature=0, extra_body={"ignore_eos": True, **FIXED_K}
+    )
     assert _metric(stack, "specdec_emitted_tokens_total") - before == 5
+    # and under vLLM's names and labels, so its dashboards work unchanged
+    after, stats = _vllm_metrics(stack), got.model_extra["specdec"]["choices"][0]
+
+    def grew(name):
+        return after.get(name, 0) - vllm_before.get(name, 0)
+
+    labels = '{engine="0",model_name="tiny"}'
+    assert grew("vllm:generation_tokens_total" + labels) == 5 and grew("vllm:prompt_tokens_total" + labels) == 1
+    assert grew('vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}') == 1
+    assert grew("vllm:spec_decode_num_draft_tokens_total" + labels) == stats["proposed_tokens"] > 0
+    assert grew("vllm:spec_decode_num_accepted_tokens_total" + labels) == stats["accepted_tokens"]
+    assert grew("vllm:e2e_request_latency_seconds_count" + labels) == 1
+    assert after["vllm:num_requests_running" + labels] == 0 and after["vllm:num_requests_waiting" + labels] == 0
 
 
 CASE = next(c for c in CASES if c.name == "top_k")

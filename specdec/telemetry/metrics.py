@@ -25,6 +25,14 @@ Draft and target:
   specdec_iterations_total                         batched passes run
   specdec_queue_wait_seconds                       histogram: submission to first pass of a work
 
+vLLM's names for the same (model_name and engine labels): vllm:spec_decode_num_drafts_total,
+vllm:spec_decode_num_draft_tokens_total, vllm:spec_decode_num_accepted_tokens_total,
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position}, vllm:request_success_total
+{finished_reason: stop, length, abort}, vllm:prompt_tokens_total, vllm:generation_tokens_total,
+vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+vllm:e2e_request_latency_seconds, vllm:num_requests_running (a token sent) and
+vllm:num_requests_waiting (not yet).
+
 PromQL: acceptance rate = rate(specdec_accepted_tokens_total[5m]) / rate(specdec_draft_tokens_total[5m]);
 mean accepted length per draft block (vLLM's count, including the recovered/bonus token) =
 (rate(specdec_accepted_tokens_total[5m]) + rate(specdec_drafts_total[5m])) / rate(specdec_drafts_total[5m]);
@@ -65,6 +73,51 @@ E2E = Histogram(
     "specdec_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=REGISTRY
 )
 STEP_SECONDS = Counter("specdec_step_seconds", "Time spent per step part", ["part"], registry=REGISTRY)
+
+# The same requests under vLLM's names and labels (checked against vLLM's v1 metrics), so that
+# dashboards and alerts written for vLLM work unchanged: `model_name` (the served model) and
+# `engine` ("0": one request path per coordinator process) on every family.
+VLLM_LABELS = ["model_name", "engine"]
+VLLM_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", VLLM_LABELS, registry=REGISTRY)
+VLLM_DRAFT_TOKENS = Counter(
+    "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", VLLM_LABELS, registry=REGISTRY
+)
+VLLM_ACCEPTED_TOKENS = Counter(
+    "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", VLLM_LABELS, registry=REGISTRY
+)
+VLLM_ACCEPTED_BY_POSITION = Counter(
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "Accepted tokens per draft position.",
+    [*VLLM_LABELS, "position"],
+    registry=REGISTRY,
+)
+VLLM_SUCCESS = Counter(
+    "vllm:request_success", "Count of finished requests.", [*VLLM_LABELS, "finished_reason"], registry=REGISTRY
+)
+VLLM_PROMPT_TOKENS = Counter(
+    "vllm:prompt_tokens", "Number of prefill tokens processed.", VLLM_LABELS, registry=REGISTRY
+)
+VLLM_GENERATION_TOKENS = Counter(
+    "vllm:generation_tokens", "Number of generation tokens processed.", VLLM_LABELS, registry=REGISTRY
+)
+VLLM_TTFT = Histogram(
+    "vllm:time_to_first_token_seconds", "Time to first token.", VLLM_LABELS, buckets=LATENCY_BUCKETS, registry=REGISTRY
+)
+VLLM_ITL = Histogram(
+    "vllm:inter_token_latency_seconds", "Inter-token latency.", VLLM_LABELS, buckets=LATENCY_BUCKETS, registry=REGISTRY
+)
+VLLM_E2E = Histogram(
+    "vllm:e2e_request_latency_seconds",
+    "End to end request latency.",
+    VLLM_LABELS,
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests generating (a token sent).", VLLM_LABELS, registry=REGISTRY)
+VLLM_WAITING = Gauge(
+    "vllm:num_requests_waiting", "Requests not yet at their first token.", VLLM_LABELS, registry=REGISTRY
+)
+VLLM_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> vLLM's
 
 LIVE_SESSIONS = Gauge("specdec_live_sessions", "Live sessions on this replica", registry=REGISTRY)
 KV_BYTES = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by this replica", registry=REGISTRY)
@@ -152,9 +205,12 @@ class RequestRecorder:
     """Records one request as the front streams it: latencies from arrival times, counters from
     the stats on the last chunk (so they equal what the client received)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.started = time.perf_counter()
         self.last: float | None = None
+        self.labels = (model_name, "0")
+        self.finished = self.failed = False
+        VLLM_WAITING.labels(*self.labels).inc()
 
     def chunk(self, chunk) -> None:
         now = time.perf_counter()
@@ -162,15 +218,21 @@ class RequestRecorder:
         if n:
             if self.last is None:
                 TTFT.observe(now - self.started)
+                VLLM_TTFT.labels(*self.labels).observe(now - self.started)
+                VLLM_WAITING.labels(*self.labels).dec()
+                VLLM_RUNNING.labels(*self.labels).inc()
             else:
                 for _ in range(n):
                     ITL.observe((now - self.last) / n)
+                    VLLM_ITL.labels(*self.labels).observe((now - self.last) / n)
             self.last = now
             EMITTED_TOKENS.inc(n)
+            VLLM_GENERATION_TOKENS.labels(*self.labels).inc(n)
         if chunk.finish_reason:
             s = chunk.stats
             REQUESTS.labels(chunk.finish_reason).inc()
             E2E.observe(now - self.started)
+            self._vllm_finished(chunk, now)
             TARGET_PASSES.inc(s.target_passes)
             DRAFT_TOKENS.inc(s.proposed_tokens)
             ACCEPTED_TOKENS.inc(s.accepted_tokens)
@@ -181,6 +243,33 @@ class RequestRecorder:
             STEP_SECONDS.labels("draft").inc(s.draft_seconds)
             STEP_SECONDS.labels("verify").inc(s.verify_seconds)
 
-    @staticmethod
-    def error(code: str) -> None:
+    def _vllm_finished(self, chunk, now: float) -> None:
+        s, labels = chunk.stats, self.labels
+        self._leave()
+        VLLM_SUCCESS.labels(*labels, VLLM_FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason)).inc()
+        VLLM_E2E.labels(*labels).observe(now - self.started)
+        VLLM_PROMPT_TOKENS.labels(*labels).inc(chunk.prompt_tokens)
+        VLLM_DRAFTS.labels(*labels).inc(s.drafts)
+        VLLM_DRAFT_TOKENS.labels(*labels).inc(s.proposed_tokens)
+        VLLM_ACCEPTED_TOKENS.labels(*labels).inc(s.accepted_tokens)
+        for position, count in enumerate(s.accepted_per_position):
+            VLLM_ACCEPTED_BY_POSITION.labels(*labels, str(position)).inc(count)
+
+    def _leave(self) -> None:
+        """The request is no longer running or waiting (once)."""
+        if self.finished:
+            return
+        self.finished = True
+        (VLLM_WAITING if self.last is None else VLLM_RUNNING).labels(*self.labels).dec()
+
+    def close(self) -> None:
+        """The stream is over: a request that neither finished nor failed (its caller went
+        away) is an abort in vLLM's terms; a refused or failed one is counted by its status."""
+        if not self.finished:
+            self._leave()
+            if not self.failed:
+                VLLM_SUCCESS.labels(*self.labels, "abort").inc()
+
+    def error(self, code: str) -> None:
+        self.failed = True
         REQUEST_ERRORS.labels(code).inc()

@@ -205,6 +205,22 @@ class OpenAIApp:
         self.app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         self.app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
 
+    async def dispatch(self, request: Request) -> Response:
+        """The routes without the framework's router: how a Ray Serve deployment (whose HTTP
+        proxy hands ``__call__`` each request) serves this same API."""
+        routes: dict[tuple[str, str], Callable[..., Any]] = {
+            ("GET", "/health"): self.health,
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/metrics"): self.metrics,
+        }
+        posts = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
+        path = "/" + request.url.path.strip("/")
+        if request.method == "POST" and path in posts:
+            return await posts[path](request)
+        if (request.method, path) in routes:
+            return await routes[(request.method, path)]()
+        return error_response(HttpError(404, "not_found_error", f"no route {request.method} {path}"))
+
     async def health(self) -> Response:
         if self.front.serving:
             return JSONResponse({"status": "ok"})

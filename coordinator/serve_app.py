@@ -61,6 +61,7 @@ class CoordinatorDeployment:
         tracing.init_tracing("specdec-coordinator")
         self.front = CoordinatorFront(LocalBackend(serve_config(values)), values.get("metrics_port", 0))
         self._starting: asyncio.Future | None = None
+        self._http: Any = None  # the OpenAI-compatible HTTP API, made on the first HTTP request
 
     def _start(self) -> asyncio.Future:
         """The front's start-up, begun on first use and begun again after a failure."""
@@ -87,6 +88,21 @@ class CoordinatorDeployment:
         except Exception as exc:
             _fail(grpc_context, exc, "GenerateStream")
             raise
+
+    async def __call__(self, request):
+        """Serve's HTTP proxy: the OpenAI-compatible HTTP API (coordinator.http_front) on the
+        same front as the gRPC methods."""
+        from prometheus_client import generate_latest
+
+        from coordinator.http_front import OpenAIApp, error_response
+
+        try:
+            await self._start()
+        except Exception as exc:  # noqa: BLE001 - no target yet: 503, not a traceback
+            return error_response(exc)
+        if self._http is None:
+            self._http = OpenAIApp(self.front, self.front.model_name, lambda: generate_latest(metrics.REGISTRY))
+        return await self._http.dispatch(request)
 
     async def Check(self, request, grpc_context=None):
         starting = self._start()

@@ -89,7 +89,11 @@ def fronts(tmp_path_factory):
             stack.wait_healthy(local, 120)
             wait_serving(f"127.0.0.1:{serve_port}", 120)
             yield (
-                {"serve": (f"127.0.0.1:{serve_port}", serve_metrics), "local": (local.address, local_metrics)},
+                {
+                    "serve": (f"127.0.0.1:{serve_port}", serve_metrics),
+                    "local": (local.address, local_metrics),
+                    "serve_http": (f"http://127.0.0.1:{http_port}", 0),
+                },
                 target,
                 collector,
             )
@@ -202,3 +206,30 @@ def test_each_front_continues_the_callers_trace(fronts, front):
     assert wanted <= names, names
     front_span = next(s for s in collector.spans_of(trace_id) if s[2] == "coordinator.Generate")
     assert front_span[3].get("specdec.request_id") == reply.request_id
+
+
+def test_the_serve_deployment_is_the_openai_http_ingress_too(fronts):
+    """Serve's HTTP proxy reaches the same front: the openai client gets the gRPC API's tokens."""
+    import openai
+
+    addresses, _, _ = fronts
+    client = openai.OpenAI(base_url=f"{addresses['serve_http'][0]}/v1", api_key="-", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    prompt = [3, 1, 4, 1, 5]
+    want = stub(addresses["serve"][0]).Generate(
+        request(prompt, k=K, temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    )
+    got = client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [int(w[1:]) for w in got.choices[0].text.split()] == list(want.token_ids)
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        if c.choices
+    ]
+    assert [int(w[1:]) for w in "".join(pieces).split()] == list(want.token_ids)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=prompt, top_p=1.5)

@@ -376,6 +376,11 @@ def test_logprobs_are_the_targets_with_or_without_speculation_streamed_or_not(st
         lp.top_logprobs[0]
     ) == 2
     assert spec.model_extra["specdec"]["choices"][0]["accepted_tokens"] > 0
+    over_grpc = grpc_tokens(
+        stack, prompt="w5 w6 w7", temperature=0.0, max_new_tokens=10, ignore_eos=True, logprobs=2, k=2, adaptive=False
+    )
+    assert [e.logprob for e in over_grpc.logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert [e.token for e in over_grpc.logprobs] == lp.tokens and len(over_grpc.logprobs[0].top_ids) == 2
     # sampled: each token's logprob is the target's transformed law at its prefix
     sampled = completion(2, temperature=0.9, top_p=0.95)
     tokens = ids(sampled.choices[0].text)

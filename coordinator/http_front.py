@@ -41,6 +41,7 @@ HTTP_STATUS = {  # gRPC status -> HTTP status, with OpenAI's error type
     "FAILED_PRECONDITION": (400, "invalid_request_error"),
     "NOT_FOUND": (404, "not_found_error"),
     "ALREADY_EXISTS": (409, "conflict_error"),
+    "ABORTED": (409, "conflict_error"),
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
     "UNAVAILABLE": (503, "service_unavailable_error"),
     "DEADLINE_EXCEEDED": (504, "timeout_error"),

@@ -78,6 +78,13 @@ class PeerError(SpecdecError):
         self._init_args = (code, message)
 
 
+class LeaseLostError(SpecdecError):
+    """Another coordinator took the request over (this one's lease lapsed): this one must stop
+    generating it; the client resumes with resume_from_index, from any coordinator."""
+
+    code = "ABORTED"
+
+
 class DrainingError(SpecdecError):
     """The replica is shutting down: it finishes its live sessions but takes no new ones."""
 

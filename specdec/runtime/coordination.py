@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.engine.ngram import NgramDraft
-from specdec.errors import InvalidArgumentError, PeerError, ResourceExhaustedError, SessionNotFoundError
+from specdec.errors import (
+    InvalidArgumentError,
+    LeaseLostError,
+    PeerError,
+    ResourceExhaustedError,
+    SessionNotFoundError,
+)
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
@@ -329,8 +335,10 @@ class CoordinatorCore:
         tokens = list(committed)
         try:
             async for chunk in run_ahead(self._generate(parsed, committed, committed_steps, trace_carrier)):
+                if keeper.done():  # the lease lapsed: another coordinator may be generating it
+                    raise LeaseLostError(f"request {parsed.request_id!r}: lease lost; resume with resume_from_index")
                 start = len(tokens)
-                await session_log.append(parsed.request_id, start, chunk)
+                await session_log.append(parsed.request_id, start, chunk, self.owner)  # fenced
                 tokens.extend(chunk.token_ids)
                 out = self._trim(chunk, start, from_index, tokens)
                 if out is not None:
@@ -387,7 +395,14 @@ class CoordinatorCore:
 
     def _absorb(self, entry, from_index: int, tokens: list[int], steps: list[int]):
         """Adds one log entry to what a resumed call has read (its tokens, and the step that wrote
-        them, for the policy's replay); returns the part of it the caller has not seen, or None."""
+        them, for the policy's replay); returns the part of it the caller has not seen, or None.
+        An entry that does not start where the read tokens end is skipped (a duplicate: appends
+        are exactly-once, readers defensive all the same) or refused (a gap)."""
+        if entry.start < len(tokens):
+            log.warning("request log: skipping a duplicate entry at token %d", entry.start)
+            return None
+        if entry.start > len(tokens):
+            raise PeerError("UNAVAILABLE", f"session log: entry at token {entry.start} after {len(tokens)} tokens")
         tokens.extend(entry.chunk.token_ids)
         steps.append(len(entry.chunk.token_ids))
         return self._trim(entry.chunk, entry.start, from_index, tokens)

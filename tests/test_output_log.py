@@ -1,0 +1,68 @@
+"""The session log against a real redis-server: the lease fences appends, appends are exactly
+once, and readers see each token once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec.errors import LeaseLostError
+from specdec.runtime.output_log import OutputLog
+from specdec.runtime.redis_embedded import EmbeddedRedis
+from specdec.v1 import coordinator_pb2 as pb
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+def chunk(*tokens, finish=""):
+    return pb.GenerateChunk(token_ids=list(tokens), finish_reason=finish)
+
+
+def test_only_the_lease_holder_appends_and_a_retried_append_writes_nothing(redis_url):
+    async def scenario():
+        log = OutputLog(redis_url)
+        try:
+            assert await log.create("r1", b"req", owner="A")
+            assert await log.append("r1", 0, chunk(7, 8, 9), "A")
+            assert not await log.append("r1", 0, chunk(7, 8, 9), "A")  # the reply was lost, the client retried
+            with pytest.raises(LeaseLostError):
+                await log.append("r1", 3, chunk(10), "B")  # B never held it
+            await log.redis.delete(log.keys("r1")[2])  # A's lease lapses (a paused process) ...
+            assert await log.acquire_lease("r1", "B")  # ... and B takes over
+            with pytest.raises(LeaseLostError):
+                await log.append("r1", 3, chunk(10), "A")  # A wakes up: fenced
+            assert await log.append("r1", 3, chunk(10, finish="length"), "B")
+            entries = await log.entries("r1")
+            assert [(e.start, list(e.chunk.token_ids)) for e in entries] == [(0, [7, 8, 9]), (3, [10])]
+            assert (await log.meta("r1"))["status"] == b"done"
+        finally:
+            await log.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_keeper_returns_once_the_lease_is_lost(redis_url, monkeypatch):
+    from specdec.runtime import output_log
+
+    monkeypatch.setattr(output_log, "LEASE_REFRESH_S", 0.05)
+
+    async def scenario():
+        log = OutputLog(redis_url)
+        try:
+            assert await log.create("r2", b"req", owner="A")
+            keeper = asyncio.ensure_future(log.keep_lease("r2", "A"))
+            await asyncio.sleep(0.2)
+            assert not keeper.done()  # refreshed while held
+            await log.redis.set(log.keys("r2")[2], "B")  # taken over
+            await asyncio.wait_for(keeper, 2.0)  # returns: the generation can stop now
+        finally:
+            await log.close()
+
+    asyncio.run(scenario())

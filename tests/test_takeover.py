@@ -1,0 +1,140 @@
+"""Takeover on the default topology (one target, one draft), for real: coordinators in their own
+processes on one Redis. A coordinator that dies is resumed on the first retry; one that is
+paused past its lease (a blocked loop, a GC pause, a slow fsync) is fenced when it wakes: the
+session log holds every token once, whoever wrote it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from stack_util import request, stub
+
+from specdec.apps.launcher import Child, free_port, local_stack
+from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+LONG = 3000  # tokens: seconds of steps, so a pause lands mid-generation
+GREEDY = {"k": 2, "adaptive": False, "temperature": 0.0, "max_new_tokens": LONG, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("takeover-models")
+    target = tiny_llama(32, seed=21, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=4096)
+    target.save_pretrained(root / "target")
+    perturbed(target, scale=0.04, seed=2).save_pretrained(root / "draft")
+    for name in ("target", "draft"):
+        word_tokenizer(32).save_pretrained(root / name)
+    with local_stack(
+        str(root / "target"),
+        str(root / "draft"),
+        num_speculative_tokens=2,
+        log_dir=tmp_path_factory.mktemp("takeover-logs"),
+        extra_coordinator=["--max-new-tokens-limit", str(LONG)],
+        # sessions outlive the pause below: the woken coordinator could go on generating
+        extra_target=["--threads", "1", "--session-ttl", "60"],
+        extra_draft=["--threads", "1", "--session-ttl", "60"],
+    ) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def coordinator(stack, log_dir, name: str):
+    """Another coordinator process (its own Ray) on the stack's Redis."""
+    port = free_port()
+    args = [sys.executable, "-m", "specdec", "coordinator", "--redis", stack.redis_url, "--host", "127.0.0.1"]
+    args += ["--port", str(port), "--num-speculative-tokens", "2", "--max-new-tokens-limit", str(LONG)]
+    with open(log_dir / f"{name}.log", "wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    child = Child(name, f"127.0.0.1:{port}", process)
+    try:
+        stack.wait_healthy(child, 180)
+        yield child
+    finally:
+        if process.poll() is None:
+            signal_all(process.pid, signal.SIGCONT)
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+
+
+def signal_all(pid: int, sig: int) -> None:
+    """``sig`` to a coordinator and every process under it: its Ray instance's raylet and
+    workers, among them the actor running the request path (not in its process group)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    for process in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(sig)
+
+
+def read(address, req, on_first=None):
+    """(tokens, error code or None) of a stream; ``on_first`` runs after the first chunk."""
+    tokens: list[int] = []
+    try:
+        for chunk in stub(address).GenerateStream(req, timeout=300):
+            tokens.extend(chunk.token_ids)
+            if on_first is not None and len(tokens) == len(chunk.token_ids):
+                on_first()
+    except grpc.RpcError as exc:
+        return tokens, exc.code().name
+    return tokens, None
+
+
+def test_a_dead_coordinators_request_resumes_on_the_first_retry(stack, tmp_path):
+    undisturbed = list(stub(stack.coordinator_address).Generate(request([9, 9, 8], **GREEDY), timeout=300).token_ids)
+    rid = f"dead-{time.monotonic_ns()}"
+    with coordinator(stack, tmp_path, "doomed") as doomed:
+        kill = lambda: os.killpg(doomed.process.pid, signal.SIGKILL)  # noqa: E731 - front and its Ray
+        first, error = read(doomed.address, request([9, 9, 8], **GREEDY, request_id=rid), on_first=kill)
+        assert error is not None and 0 < len(first) < LONG
+    # one retry, at once: the dead run's sessions (same request id) still live on the one target
+    # and draft until their TTL, and must not collide with the taker's
+    rest, error = read(
+        stack.coordinator_address, request([9, 9, 8], **GREEDY, request_id=rid, resume_from_index=len(first))
+    )
+    assert error is None, error
+    assert first + rest == undisturbed
+
+
+def test_a_paused_coordinator_is_fenced_when_it_wakes_and_the_log_holds_each_token_once(stack, tmp_path):
+    undisturbed = list(stub(stack.coordinator_address).Generate(request([2, 7, 1], **GREEDY), timeout=300).token_ids)
+    rid = f"paused-{time.monotonic_ns()}"
+    with coordinator(stack, tmp_path, "sleepy") as sleepy:
+        paused = threading.Event()
+
+        def pause():  # the front and its Ray (the actor generating the request) alike
+            signal_all(sleepy.process.pid, signal.SIGSTOP)  # past the 3 s lease: another takes over
+            paused.set()
+
+        outcome: dict = {}
+        client1 = threading.Thread(
+            target=lambda: outcome.update(
+                one=read(sleepy.address, request([2, 7, 1], **GREEDY, request_id=rid), on_first=pause)
+            )
+        )
+        client1.start()
+        assert paused.wait(120)
+        time.sleep(4.0)  # the lease lapses
+        # client 2 attaches to the same request through the stack's coordinator, which takes over
+        taken, error = read(
+            stack.coordinator_address, request([2, 7, 1], **GREEDY, request_id=rid, resume_from_index=0)
+        )
+        assert error is None, error
+        signal_all(sleepy.process.pid, signal.SIGCONT)  # the paused one wakes up mid-generation
+        client1.join(120)
+        first, first_error = outcome["one"]
+    assert taken == undisturbed  # the taker's client got every token, once
+    assert first_error == "ABORTED", (first_error, len(first), len(taken))  # the woken one stopped: fenced
+    assert first == undisturbed[: len(first)]
+    replay, error = read(stack.coordinator_address, request([2, 7, 1], **GREEDY, request_id=rid, resume_from_index=0))
+    assert error is None and replay == undisturbed  # the log: LONG tokens, none twice

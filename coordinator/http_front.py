@@ -128,9 +128,10 @@ class Choice:
         self.logprobs.extend(chunk.logprobs)
         self.text += chunk.text
         self.tokens += len(chunk.token_ids)
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
         if chunk.finish_reason:
             self.finish_reason = schema.finish_reason(chunk.finish_reason)
-            self.prompt_tokens, self.stats, self.seed = chunk.prompt_tokens, chunk.stats, chunk.seed
+            self.stats, self.seed = chunk.stats, chunk.seed
 
 
 async def _primed(stream: AsyncIterator[coordinator_pb2.GenerateChunk]):
@@ -400,6 +401,10 @@ class _Response:
             event = self._chunk(last)
             event["specdec"] = schema.speculation_stats(chunk.stats)
             out.append(event)
+        options = self.parsed.stream_options
+        if options is not None and options.continuous_usage_stats:
+            for event in out:
+                event["usage"] = self._usage()  # so far
         return out
 
     def usage_event(self) -> dict[str, Any] | None:

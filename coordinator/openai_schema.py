@@ -41,6 +41,7 @@ class SpeculationOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: the usage so far on every chunk
 
 
 class _Common(_Strict):

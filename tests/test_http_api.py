@@ -410,3 +410,27 @@ def test_logprobs_are_the_targets_with_or_without_speculation_streamed_or_not(st
     assert [ids(c.token)[0] for c in content] == ids(chat.choices[0].message.content)
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
     assert all(bytes(c.bytes).decode() == c.token for c in content)
+
+
+def test_a_load_generators_request_as_guidellm_sends_it(stack):
+    """GuideLLM's completions body (vLLM's continuous_usage_stats, stop: null, ignore_eos):
+    accepted, and every chunk carries the usage so far."""
+    body = {
+        "model": "tiny",
+        "prompt": "w5 w6 w7",
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "max_tokens": 8,
+        "stop": None,
+        "ignore_eos": True,
+    }
+    events = []
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{stack.http_url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+    with_text = [e for e in events if e["choices"] and e["choices"][0]["text"]]
+    assert with_text and all(e["usage"]["prompt_tokens"] == 3 for e in with_text)
+    so_far = [e["usage"]["completion_tokens"] for e in with_text]
+    assert so_far == sorted(so_far) and events[-1]["usage"]["completion_tokens"] == 8

@@ -478,6 +478,7 @@ class CoordinatorCore:
                         token_ids=tokens,
                         text=run.stopper.take_text(),
                         logprobs=logprobs_of(tokens),
+                        prompt_tokens=len(parsed.prompt_ids),
                     )
             await steps.aclose()  # releases both sessions and closes the stats
             result = run.result()

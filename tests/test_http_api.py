@@ -254,6 +254,8 @@ def _post(stack, path: str, data: bytes, content_type: str = "application/json")
         ({"model": "tiny", "prompt": "w5", "max_tokens": -1}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "w5", "max_tokens": 10**9}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "w5", "logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
+        ({"model": "tiny", "prompt": "w5", "logit_bias": {"5": 3e38}, "temperature": 0.5}, 400, "logit_bias"),
+        ({"model": "tiny", "prompt": "w5", "repetition_penalty": 1e-38}, 400, "repetition_penalty"),
         ({"model": "tiny", "prompt": "w5", "logprobs": 21}, 400, "logprobs"),
         ({"model": "tiny", "prompt": "w5", "speculation": {"num_speculative_tokens": 99}}, 400, None),
         ({"model": "other", "prompt": "w5"}, 404, "model"),
@@ -281,6 +283,8 @@ def test_bodies_that_are_not_requests_are_refused_and_the_server_answers_the_nex
         client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "w5"}])
     ok = client.completions.create(model="tiny", prompt="w5", max_tokens=3, temperature=0)
     assert len(ids(ok.choices[0].text)) >= 1
+    tiny = client.completions.create(model="tiny", prompt="w5", max_tokens=3, temperature=1e-38)  # greedy, not NaN
+    assert tiny.choices[0].text == ok.choices[0].text
 
 
 def _vllm_metrics(stack) -> dict[str, float]:

@@ -254,3 +254,19 @@ def test_min_tokens_keeps_eos_and_stop_ids_out_until_enough_are_generated():
         SamplingParams(min_tokens=9, max_new_tokens=8)
     with pytest.raises(ValueError, match="min_tokens"):
         probs_from_logits(logits, params)  # the counts say how many are generated: required
+
+
+def test_values_that_would_overflow_float32_are_greedy_or_refused():
+    """A tiny temperature or repetition penalty, or a huge bias, would turn logits to inf and the
+    distribution to NaN (INTERNAL); now greedy (vLLM's rule) or INVALID_ARGUMENT naming the field."""
+    logits = torch.tensor([[30.0, 29.0, -5.0]])
+    tiny = SamplingParams(temperature=1e-38)
+    assert tiny.greedy and probs_from_logits(logits, tiny).tolist() == [[1.0, 0.0, 0.0]]
+    assert not SamplingParams(temperature=1e-4).greedy
+    assert torch.isfinite(probs_from_logits(logits, SamplingParams(temperature=1e-4))).all()
+    with pytest.raises(InvalidArgumentError, match="logit_bias"):
+        SamplingParams(temperature=0.5, logit_bias={1: 3e38})
+    with pytest.raises(InvalidArgumentError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-38)
+    extreme = SamplingParams(temperature=1e-5, logit_bias={2: 100.0}, repetition_penalty=0.01, frequency_penalty=2.0)
+    assert torch.isfinite(probs_from_logits(logits, extreme, token_counts([2, 2], 3))).all()

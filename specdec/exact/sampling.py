@@ -16,7 +16,7 @@ Order of transforms, each on the result of the previous one:
 3. ``presence_penalty`` and ``frequency_penalty``  OpenAI style: ``- presence * [count > 0]
                                   - frequency * count``, counting the *generated* tokens only
                                   (as OpenAI and vLLM: the prompt does not count)
-4. temperature                    ``temperature == 0`` means greedy: a one-hot on the argmax
+4. temperature                    ``temperature == 0`` (or below 1e-5, as vLLM) means greedy: a one-hot on the argmax
                                   (ties broken toward the lowest id); steps 5-7 are then moot
 5. ``top_k``                      keep tokens whose probability is >= the k-th largest (so ties
                                   at the boundary are all kept: the result never depends on sort
@@ -49,6 +49,12 @@ from specdec.errors import InvalidArgumentError, NonFiniteLogitsError
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 UINT64_MAX = (1 << 64) - 1
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 16, 512, 64
+# Ranges that keep every transform finite in float32 (a tiny temperature or repetition penalty,
+# or a huge bias, divides or shifts logits to inf and the softmax to NaN): below GREEDY_BELOW a
+# temperature is greedy (vLLM's rule), a bias is OpenAI's [-100, 100].
+GREEDY_BELOW = 1e-5
+MAX_ABS_LOGIT_BIAS = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,11 @@ class SamplingParams:
         if not 0.0 <= self.min_p < 1.0:
             raise InvalidArgumentError("min_p", f"must be in [0, 1), got {self.min_p}")
         finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise InvalidArgumentError("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise InvalidArgumentError(
+                "repetition_penalty", f"must be in [{low}, {high}] (1 = off), got {self.repetition_penalty}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             finite(name, value)
@@ -115,6 +124,10 @@ class SamplingParams:
             if not isinstance(token, int) or token < 0:
                 raise InvalidArgumentError("logit_bias", f"token ids must be integers >= 0, got {token!r}")
             finite(f"logit_bias[{token}]", bias)
+            if abs(bias) > MAX_ABS_LOGIT_BIAS:
+                raise InvalidArgumentError(
+                    "logit_bias", f"biases must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}"
+                )
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= UINT64_MAX):
             raise InvalidArgumentError("seed", f"must be an unsigned 64-bit integer, got {self.seed!r}")
         if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
@@ -164,7 +177,7 @@ class SamplingParams:
     # -- derived ----------------------------------------------------------------------------
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_counts(self) -> bool:

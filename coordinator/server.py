@@ -33,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(0 = off; `specdec serve` turns it on at 8000)",
     )
     p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 << 20,
+        help="largest request message the public gRPC port accepts (larger: RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument(
         "--served-model-name",
         default=None,
         help="the model name the HTTP API lists and accepts (default: the target's model as it reports it)",
@@ -58,7 +64,7 @@ async def serve(args: argparse.Namespace) -> None:
     front = CoordinatorFront(backend, metrics_port=args.metrics_port or 0, model_name=args.served_model_name)
     print("[specdec] coordinator: connecting to the target and draft...", file=sys.stderr, flush=True)
     await front.start()
-    server = srv.create_server()
+    server = srv.create_server(max_receive_bytes=args.max_request_bytes)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(front), server)
     health = srv.add_health_and_reflection(server, [SERVICE])
     bound = server.add_insecure_port(f"{args.host}:{args.port}")

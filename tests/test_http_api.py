@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -438,3 +439,22 @@ def test_a_load_generators_request_as_guidellm_sends_it(stack):
     assert with_text and all(e["usage"]["prompt_tokens"] == 3 for e in with_text)
     so_far = [e["usage"]["completion_tokens"] for e in with_text]
     assert so_far == sorted(so_far) and events[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing_and_stalls_nobody(stack, client):
+    """Text that cannot fit the context whatever it tokenizes to is INVALID_ARGUMENT before the
+    tokenizer runs (which runs off the event loop anyway); past the public port's receive limit,
+    gRPC refuses the message itself."""
+    import concurrent.futures
+
+    huge = "w5 " * 100_000  # 300 k characters for a 16k-token context of tokens of <= 4 characters
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        refused = pool.submit(_post, stack, "/v1/completions", json.dumps({"model": "tiny", "prompt": huge}).encode())
+        small = pool.submit(client.completions.create, model="tiny", prompt="w5", max_tokens=3, temperature=0)
+        code, answer = refused.result(timeout=60)
+        assert len(ids(small.result(timeout=60).choices[0].text)) >= 1
+    assert code == 400 and answer["error"]["param"] == "prompt" and "cannot fit" in answer["error"]["message"]
+    with pytest.raises(grpc.RpcError) as info:
+        stub(stack.coordinator_address).Generate(request(prompt="w5 " * (2 << 20)), timeout=60)  # ~6 MB
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(grpc_tokens(stack, prompt="w5", temperature=0.0, max_new_tokens=2).token_ids) == 2  # still serving

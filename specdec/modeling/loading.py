@@ -279,6 +279,13 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
 
 
+def longest_token_chars(tokenizer) -> int:
+    """The characters of the tokenizer's longest token as text (+ 1 for a byte-level marker):
+    a text of n characters is at least n / this many tokens."""
+    vocab = tokenizer.get_vocab()
+    return max((len(tokenizer.convert_tokens_to_string([t])) for t in vocab), default=0) + 1 if vocab else 0
+
+
 def encode_chat(tokenizer, messages: list[tuple[str, str]]) -> list[int]:
     """Token ids of a conversation ((role, content) pairs) through the tokenizer's chat template,
     with the generation prompt (the assistant's turn) appended."""

@@ -28,7 +28,7 @@ from specdec.exact.rng import new_seed
 from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
 from specdec.loop.policy import StepCost
-from specdec.modeling.loading import encode_chat, encode_prompt, try_load_tokenizer
+from specdec.modeling.loading import encode_chat, encode_prompt, longest_token_chars, try_load_tokenizer
 from specdec.runtime import wire
 from specdec.runtime.output_log import OutputLog
 from specdec.runtime.registry import Registry
@@ -178,6 +178,7 @@ class CoordinatorCore:
         self.context_length = 0
         self.eos_token_ids: list[int] = []
         self.model_id = ""  # the target's model, as it reports it
+        self.max_token_chars = 0  # the tokenizer's longest token (0: no bound known)
         self.active = 0
         self.ngram: NgramDraft | None = None
 
@@ -198,6 +199,8 @@ class CoordinatorCore:
         self.tokenizer = await asyncio.to_thread(try_load_tokenizer, spec) if spec else None
         if self.tokenizer is None:
             log.warning("no tokenizer for %r: text prompts, text output and stop strings are unavailable", spec)
+        else:
+            self.max_token_chars = longest_token_chars(self.tokenizer)
         self.ngram = NgramDraft(self.vocab_size)
 
     def cost_model(self) -> list[tuple[str, str, list[tuple[int, float]]]]:
@@ -211,13 +214,43 @@ class CoordinatorCore:
                 await client.close()
 
     # -- validation ---------------------------------------------------------------------------
-    def parse(self, request: coordinator_pb2.GenerateRequest, request_id: str) -> ParsedRequest:
+    def _text_chars(self, request: coordinator_pb2.GenerateRequest) -> int:
+        return len(request.prompt) + sum(len(m.content) for m in request.messages)
+
+    async def encode(self, request: coordinator_pb2.GenerateRequest) -> list[int] | None:
+        """A text prompt's or a conversation's token ids, tokenized off the event loop (a long
+        text would stall every other request), after refusing text that cannot fit the context
+        whatever it tokenizes to; None for a request of token ids."""
+        if not (request.prompt or request.messages) or request.prompt_token_ids:
+            return None
+        chars = self._text_chars(request)
+        if self.max_token_chars and chars > self.context_length * self.max_token_chars:
+            field = "messages" if request.messages else "prompt"
+            raise InvalidArgumentError(
+                field,
+                f"{chars} characters cannot fit the model context of {self.context_length} tokens "
+                f"(no token is longer than {self.max_token_chars} characters)",
+            )
+        return await asyncio.to_thread(self._encode_text, request)
+
+    def _encode_text(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
+        if request.messages:
+            return self._encode_messages(request.messages)
+        if self.tokenizer is None:
+            raise InvalidArgumentError("prompt", "this server has no tokenizer: send prompt_token_ids")
+        return encode_prompt(self.tokenizer, request.prompt, chat=request.apply_chat_template)
+
+    def parse(
+        self, request: coordinator_pb2.GenerateRequest, request_id: str, text_ids: list[int] | None = None
+    ) -> ParsedRequest:
+        """The request, validated and resolved; ``text_ids``: its text already tokenized
+        (:meth:`encode`), else tokenized here."""
         cfg = self.config
         given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
         if len(given) > 1:
             raise InvalidArgumentError(given[1], f"give one of prompt, prompt_token_ids or messages, not {given}")
         if request.messages:
-            prompt_ids = self._encode_messages(request.messages)
+            prompt_ids = text_ids if text_ids is not None else self._encode_text(request)
         elif request.prompt_token_ids:
             prompt_ids = [int(t) for t in request.prompt_token_ids]
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -226,9 +259,7 @@ class CoordinatorCore:
                     "prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
                 )
         elif request.prompt:
-            if self.tokenizer is None:
-                raise InvalidArgumentError("prompt", "this server has no tokenizer: send prompt_token_ids")
-            prompt_ids = encode_prompt(self.tokenizer, request.prompt, chat=request.apply_chat_template)
+            prompt_ids = text_ids if text_ids is not None else self._encode_text(request)
             if not prompt_ids:
                 raise InvalidArgumentError("prompt", "tokenizes to zero tokens")
         else:
@@ -298,14 +329,15 @@ class CoordinatorCore:
             if self.log is None:
                 if request.resume_from_index:
                     raise InvalidArgumentError("resume_from_index", "resuming needs the session log (set REDIS_URL)")
-                async for chunk in self._generate(self.parse(request, request_id), [], [], trace_carrier):
+                parsed = self.parse(request, request_id, await self.encode(request))
+                async for chunk in self._generate(parsed, [], [], trace_carrier):
                     yield chunk
                 return
             meta = await self.log.meta(request_id) if request.request_id else None
             if meta is None:
                 if request.resume_from_index:
                     raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
-                parsed = self.parse(request, request_id)
+                parsed = self.parse(request, request_id, await self.encode(request))
                 if await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner):
                     async for chunk in self._owned(parsed, [], [], 0, trace_carrier):
                         yield chunk
@@ -388,7 +420,7 @@ class CoordinatorCore:
                         await session_log.release_lease(request_id, self.owner)
                         return
                 log.info("request %s: taking over after %d committed tokens", request_id, len(tokens))
-                parsed = self.parse(stored, request_id)
+                parsed = self.parse(stored, request_id, await self.encode(stored))
                 async for chunk in self._owned(parsed, tokens, steps, from_index, trace_carrier):
                     yield chunk
                 return

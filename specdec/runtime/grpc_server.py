@@ -86,8 +86,14 @@ def grpc_method(fn: Callable) -> Callable:
     return unary_wrapper
 
 
-def create_server() -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=tracing.server_interceptors(), options=CHANNEL_OPTIONS)
+def create_server(max_receive_bytes: int | None = None) -> grpc.aio.Server:
+    """A grpc.aio server; ``max_receive_bytes`` bounds a request message (a public port takes
+    far less than the internal services' MAX_MESSAGE_BYTES, which carry features)."""
+    options = CHANNEL_OPTIONS
+    if max_receive_bytes is not None:
+        options = [o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return grpc.aio.server(interceptors=tracing.server_interceptors(), options=options)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str]) -> health.aio.HealthServicer:

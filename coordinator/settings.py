@@ -88,6 +88,7 @@ SETTINGS = (
     Setting("default_max_new_tokens", int, "max_new_tokens of a request that does not say", "default_max_new_tokens"),
     Setting("max_new_tokens_limit", int, "largest max_new_tokens a request may ask for", "max_new_tokens_limit"),
     Setting("max_concurrent_requests", int, "requests in flight per coordinator replica", "max_concurrent_requests"),
+    Setting("max_resume_readers", int, "resumed streams reading the session log at once", "max_resume_readers"),
     Setting("draft_timeout", float, "seconds before a draft call is abandoned", "draft_timeout_s"),
     Setting("default_method", _method, "speculation method of a request that does not say", "default_method"),
     Setting("output_ttl", float, "seconds a request's output stays resumable", "output_ttl_s"),

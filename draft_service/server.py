@@ -7,6 +7,8 @@ import argparse
 import dataclasses
 
 from specdec.engine.sessions import CacheLimits
+from specdec.errors import InvalidArgumentError
+from specdec.exact.proposal import MAX_BLOCK
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.servicer import (
@@ -33,6 +35,8 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
 
     @grpc_method
     async def Propose(self, request, context):
+        if not 0 <= request.k <= MAX_BLOCK:
+            raise InvalidArgumentError("k", f"must be in [0, {MAX_BLOCK}], got {request.k}")
         commit = wire.optional_commit(request)  # the previous step's commit, applied first by the engine
         with tracing.tracer().start_as_current_span("draft.propose") as span:
             span.set_attribute("specdec.session_id", request.session_id)

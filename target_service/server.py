@@ -8,6 +8,7 @@ import argparse
 
 from specdec.engine.sessions import CacheLimits
 from specdec.errors import InvalidArgumentError
+from specdec.exact.proposal import MAX_BLOCK
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import on_model_thread
@@ -45,6 +46,11 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             elif chunk.session_id and chunk.session_id != header.session_id:
                 raise InvalidArgumentError("session_id", "every chunk of one Verify stream must name the same session")
             proposals.extend(chunk.proposals)
+            # bounded as it is read: a client stream must not grow this replica's memory at will
+            if len(proposals) > MAX_BLOCK:
+                raise InvalidArgumentError("proposals", f"more than {MAX_BLOCK} proposals in one block")
+            if any(len(p.q.token_ids) > self.engine.vocab_size for p in chunk.proposals):
+                raise InvalidArgumentError("q", f"a q with more entries than the vocabulary ({self.engine.vocab_size})")
         if header is None or not header.session_id:
             raise InvalidArgumentError("session_id", "the Verify stream must start with a chunk naming the session")
         block = wire.proposal_from_proto(proposals)

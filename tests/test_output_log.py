@@ -66,3 +66,40 @@ def test_the_keeper_returns_once_the_lease_is_lost(redis_url, monkeypatch):
             await log.close()
 
     asyncio.run(scenario())
+
+
+def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis_url):
+    from specdec.errors import ResourceExhaustedError
+    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore, canonical
+
+    async def scenario():
+        core = CoordinatorCore(CoordinatorConfig(redis_url=redis_url, max_resume_readers=50))
+        core.vocab_size, core.context_length = 32, 64
+        rid = "r3"
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2])
+        stored = canonical(req, rid, core.parse(req, rid).resolved())
+        writer = OutputLog(redis_url)
+        assert await writer.create(rid, stored, owner="W")  # another coordinator is generating it
+        keeper = asyncio.ensure_future(writer.keep_lease(rid, "W"))
+
+        async def read():
+            return [t for c in [c async for c in core.generate(req)] for t in c.token_ids]
+
+        try:
+            readers = [asyncio.ensure_future(read()) for _ in range(50)]
+            await asyncio.sleep(0.5)
+            assert core.readers == 50
+            in_use = len(core.log.redis.connection_pool._in_use_connections)
+            assert in_use <= 4, in_use  # polling: nobody parks a pooled connection
+            with pytest.raises(ResourceExhaustedError, match="limit is 50"):
+                await read()
+            await writer.append(rid, 0, chunk(5, 6), "W")
+            await writer.append(rid, 2, chunk(7, finish="length"), "W")
+            assert await asyncio.wait_for(asyncio.gather(*readers), 10) == [[5, 6, 7]] * 50
+            assert core.readers == 0
+        finally:
+            keeper.cancel()
+            await writer.close()
+            await core.close()
+
+    asyncio.run(scenario())

@@ -237,3 +237,24 @@ def test_requests_get_the_adaptive_policy_by_default_only_with_a_draft_model():
     fixed = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1", default_adaptive=False))
     fixed.vocab_size, fixed.context_length = 32, 64
     assert not fixed.parse(pb.GenerateRequest(prompt_token_ids=[1]), "r").adaptive
+
+
+def test_without_a_session_log_a_request_id_in_flight_is_refused():
+    """Static mode (no Redis): a second request reusing a live request_id must not touch the
+    first one's run; it gets ALREADY_EXISTS (issue 24, item 5)."""
+    import asyncio
+
+    from specdec.errors import SessionExistsError
+    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
+    from specdec.v1 import coordinator_pb2 as pb
+
+    core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1"))
+    core.vocab_size, core.context_length = 32, 64
+    core.live_ids.add("busy")  # a request with that id is running here
+
+    async def first_chunk(request_id):
+        return await core.generate(pb.GenerateRequest(request_id=request_id, prompt_token_ids=[1])).__anext__()
+
+    with pytest.raises(SessionExistsError, match="in flight"):
+        asyncio.run(first_chunk("busy"))
+    assert core.live_ids == {"busy"}  # the running one's id stays

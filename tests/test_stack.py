@@ -532,3 +532,26 @@ def test_service_logs_go_to_the_log_dir_the_stack_created(stack):
     names = sorted(p.name for p in stack.logs.glob("*.log"))
     assert {"target-0.log", "draft-0.log", "coordinator.log"} <= set(names), names
     assert (stack.logs / "target-0.log").stat().st_size > 0
+
+
+def test_internal_rpcs_bound_what_a_client_sends(stack):
+    """A Verify stream is read only up to the longest block (an endless stream is refused, not
+    buffered), and a Propose's k is bounded: both INVALID_ARGUMENT naming the field."""
+    from specdec.v1 import draft_pb2, draft_pb2_grpc, engine_pb2, target_pb2, target_pb2_grpc
+
+    addr = addresses(stack)
+    one = draft_pb2.ProposedToken(token_id=1, q=engine_pb2.SparseDistribution(token_ids=[1], probs=[1.0]))
+
+    def endless():
+        yield target_pb2.VerifyChunk(session_id="nobody", step=1)
+        while True:
+            yield target_pb2.VerifyChunk(proposals=[one] * 8)
+
+    target = target_pb2_grpc.TargetStub(grpc.insecure_channel(addr["target"]))
+    with pytest.raises(grpc.RpcError) as info:
+        target.Verify(endless(), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "proposals" in info.value.details()
+    draft = draft_pb2_grpc.DraftStub(grpc.insecure_channel(addr["draft"]))
+    with pytest.raises(grpc.RpcError) as info:
+        draft.Propose(draft_pb2.ProposeRequest(session_id="nobody", step=1, k=(1 << 31) - 1), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("k:")

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from specdec.exact.sparse import SparseDist
 
+MAX_BLOCK = 64  # the most proposals one step may carry (a draft's k, a target's Verify block)
+
 
 @dataclass(frozen=True)
 class DraftProposal:

@@ -22,8 +22,10 @@ from specdec.errors import (
     LeaseLostError,
     PeerError,
     ResourceExhaustedError,
+    SessionExistsError,
     SessionNotFoundError,
 )
+from specdec.exact.proposal import MAX_BLOCK
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
@@ -42,6 +44,8 @@ METHODS = ("draft_model", "ngram", "none")
 
 
 CHAT_ROLES = ("system", "user", "assistant")
+LOG_POLL_S = 0.05  # a resumed stream's wait for new log entries
+LEASE_CHECK_POLLS = 20  # ... and how many waits between looks at the lease
 MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the context)
 
 
@@ -61,6 +65,7 @@ class CoordinatorConfig:
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096
     max_concurrent_requests: int = 64
+    max_resume_readers: int = 64  # resumed streams reading the log at once (past it: RESOURCE_EXHAUSTED)
     draft_timeout_s: float = 5.0
     target_timeout_s: float = 60.0
     default_method: str = "draft_model"
@@ -68,6 +73,8 @@ class CoordinatorConfig:
     startup_timeout_s: float = 120.0
 
     def __post_init__(self):
+        if not 0 <= self.max_k <= MAX_BLOCK:
+            raise ValueError(f"max_k must be in [0, {MAX_BLOCK}] (the longest block a replica takes), got {self.max_k}")
         if isinstance(self.step_cost, dict):  # back from dataclasses.asdict (how it travels to a Ray actor)
             object.__setattr__(self, "step_cost", StepCost(**self.step_cost))
 
@@ -180,6 +187,8 @@ class CoordinatorCore:
         self.model_id = ""  # the target's model, as it reports it
         self.max_token_chars = 0  # the tokenizer's longest token (0: no bound known)
         self.active = 0
+        self.readers = 0  # resumed streams reading the session log
+        self.live_ids: set[str] = set()  # without a session log: the client-given ids in flight
         self.ngram: NgramDraft | None = None
 
     async def setup(self) -> None:
@@ -329,9 +338,17 @@ class CoordinatorCore:
             if self.log is None:
                 if request.resume_from_index:
                     raise InvalidArgumentError("resume_from_index", "resuming needs the session log (set REDIS_URL)")
-                parsed = self.parse(request, request_id, await self.encode(request))
-                async for chunk in self._generate(parsed, [], [], trace_carrier):
-                    yield chunk
+                if request.request_id:  # without the log, the ids in flight here (checked and taken at once)
+                    if request_id in self.live_ids:
+                        raise SessionExistsError(f"request_id {request_id!r} is in flight; use another")
+                    self.live_ids.add(request_id)
+                try:
+                    parsed = self.parse(request, request_id, await self.encode(request))
+                    async for chunk in self._generate(parsed, [], [], trace_carrier):
+                        yield chunk
+                finally:
+                    if request.request_id:
+                        self.live_ids.discard(request_id)
                 return
             meta = await self.log.meta(request_id) if request.request_id else None
             if meta is None:
@@ -381,6 +398,19 @@ class CoordinatorCore:
                 await asyncio.shield(session_log.release_lease(parsed.request_id, self.owner))
 
     async def _resume(self, request, request_id: str, meta: dict, trace_carrier):
+        """A resumed stream: counted against ``max_resume_readers`` (each polls the log)."""
+        if self.readers >= self.config.max_resume_readers:
+            raise ResourceExhaustedError(
+                f"{self.readers} resumed streams are reading, the limit is {self.config.max_resume_readers}"
+            )
+        self.readers += 1
+        try:
+            async for chunk in self._read_log(request, request_id, meta, trace_carrier):
+                yield chunk
+        finally:
+            self.readers -= 1
+
+    async def _read_log(self, request, request_id: str, meta: dict, trace_carrier):
         session_log = self._session_log
         stored = coordinator_pb2.GenerateRequest.FromString(meta["request"])
         if canonical(request, request_id, stored) != stored.SerializeToString(deterministic=True):
@@ -388,11 +418,11 @@ class CoordinatorCore:
         from_index = request.resume_from_index
         tokens: list[int] = []
         steps: list[int] = []  # tokens per log entry, i.e. per step of the runs that wrote them
-        last, first = b"-", True
+        last, polls = b"-", 0
         while True:
-            # First read everything there is; then block for new entries (1 s at a time).
-            entries = await session_log.entries(request_id, last, None if first else 1000)
-            first = False
+            # Polled, not a blocking read: a waiting reader holds no pooled connection, so readers
+            # can never starve the lease refreshes and appends of the pool (issue 24).
+            entries = await session_log.entries(request_id, last)
             for entry in entries:
                 last = entry.entry_id
                 out = self._absorb(entry, from_index, tokens, steps)
@@ -401,6 +431,10 @@ class CoordinatorCore:
                 if entry.chunk.finish_reason:
                     return
             if entries:
+                continue
+            polls += 1
+            if (polls - 1) % LEASE_CHECK_POLLS:  # the lease: at the first wait, then once a second
+                await asyncio.sleep(LOG_POLL_S)
                 continue
             if from_index > len(tokens) and await session_log.lease_holder(request_id) is None:
                 raise InvalidArgumentError(

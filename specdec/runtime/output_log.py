@@ -120,16 +120,11 @@ class OutputLog:
             )
         return written == 1
 
-    async def entries(self, request_id: str, after: bytes = b"-", block_ms: int | None = None) -> list[Entry]:
-        """Entries after ``after`` (exclusive; b"-" = from the start). With ``block_ms``, wait up
-        to that long for new ones."""
+    async def entries(self, request_id: str, after: bytes = b"-") -> list[Entry]:
+        """Entries after ``after`` (exclusive; b"-" = from the start), without waiting: a reader
+        polls, so none holds a pooled connection while it waits."""
         out = self.keys(request_id)[1]
-        if block_ms is None:
-            start = b"-" if after == b"-" else b"(" + after
-            rows = await self.redis.xrange(out, min=start)
-        else:
-            reply = await self.redis.xread({out: b"0-0" if after == b"-" else after}, block=block_ms, count=1000)
-            rows = reply[0][1] if reply else []
+        rows = await self.redis.xrange(out, min=b"-" if after == b"-" else b"(" + after)
         return [
             Entry(entry_id, int(fields[b"start"]), coordinator_pb2.GenerateChunk.FromString(fields[b"chunk"]))
             for entry_id, fields in rows

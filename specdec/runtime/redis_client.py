@@ -4,6 +4,8 @@ once (a stale pooled connection fails its first command after a restart)."""
 
 from __future__ import annotations
 
+MAX_CONNECTIONS = 256  # per client; nothing holds one while it waits (resumed streams poll)
+
 
 def connect(url: str):
     import redis.asyncio as aioredis
@@ -18,4 +20,5 @@ def connect(url: str):
         health_check_interval=2,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
         retry_on_error=[ConnectionError, TimeoutError],
+        max_connections=MAX_CONNECTIONS,
     )

@@ -14,13 +14,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from specdec.errors import InvalidArgumentError
+from specdec.exact.sampling import MAX_LOGIT_BIAS
 from specdec.v1 import coordinator_pb2
 
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 16  # a completions request's batch of prompts
 MAX_PROMPT_CHARS = 1 << 20  # one text prompt or message (the context bounds its tokens anyway)
 MAX_PROMPT_TOKEN_IDS = 1 << 17
-MAX_LOGIT_BIAS = 1024  # entries
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API and vLLM
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf: what vLLM sends for a token the transforms exclude
 

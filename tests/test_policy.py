@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from specdec.errors import InvalidArgumentError
 from specdec.loop.policy import AdaptiveK, FixedK, StepCost, make_policy
 
 
@@ -258,3 +259,24 @@ def test_without_a_session_log_a_request_id_in_flight_is_refused():
     with pytest.raises(SessionExistsError, match="in flight"):
         asyncio.run(first_chunk("busy"))
     assert core.live_ids == {"busy"}  # the running one's id stays
+
+
+@pytest.mark.parametrize("request_id", ["r" * 257, "bad\nid"])
+def test_a_request_id_is_bounded_and_printable(request_id):
+    """The request id becomes Redis keys and log fields: long or control-character ids are refused
+    before anything is stored (issue 24, item 7)."""
+    import asyncio
+
+    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
+    from specdec.v1 import coordinator_pb2 as pb
+
+    core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1"))
+    core.vocab_size, core.context_length = 32, 64
+
+    async def first_chunk():
+        return await core.generate(pb.GenerateRequest(request_id=request_id, prompt_token_ids=[1])).__anext__()
+
+    with pytest.raises(InvalidArgumentError) as info:
+        asyncio.run(first_chunk())
+    assert info.value.field == "request_id" and "printable" in str(info.value)
+    assert core.live_ids == set()

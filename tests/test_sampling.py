@@ -148,6 +148,9 @@ def test_nan_or_inf_logits_raise_a_clear_error(bad):
         ("max_new_tokens", 0),
         ("stop", ("",)),
         ("logit_bias", {-1: 1.0}),
+        ("logit_bias", dict.fromkeys(range(1025), 1.0)),  # bounded in entries (issue 24, item 7)
+        ("stop", ("x",) * 17),
+        ("stop", ("x" * 513,)),
     ],
 )
 def test_invalid_params_name_the_field(field, value):

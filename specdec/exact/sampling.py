@@ -49,6 +49,7 @@ from specdec.errors import InvalidArgumentError, NonFiniteLogitsError
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 UINT64_MAX = (1 << 64) - 1
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 16, 512, 64
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 # Ranges that keep every transform finite in float32 (a tiny temperature or repetition penalty,
 # or a huge bias, divides or shifts logits to inf and the softmax to NaN): below GREEDY_BELOW a
 # temperature is greedy (vLLM's rule), a bias is OpenAI's [-100, 100].
@@ -120,6 +121,8 @@ class SamplingParams:
             finite(name, value)
             if not -2.0 <= value <= 2.0:
                 raise InvalidArgumentError(name, f"must be in [-2, 2], got {value}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgumentError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:
                 raise InvalidArgumentError("logit_bias", f"token ids must be integers >= 0, got {token!r}")

@@ -46,6 +46,7 @@ METHODS = ("draft_model", "ngram", "none")
 CHAT_ROLES = ("system", "user", "assistant")
 LOG_POLL_S = 0.05  # a resumed stream's wait for new log entries
 LEASE_CHECK_POLLS = 20  # ... and how many waits between looks at the lease
+MAX_REQUEST_ID_CHARS = 256  # a client's request_id: a Redis key and a log field, so bounded
 MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the context)
 
 
@@ -333,6 +334,11 @@ class CoordinatorCore:
         ``trace_carrier``: W3C headers of the caller's span (the public gRPC call, across Ray)."""
         if request.resume_from_index < 0:
             raise InvalidArgumentError("resume_from_index", "must be >= 0")
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
+            raise InvalidArgumentError(
+                "request_id",
+                f"must be at most {MAX_REQUEST_ID_CHARS} printable characters, got {len(request.request_id)}",
+            )
         request_id = request.request_id or uuid.uuid4().hex
         try:
             if self.log is None:

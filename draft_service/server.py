@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from specdec.engine.sessions import CacheLimits
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import MAX_BLOCK
 from specdec.runtime import wire
@@ -16,6 +15,7 @@ from specdec.runtime.servicer import (
     SessionServicer,
     add_replica_arguments,
     batch_runner_for,
+    cache_limits,
     main_async,
     profiled_costs,
 )
@@ -108,8 +108,7 @@ def build_engine(args):
         torch.set_num_threads(args.threads)
     device = args.device or default_device()
     model = load_model(args.model, device, parse_dtype(args.dtype, device))
-    limits = CacheLimits(args.max_sessions, args.max_session_kv_bytes, args.max_kv_bytes)
-    return draft_engine_for(model, limits, top_m=args.top_m, eps=args.eps)
+    return draft_engine_for(model, cache_limits(args, device), top_m=args.top_m, eps=args.eps)
 
 
 def main(args) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.engine.sessions import CacheLimits
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import MAX_BLOCK
 from specdec.runtime import wire
@@ -17,6 +16,7 @@ from specdec.runtime.servicer import (
     SessionServicer,
     add_replica_arguments,
     batch_runner_for,
+    cache_limits,
     main_async,
     profiled_costs,
 )
@@ -152,13 +152,12 @@ def main(args) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         device = args.device or default_device()
-        limits = CacheLimits(args.max_sessions, args.max_session_kv_bytes, args.max_kv_bytes)
         if tp > 1:
             from specdec.engine.tensor_parallel import DistributedTargetEngine, init_rank, worker_loop
 
             rank, _, device = init_rank(args.device)
             model = load_model(args.model, device, parse_dtype(args.dtype, device), quiet=rank != 0, tp_plan="auto")
-            shard = TargetEngine(model, limits, kv_shards=tp)
+            shard = TargetEngine(model, cache_limits(args, device, ranks_on_host=tp), kv_shards=tp)
             if rank != 0:
                 raise SystemExit(worker_loop(shard))
             mirrored = DistributedTargetEngine(shard, tp)
@@ -166,7 +165,7 @@ def main(args) -> int:
             engine: TargetEngine | DistributedTargetEngine = mirrored
         else:
             model = load_model(args.model, device, parse_dtype(args.dtype, device))
-            engine = TargetEngine(model, limits)
+            engine = TargetEngine(model, cache_limits(args, device))
         tokenizer = try_load_tokenizer(args.model)
         fingerprint = tokenizer_fingerprint(tokenizer)
         servicer = TargetServicer(engine, args.model, eos_token_ids(model, tokenizer), fingerprint, tp)

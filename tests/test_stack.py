@@ -532,6 +532,8 @@ def test_service_logs_go_to_the_log_dir_the_stack_created(stack):
     names = sorted(p.name for p in stack.logs.glob("*.log"))
     assert {"target-0.log", "draft-0.log", "coordinator.log"} <= set(names), names
     assert (stack.logs / "target-0.log").stat().st_size > 0
+    assert "KV pool cap: " in (stack.logs / "target-0.log").read_text()  # auto: a cap, not none (issue 24)
+    assert "GiB (auto" in (stack.logs / "draft-0.log").read_text()
 
 
 def test_internal_rpcs_bound_what_a_client_sends(stack):

@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 
 from specdec.engine.batching import BatchRunner, PassLoad
+from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, parse_kv_bytes, resolve_kv_cap
+from specdec.engine.sessions import CacheLimits
 from specdec.errors import DrainingError
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import wire
@@ -68,12 +70,33 @@ def profiled_costs(engine, batch: BatchRunner | None, args) -> list[tuple[int, f
     return pass_costs(engine, min(args.max_batch_sessions, args.max_sessions, batch.max_batch_tokens))
 
 
+def cache_limits(args, device, ranks_on_host: int = 1) -> CacheLimits:
+    """The replica's session caps from its flags; ``--max-kv-bytes auto`` is resolved here, so
+    call it once the model is loaded (what is free then is what the caches may use)."""
+    cap = resolve_kv_cap(args.max_kv_bytes, device, args.kv_memory_fraction, ranks_on_host)
+    how = f"auto, {args.kv_memory_fraction:g} of the free memory" if args.max_kv_bytes == AUTO else "--max-kv-bytes"
+    log.info("KV pool cap: %s (%s)", f"{cap / (1 << 30):.2f} GiB" if cap else "none", how)
+    return CacheLimits(args.max_sessions, args.max_session_kv_bytes, cap)
+
+
 def add_replica_arguments(p) -> None:
     """The flags every draft/target replica takes (device, caps, registry, drain, metrics)."""
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
     p.add_argument("--max-sessions", type=int, default=256)
-    p.add_argument("--max-kv-bytes", type=int, default=0, help="cap on all sessions' KV bytes (0 = none)")
+    p.add_argument(
+        "--max-kv-bytes",
+        type=parse_kv_bytes,
+        default=AUTO,
+        help="cap on all sessions' KV bytes, allocated: auto (default: --kv-memory-fraction of the memory free "
+        "once the model is loaded, within the container's limit), a count like 2GiB, or 0 = none",
+    )
+    p.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=DEFAULT_KV_FRACTION,
+        help="with --max-kv-bytes auto, the share of free memory the KV pool may take",
+    )
     p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
     p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")

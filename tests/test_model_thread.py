@@ -105,3 +105,83 @@ def test_concurrent_sessions_run_every_engine_call_on_the_model_thread(target_mo
         assert len(carried) == 4 * 2, f"{method} calls carrying the previous step's commit: {len(carried)}"
     assert len({thread for _, thread in calls}) == 1, "engine calls ran on several threads"
     assert calls[0][1] != loop_thread, "engine calls must not block the event loop"
+
+
+def test_a_release_queued_behind_a_busy_model_thread_runs_after_its_deadline(target_model):
+    """Issue 24, item 11: a Release whose caller gave up while a long pass held the model thread
+    must still free the session (before: the queued call was cancelled with the RPC, and the
+    session held its KV until the TTL)."""
+    import grpc
+    import pytest
+
+    from specdec.runtime.model_thread import model_executor
+    from specdec.v1 import engine_pb2
+
+    engine = TargetEngine(target_model)
+
+    async def main():
+        server = srv.create_server()
+        target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(engine, "tiny-target"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        peer = GrpcTarget(f"127.0.0.1:{port}")
+        try:
+            await peer.start("s", [1, 2, 3], SamplingParams(temperature=1.0, seed=1))
+            assert engine.stats()["live_sessions"] == 1
+            busy = threading.Event()
+            model_executor().submit(busy.wait, 5.0)  # a long pass holds the model thread
+            with pytest.raises(grpc.aio.AioRpcError) as info:  # a raw stub: no client retry
+                await peer.stub.Release(engine_pb2.ReleaseRequest(session_id="s"), timeout=0.3)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            busy.set()
+            await on_model_thread(lambda: None)  # what was queued before this has run
+            return engine.stats()["live_sessions"]
+        finally:
+            await peer.close()
+            await server.stop(None)
+
+    assert asyncio.run(main()) == 0
+
+
+def test_a_failed_release_is_retried_in_the_background_and_close_waits_for_it(monkeypatch):
+    """The coordinator's side: a Release refused for want of time is tried again, and closing
+    the peer waits for it instead of cutting it off (the shutdown race of issue 24, item 16)."""
+    import grpc
+    import pytest
+
+    from specdec.errors import PeerError
+    from specdec.runtime import peers
+
+    monkeypatch.setattr(peers, "RELEASE_RETRY_DELAYS_S", (0.05, 0.05, 0.05))
+
+    class Refusal(grpc.aio.AioRpcError):
+        def __init__(self, code):
+            super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "busy")
+
+    class FlakyStub:
+        def __init__(self, failures):
+            self.failures, self.calls = failures, []
+
+        async def Release(self, request, timeout):
+            self.calls.append(request.session_id)
+            if len(self.calls) <= self.failures:
+                raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED)
+            await asyncio.sleep(0.05)
+
+    async def main():
+        peer = GrpcTarget("127.0.0.1:1")
+        peer.stub = FlakyStub(failures=2)
+        with pytest.raises(PeerError, match="DEADLINE_EXCEEDED"):
+            await peer.release("s")
+        await peer.close()  # waits for the retries
+        flaky_then_fine = list(peer.stub.calls)
+        peer = GrpcTarget("127.0.0.1:1")
+        peer.stub = FlakyStub(failures=99)
+        with pytest.raises(PeerError):
+            await peer.release("t")
+        await peer.close()
+        return flaky_then_fine, len(peer.stub.calls)
+
+    flaky_then_fine, hopeless_calls = asyncio.run(main())
+    assert flaky_then_fine == ["s", "s", "s"]  # one try, two retries, the second of them succeeds
+    assert hopeless_calls == 1 + 3  # bounded: the TTL frees what the retries could not

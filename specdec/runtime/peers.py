@@ -8,7 +8,9 @@ loop drops the draft instead of failing the request.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -26,6 +28,15 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc, engine_pb2, target_pb2, target
 # What gRPC's core says when the connection died under a call (a replica killed mid-RPC): the
 # replica is gone, not broken -- UNAVAILABLE, so the loop fails over as for any lost replica.
 TRANSPORT_FAILURE = "Internal error from Core"
+# A Release that failed for want of time or of the replica (queued behind a busy model thread, a
+# replica restarting) is tried again in the background at these delays; then the replica's session
+# TTL frees it. Bounded: past MAX_PENDING_RELEASES retries in flight, the TTL alone.
+RELEASE_RETRY_DELAYS_S = (0.5, 2.0, 8.0)
+RETRYABLE_RELEASE = frozenset({"DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED"})
+MAX_PENDING_RELEASES = 1024
+CLOSE_GRACE_S = 3.0  # how long close() waits for releases in flight before closing the channel
+
+log = logging.getLogger("specdec.runtime.peers")
 
 
 def _peer_error(who: str, exc: grpc.aio.AioRpcError) -> PeerError:
@@ -56,8 +67,52 @@ class _LoadReports:
     _curve: CostCurve | None = None
     _curve_asked: asyncio.Future | None = None
 
+    release_timeout = 10.0
+    stub: Any  # the replica's service stub (Draft or Target: both have Release)
+
     def _init_reports(self) -> None:
         self._loads: dict[str, PassLoad] = {}
+        self._releasing: set[asyncio.Future] = set()  # releases in flight, first tries and retries
+
+    async def release(self, session_id: str) -> None:
+        """Free the session on the replica. The call survives the caller's cancellation, a
+        retryable failure is retried in the background, and close() waits for what is in flight:
+        a session is never left behind for the TTL when it can be freed now."""
+        self._loads.pop(session_id, None)
+        first = self._track(asyncio.ensure_future(self._release_call(session_id)))
+        try:
+            await asyncio.shield(first)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code().name in RETRYABLE_RELEASE and len(self._releasing) < MAX_PENDING_RELEASES:
+                self._track(asyncio.ensure_future(self._retry_release(session_id)))
+            raise _peer_error(f"{self.kind} {self.address}", exc) from None
+
+    async def _release_call(self, session_id: str) -> None:
+        await self.stub.Release(engine_pb2.ReleaseRequest(session_id=session_id), timeout=self.release_timeout)
+
+    async def _retry_release(self, session_id: str) -> None:
+        for delay in RELEASE_RETRY_DELAYS_S:
+            await asyncio.sleep(delay)
+            try:
+                await self._release_call(session_id)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code().name not in RETRYABLE_RELEASE:
+                    return
+        log.warning("%s %s: release of %s failed; its TTL will free it", self.kind, self.address, session_id)
+
+    def _track(self, future: asyncio.Future) -> asyncio.Future:
+        self._releasing.add(future)
+        future.add_done_callback(_forget_from(self._releasing))
+        return future
+
+    async def drain_releases(self, timeout: float = CLOSE_GRACE_S) -> None:
+        """Wait up to ``timeout`` for releases in flight; cancel what is left."""
+        pending = set(self._releasing)
+        if pending:
+            _done, late = await asyncio.wait(pending, timeout=timeout)
+            for future in late:
+                future.cancel()
 
     async def info(self) -> engine_pb2.EngineInfo:
         raise NotImplementedError
@@ -92,6 +147,15 @@ class _LoadReports:
         return self._loads.pop(session_id, None)
 
 
+def _forget_from(tracked: set):
+    def forget(future: asyncio.Future) -> None:
+        tracked.discard(future)
+        if not future.cancelled():
+            future.exception()  # retrieved: a failed release someone stopped waiting for is not an error
+
+    return forget
+
+
 class GrpcDraft(_LoadReports):
     kind = "draft"
 
@@ -102,6 +166,7 @@ class GrpcDraft(_LoadReports):
         self.timeout = timeout
         self.channel = channel or insecure_channel(address)
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
+        self.release_timeout = timeout
         self.wants_features = draft_kind == "feature"  # it drafts from the target's features
         self._init_reports()
 
@@ -127,14 +192,8 @@ class GrpcDraft(_LoadReports):
         self._report(session_id, reply.load)
         return wire.proposal_from_proto(reply.tokens)
 
-    async def release(self, session_id: str) -> None:
-        self._loads.pop(session_id, None)
-        try:
-            await self.stub.Release(engine_pb2.ReleaseRequest(session_id=session_id), timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise _peer_error(f"draft {self.address}", exc) from None
-
     async def close(self) -> None:
+        await self.drain_releases()
         await self.channel.close()
 
 
@@ -188,12 +247,6 @@ class GrpcTarget(_LoadReports):
         self._report(session_id, reply.load)
         return wire.verdict_from_proto(reply)
 
-    async def release(self, session_id: str) -> None:
-        self._loads.pop(session_id, None)
-        try:
-            await self.stub.Release(engine_pb2.ReleaseRequest(session_id=session_id), timeout=10.0)
-        except grpc.aio.AioRpcError as exc:
-            raise _peer_error(f"target {self.address}", exc) from None
-
     async def close(self) -> None:
+        await self.drain_releases()
         await self.channel.close()

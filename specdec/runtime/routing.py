@@ -119,8 +119,8 @@ class PeerPool:
         return [(p.kind, p.address, p.current_curve.points) for p in peers if p.current_curve is not None]
 
     async def close(self) -> None:
-        for peer in list(self._targets.values()) + list(self._drafts.values()):
-            await peer.close()
+        # together: each waits (bounded) for its releases in flight before closing its channel
+        await asyncio.gather(*(peer.close() for peer in list(self._targets.values()) + list(self._drafts.values())))
 
 
 class SessionRouting:

@@ -216,7 +216,10 @@ class SessionServicer:
 
     @grpc_method
     async def Release(self, request, context):
-        released = await on_model_thread(self.engine.release, request.session_id)
+        # Shielded: a Release queued behind a long pass must run even when its caller's deadline
+        # passes first (cancelling a queued model-thread call would drop it, and the session would
+        # hold its KV until the TTL).
+        released = await asyncio.shield(on_model_thread(self.engine.release, request.session_id))
         return engine_pb2.ReleaseResponse(released=released)
 
 

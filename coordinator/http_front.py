@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from coordinator import openai_schema as schema
 from coordinator.front import TRACE_HEADERS, CoordinatorFront
 from specdec.errors import InvalidArgumentError, SpecdecError
-from specdec.runtime.grpc_server import status_of
+from specdec.runtime.grpc_server import failure_status
 from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger("specdec.coordinator.http")
@@ -58,10 +58,9 @@ def error_of(exc: BaseException) -> HttpError:
     """Any failure as the HTTP error a client gets (one mapping, from the gRPC one)."""
     if isinstance(exc, HttpError):
         return exc
-    code = status_of(exc).name
-    status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
+    code, message = failure_status(exc, "the HTTP API")
+    status, kind = HTTP_STATUS.get(code.name, (500, "internal_error"))
     param = http_param(exc.field) if isinstance(exc, InvalidArgumentError) else None
-    message = str(exc) if isinstance(exc, SpecdecError) or status != 500 else f"internal error: {exc}"
     return HttpError(status, kind, message, param)
 
 

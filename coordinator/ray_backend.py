@@ -62,15 +62,19 @@ class CoordinatorActor:
 
 def _unwrap(exc: BaseException) -> BaseException:
     """The error the actor raised, as the front should report it."""
+    if isinstance(exc, RayActorError) or isinstance(getattr(exc, "cause", None), RayActorError):
+        log.warning("coordinator replica lost: %s", exc)
     if isinstance(exc, RayTaskError):
         cause = getattr(exc, "cause", None)
         if isinstance(cause, SpecdecError):
             return cause
         if isinstance(cause, RayActorError):
-            return PeerError("UNAVAILABLE", f"coordinator replica died: {cause}")
-        return exc
+            return PeerError("UNAVAILABLE", "a coordinator replica died mid-request; resume or retry")
+        # the actor's own exception (a Redis refusal, a bug), classified as raised there; the
+        # RayTaskError around it carries a traceback, pid and node address no client should see
+        return cause if isinstance(cause, Exception) else exc
     if isinstance(exc, RayActorError):
-        return PeerError("UNAVAILABLE", f"coordinator replica unavailable: {exc}")
+        return PeerError("UNAVAILABLE", "the coordinator replica is unavailable; retry")
     return exc
 
 

@@ -138,3 +138,25 @@ def test_a_paused_coordinator_is_fenced_when_it_wakes_and_the_log_holds_each_tok
     assert first == undisturbed[: len(first)]
     replay, error = read(stack.coordinator_address, request([2, 7, 1], **GREEDY, request_id=rid, resume_from_index=0))
     assert error is None and replay == undisturbed  # the log: LONG tokens, none twice
+
+
+def test_redis_refusing_writes_is_unavailable_without_a_traceback_and_then_recovers(stack):
+    """A real Redis out of memory (maxmemory below its use, noeviction) under the real coordinator
+    and its Ray actor: the client gets UNAVAILABLE naming the session store, not INTERNAL with
+    the actor's traceback (issue 24, item 14); once Redis has room, the same request works."""
+    import redis
+
+    admin = redis.Redis.from_url(stack.redis_url)
+    before = admin.config_get("maxmemory")["maxmemory"]
+    req = request([3, 1, 4], **{**GREEDY, "max_new_tokens": 8}, request_id=f"oom-{time.monotonic_ns()}")
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            stub(stack.coordinator_address).Generate(req, timeout=60)
+    finally:
+        admin.config_set("maxmemory", before)
+    details = info.value.details()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, (info.value.code(), details)
+    assert "Redis" in details and "Traceback" not in details and ".py" not in details and "pid" not in details
+    assert len(stub(stack.coordinator_address).Generate(req, timeout=120).token_ids) == 8

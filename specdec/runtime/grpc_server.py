@@ -8,6 +8,7 @@ import functools
 import inspect
 import logging
 import signal
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
@@ -26,22 +27,46 @@ CHANNEL_OPTIONS = [
 ]
 
 
+# Redis refusing a write (out of memory, a read-only replica, a failed snapshot, still loading) is
+# the session store being unavailable for now, not a bug in the request: retryable.
+REDIS_REFUSALS = frozenset({"OOM", "READONLY", "MISCONF", "LOADING", "MASTERDOWN", "BUSY", "NOREPLICAS"})
+
+
+def redis_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis unreachable or refusing writes (see REDIS_REFUSALS)."""
+    try:
+        import redis.exceptions as rx
+    except ImportError:  # pragma: no cover - redis is a dependency
+        return False
+    refusals = (rx.OutOfMemoryError, rx.ReadOnlyError, rx.BusyLoadingError, rx.MasterDownError, rx.TryAgainError)
+    if isinstance(exc, (rx.ConnectionError, rx.TimeoutError, *refusals)):
+        return True
+    return isinstance(exc, rx.ResponseError) and str(exc).split(" ", 1)[0] in REDIS_REFUSALS
+
+
 def status_of(exc: BaseException) -> grpc.StatusCode:
     """The one mapping from our exceptions to gRPC status codes."""
     if isinstance(exc, SpecdecError):
         return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
+    if redis_unavailable(exc):
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 
 def failure_status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     """The status and details a failed call answers with: a SpecdecError's own code and message
-    (it names the problem), else INTERNAL naming the error, logged with its traceback here (never
-    sent to the client). Every front maps failures through this."""
+    (it names the problem); Redis unavailable, UNAVAILABLE saying so; anything else INTERNAL with
+    a generic message and an error id, the traceback logged here under that id -- a client never
+    sees a traceback, a path, a pid or an address. Every front maps failures through this."""
     code = status_of(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        log.error("%s failed", method, exc_info=exc)
-        return code, f"internal error in {method}: {type(exc).__name__}: {exc}"
-    return code, str(exc)
+    if isinstance(exc, SpecdecError) and code != grpc.StatusCode.INTERNAL:
+        return code, str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        log.warning("%s: the session store is unavailable: %s: %s", method, type(exc).__name__, exc)
+        return code, f"{method}: the session store (Redis) is unavailable or refusing writes; retry"
+    error_id = uuid.uuid4().hex[:12]
+    log.error("%s failed (error id %s)", method, error_id, exc_info=exc)
+    return code, f"internal error in {method} (error id {error_id}; the server's log has the details)"
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):

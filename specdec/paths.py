@@ -19,3 +19,32 @@ def cache_dir() -> Path:
     ``~/.cache/specdec``."""
     base = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
     return Path(base)
+
+
+class UntrustedPathError(RuntimeError):
+    """A cache path another user could have written: nothing in it is loaded."""
+
+
+def _check_owned(path: Path, what: str) -> None:
+    info = path.lstat()
+    if path.is_symlink():
+        raise UntrustedPathError(f"{what} {path} is a symbolic link")
+    if info.st_uid != os.getuid():
+        raise UntrustedPathError(f"{what} {path} belongs to uid {info.st_uid}, not this user ({os.getuid()})")
+    if info.st_mode & 0o022:
+        raise UntrustedPathError(f"{what} {path} is writable by others (mode {info.st_mode & 0o777:o})")
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only this user can write: made with mode 0700 if missing, else
+    checked (owner, no group/other write, not a link); UntrustedPathError if it fails the check.
+    For what is executed or loaded from a cache (a compiled kernel): a file planted there by
+    another user must never run."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_owned(path, "cache directory")
+    return path
+
+
+def check_private_file(path: Path) -> None:
+    """A file in a private_dir that may be loaded: owned by this user and not writable by others."""
+    _check_owned(path, "cache file")

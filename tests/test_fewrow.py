@@ -99,7 +99,36 @@ def test_kernel_is_built_once_into_the_cache(tmp_path):
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     assert _probe({"SPECDEC_CACHE_DIR": str(tmp_path)}) == "None"  # the second process loads the same file
-    assert built[0].stat().st_mtime_ns == stamp and list((tmp_path / "kernels").iterdir()) == built
+    manifest = built[0].with_name(built[0].name + ".sha256")
+    assert built[0].stat().st_mtime_ns == stamp and sorted((tmp_path / "kernels").iterdir()) == [built[0], manifest]
+    assert (tmp_path / "kernels").stat().st_mode & 0o777 == 0o700  # private: nobody else can plant a library
+
+
+@needs_kernel
+def test_a_library_planted_in_the_cache_never_runs(tmp_path):
+    """Issue 24, item 15: a shared object dropped into the cache under the kernel's name is not
+    loaded (its hash is not the manifest's: the kernel is rebuilt), and nothing in a cache
+    directory others can write is loaded at all."""
+    cache = {"SPECDEC_CACHE_DIR": str(tmp_path)}
+    assert _probe(cache) == "None"
+    (library,) = (tmp_path / "kernels").glob("fewrow-*.so")
+    marker = tmp_path / "planted-code-ran"
+    planted_source = tmp_path / "planted.c"
+    planted_source.write_text(
+        "#include <stdio.h>\n"
+        f'__attribute__((constructor)) static void run(void) {{ fclose(fopen("{marker}", "w")); }}\n'
+        "int fewrow_mm(void) { return 0; }\n"
+    )
+    cc = fewrow._compiler()
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(library), str(planted_source)], check=True)
+    assert _probe(cache) == "None"  # rebuilt, and the real kernel loaded
+    assert not marker.exists()
+    assert fewrow._sha256(library) == library.with_name(library.name + ".sha256").read_text()
+
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(library), str(planted_source)], check=True)
+    (tmp_path / "kernels").chmod(0o777)  # a directory anyone may write: trusted for nothing
+    assert "writable by others" in _probe(cache)
+    assert not marker.exists()
 
 
 def test_without_a_compiler_it_says_so_once_and_products_fall_back(tmp_path):

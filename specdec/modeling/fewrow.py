@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.paths import cache_dir
+from specdec.paths import cache_dir, check_private_file, private_dir
 
 SOURCE = Path(__file__).parent / "kernels" / "fewrow.c"
 FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -71,13 +71,18 @@ def kernel_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     """The compiled library, built once per source, flags and compiler (atomically: processes
-    starting together each build a private file and rename it into place)."""
+    starting together each build a private file and rename it into place).
+
+    Loading a shared object runs its code, so the cache is trusted only as far as it is private:
+    the directory is this user's with mode 0700, the library is named by the hash of what built
+    it, and a manifest beside it holds the library's own SHA-256, checked before every load; a
+    library that fails a check is rebuilt, one in a directory others can write is never loaded."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    target = kernel_dir() / f"fewrow-{key}.so"
-    if target.exists():
+    directory = private_dir(kernel_dir())
+    target = directory / f"fewrow-{key}.so"
+    if _verified(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
     started = time.monotonic()
     result = subprocess.run(
@@ -86,13 +91,38 @@ def _build(compiler: str) -> Path:
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+    tmp.chmod(0o700)
+    manifest = _manifest(target)
+    manifest_tmp = manifest.with_name(f".{manifest.name}.{uuid.uuid4().hex}.tmp")
+    manifest_tmp.write_text(_sha256(tmp))
     tmp.replace(target)
+    manifest_tmp.replace(manifest)
     print(
         f"[specdec] compiled the few-row product kernel into {target} in {time.monotonic() - started:.1f}s",
         file=sys.stderr,
         flush=True,
     )
+    if not _verified(target):  # another process replaced it meanwhile with a different build
+        raise RuntimeError(f"{target} changed while it was being built; not loaded")
     return target
+
+
+def _manifest(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(library: Path) -> bool:
+    """Whether ``library`` exists, is this user's, and matches its manifest."""
+    manifest = _manifest(library)
+    if not (library.exists() and manifest.exists()):
+        return False
+    check_private_file(library)
+    check_private_file(manifest)
+    return manifest.read_text().strip() == _sha256(library)
 
 
 def _switched_off() -> bool:

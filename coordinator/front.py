@@ -26,6 +26,8 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 SERVICE = "specdec.v1.Coordinator"
 COST_MODEL_POLL_SECONDS = 5.0
+HEALTH_POLL_SECONDS = 2.0  # how often the front asks whether the request path can serve
+HEALTH_TIMEOUT_SECONDS = 3.0  # ... and how long an answer may take (past it: not serving)
 log = logging.getLogger("specdec.coordinator.front")
 TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -40,6 +42,7 @@ class Backend(Protocol):
     async def stop(self) -> None: ...
     async def cost_model(self) -> list: ...
     async def model_id(self) -> str: ...
+    async def health(self) -> str | None: ...
 
 
 class LocalBackend:
@@ -66,12 +69,18 @@ class LocalBackend:
     async def model_id(self) -> str:
         return self.core.model_id
 
+    async def health(self) -> str | None:
+        return await self.core.health()
+
 
 class CoordinatorFront:
     def __init__(self, backend: Backend, metrics_port: int = 0, model_name: str | None = None):
         self.backend = backend
         self._poll: asyncio.Future | None = None
-        self.serving = False  # what the health check answers: the request path found a target
+        self.serving = False  # what the health check answers: Redis and a target answer
+        self.not_serving_because = "starting"
+        self.on_health_change: list = []  # async callbacks(serving: bool): e.g. the gRPC health service
+        self._watch: asyncio.Future | None = None
         # the served model's name (metrics labels, the HTTP API's /v1/models): given, or the
         # target's model as it reports it
         self.model_name = model_name or ""
@@ -81,14 +90,38 @@ class CoordinatorFront:
         await self.backend.start()
         if not self.model_name:
             self.model_name = await self.backend.model_id()
-        self.serving = True
+        self.serving, self.not_serving_because = True, ""
         self._poll = asyncio.ensure_future(self._poll_cost_model())
+        self._watch = asyncio.ensure_future(self._watch_health())
 
     async def stop(self) -> None:
-        self.serving = False
-        if self._poll is not None:
-            self._poll.cancel()
+        await self._set_health("shutting down")
+        for task in (self._poll, self._watch):
+            if task is not None:
+                task.cancel()
         await self.backend.stop()
+
+    async def check_health(self) -> None:
+        """Ask the request path whether it can serve, now (bounded), and publish the answer."""
+        try:
+            reason = await asyncio.wait_for(self.backend.health(), HEALTH_TIMEOUT_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - no answer in time is not serving
+            reason = f"the request path did not answer its health check ({type(exc).__name__})"
+        await self._set_health(reason)
+
+    async def _set_health(self, reason: str | None) -> None:
+        serving = reason is None
+        changed = serving != self.serving
+        self.serving, self.not_serving_because = serving, reason or ""
+        if changed:
+            log.warning("now %s", "SERVING" if serving else f"NOT_SERVING: {reason}")
+            for callback in self.on_health_change:
+                await callback(serving)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_SECONDS)
+            await self.check_health()
 
     async def _poll_cost_model(self) -> None:
         """The load-aware policy's cost estimates (which live where the request path runs) as

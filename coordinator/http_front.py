@@ -225,7 +225,7 @@ class OpenAIApp:
     async def health(self) -> Response:
         if self.front.serving:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "unavailable", "reason": self.front.not_serving_because}, status_code=503)
 
     async def models(self) -> Response:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec"}

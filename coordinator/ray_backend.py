@@ -54,6 +54,9 @@ class CoordinatorActor:
     async def cost_model(self) -> list:
         return self.core.cost_model()
 
+    async def health(self) -> str | None:
+        return await self.core.health() if self.ready else "setting up"
+
     async def model_id(self) -> str:
         if not self.ready:
             await self.setup()
@@ -143,6 +146,19 @@ class RayBackend:
             except (RayTaskError, RayActorError):
                 continue  # a restarting actor: the next poll asks again
         return out
+
+    async def health(self) -> str | None:
+        """None if any actor can serve (the front routes around the others), else the first reason."""
+        reasons = []
+        for actor in list(self.actors):
+            try:
+                reason = await actor.health.remote()
+            except (RayTaskError, RayActorError):
+                reason = "a coordinator actor is restarting"
+            if reason is None:
+                return None
+            reasons.append(reason)
+        return reasons[0] if reasons else "no coordinator actor"
 
     async def model_id(self) -> str:
         try:

@@ -77,6 +77,7 @@ async def serve(args: argparse.Namespace) -> None:
         http = await HttpServer.start(front, front.model_name, args.host, args.http_port)
     await server.start()
     await srv.set_serving(health, [SERVICE], front.serving)
+    front.on_health_change.append(lambda serving: srv.set_serving(health, [SERVICE], serving))
     print(f"[specdec] coordinator service SERVING on {args.host}:{bound}", file=sys.stderr, flush=True)
 
     async def stop() -> None:

@@ -153,6 +153,49 @@ def test_every_image_is_the_projects_or_a_pinned_dependency(objects):
             assert PROJECT_IMAGE.match(image) or THIRD_PARTY.match(image), (owner, image)
 
 
+def test_every_package_installed_at_start_is_pinned_to_what_make_installs(objects):
+    """An init container that pip-installs an unpinned package runs whatever the index serves
+    that day (issue 24, item 16): every one pins the version the Makefile installs and tests."""
+    overlay, objs = objects
+    makefile = (ROOT / "Makefile").read_text()
+    installs = 0
+    for owner, template in pod_templates(objs):
+        for c in containers(template):
+            command = c.get("command", []) + c.get("args", [])
+            if "pip" not in command:
+                continue
+            packages = [a for a in command[command.index("install") + 1 :] if not a.startswith("-") and a != "/models"]
+            for package in packages:
+                installs += 1
+                assert re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.+-]*", package), (owner, package)
+                assert package in makefile, (owner, package, "not the version make installs")
+    assert installs > 0 or overlay != "dev"  # dev fetches the default models this way; gpu mounts its own
+
+
+def test_every_pod_is_behind_a_network_policy_and_ray_needs_its_token(objects):
+    """Issue 24, item 12: the Ray head must not take jobs from any pod of the cluster -- token
+    auth on, never switched off, and a NetworkPolicy on every pod (the coordinator's admitting
+    only the public ports from outside Ray)."""
+    _, objs = objects
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+
+    def covered(labels):
+        return [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+
+    for owner, template in pod_templates(objs):
+        assert covered(template["metadata"]["labels"]), f"{owner}: no NetworkPolicy selects its pods"
+        for c in containers(template):
+            for env in c.get("env", []):
+                assert not (env["name"] == "RAY_AUTH_MODE" and env.get("value") == "disabled"), owner
+    service = next(o for o in objs if o["kind"] == "RayService")
+    assert service["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    head_labels = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    (policy,) = covered(head_labels)
+    open_rules = [r for r in policy["spec"]["ingress"] if "from" not in r]
+    assert {p["port"] for r in open_rules for p in r["ports"]} == {9000, 8000}  # the public API only
+    assert "RAY_AUTH_MODE=disabled" not in (ROOT / "Dockerfile").read_text()
+
+
 def expand(arg: str, env: dict) -> str:
     return re.sub(r"\$\(([A-Z_]+)\)", lambda m: env[m.group(1)], arg)
 

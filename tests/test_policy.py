@@ -280,3 +280,26 @@ def test_a_request_id_is_bounded_and_printable(request_id):
         asyncio.run(first_chunk())
     assert info.value.field == "request_id" and "printable" in str(info.value)
     assert core.live_ids == set()
+
+
+def test_health_names_what_the_coordinator_lacks():
+    """No target known, or none answering: not serving, and the reason says which (issue 24,
+    item 16); the front publishes it to the gRPC health service and GET /health."""
+    import asyncio
+
+    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
+    from specdec.runtime.registry import Replica
+
+    async def scenario():
+        core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1"))
+        try:
+            nobody = await core.health()
+            core.pool.static["127.0.0.1:1"] = Replica("target", "static-127.0.0.1:1", "127.0.0.1:1")
+            silent = await core.health()
+        finally:
+            await core.close()
+        return nobody, silent
+
+    nobody, silent = asyncio.run(scenario())
+    assert nobody == "no target replica is registered"
+    assert silent == "none of the 1 target replica(s) answers"

@@ -160,3 +160,40 @@ def test_redis_refusing_writes_is_unavailable_without_a_traceback_and_then_recov
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, (info.value.code(), details)
     assert "Redis" in details and "Traceback" not in details and ".py" not in details and "pid" not in details
     assert len(stub(stack.coordinator_address).Generate(req, timeout=120).token_ids) == 8
+
+
+def test_a_hung_redis_fails_requests_fast_and_shows_in_the_health_check(stack):
+    """Redis stopped (SIGSTOP: a hung host, swapping, a stuck fsync) rather than gone: requests
+    that need it fail with UNAVAILABLE in seconds, not after a minute of retries, and the
+    coordinator's health check turns NOT_SERVING; when Redis wakes, both recover (issue 24, item 16)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(stack.coordinator_address))
+
+    def status():
+        try:
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        except grpc.RpcError:
+            return None
+
+    def wait_for(wanted, seconds=20.0):
+        deadline = time.monotonic() + seconds
+        while status() != wanted and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return status()
+
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert wait_for(SERVING) == SERVING
+    redis_pid = stack.embedded_redis.process.pid
+    req = request([5, 3], **{**GREEDY, "max_new_tokens": 8}, request_id=f"hung-{time.monotonic_ns()}")
+    os.kill(redis_pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            stub(stack.coordinator_address).Generate(req, timeout=30)  # a stall would be DEADLINE_EXCEEDED
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert "Redis" in info.value.details()
+        assert wait_for(NOT_SERVING) == NOT_SERVING
+    finally:
+        os.kill(redis_pid, signal.SIGCONT)
+    assert wait_for(SERVING) == SERVING
+    assert len(stub(stack.coordinator_address).Generate(req, timeout=120).token_ids) == 8

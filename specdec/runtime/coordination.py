@@ -44,6 +44,8 @@ METHODS = ("draft_model", "ngram", "none")
 
 
 CHAT_ROLES = ("system", "user", "assistant")
+HEALTH_PROBE_S = 1.0  # a health probe's wait for Redis or a target
+MAX_HEALTH_PROBES = 8  # targets probed per health check (one answering is enough)
 LOG_POLL_S = 0.05  # a resumed stream's wait for new log entries
 LEASE_CHECK_POLLS = 20  # ... and how many waits between looks at the lease
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id: a Redis key and a log field, so bounded
@@ -216,6 +218,21 @@ class CoordinatorCore:
     def cost_model(self) -> list[tuple[str, str, list[tuple[int, float]]]]:
         """The load-aware policy's current pass-cost estimates: (kind, replica address, points)."""
         return self.pool.cost_model()
+
+    async def health(self) -> str | None:
+        """None while this coordinator can serve a request; else what it lacks: the session log's
+        Redis, or every target (a hung Redis or no target must show in the health check at once,
+        not as requests that stall)."""
+        if self.log is not None:
+            try:
+                await asyncio.wait_for(self.log.redis.ping(), HEALTH_PROBE_S)
+            except Exception:  # noqa: BLE001 - any failure to answer is the answer
+                return "Redis (the session log and registry) is not answering"
+        targets = (await self.pool.replicas("target"))[:MAX_HEALTH_PROBES]
+        if not targets:
+            return "no target replica is registered"
+        answers = await asyncio.gather(*(self.pool.target_peer(r.address).ping(HEALTH_PROBE_S) for r in targets))
+        return None if any(answers) else f"none of the {len(targets)} target replica(s) answers"
 
     async def close(self) -> None:
         await self.pool.close()

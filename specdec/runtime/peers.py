@@ -106,6 +106,14 @@ class _LoadReports:
         future.add_done_callback(_forget_from(self._releasing))
         return future
 
+    async def ping(self, timeout: float) -> bool:
+        """Whether the replica answers its Info within ``timeout`` (the health check's probe)."""
+        try:
+            await self.stub.Info(engine_pb2.InfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
     async def drain_releases(self, timeout: float = CLOSE_GRACE_S) -> None:
         """Wait up to ``timeout`` for releases in flight; cancel what is left."""
         pending = set(self._releasing)

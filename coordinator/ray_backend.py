@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from specdec.errors import PeerError, SpecdecError
+from specdec.runtime import security
 from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
 from specdec.telemetry import tracing
 from specdec.v1 import coordinator_pb2
@@ -98,8 +99,10 @@ class RayBackend:
             else:
                 ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
         config = asdict(self.config)
-        # Tracing settings travel to the actors explicitly (a joined cluster has its own env).
+        # Tracing and transport-security settings travel to the actors explicitly (a joined
+        # cluster has its own env): the actors dial the draft and target services as we would.
         env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_") or k == "HF_HUB_OFFLINE"}
+        env.update(security.forwarded_env())
         options = {"runtime_env": {"env_vars": env}} if env else {}
         actor_class: Any = CoordinatorActor  # ray.remote made it an ActorClass: .options, .remote
         self.actors = [actor_class.options(**options).remote(config) for _ in range(self.replicas)]

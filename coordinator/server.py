@@ -13,6 +13,7 @@ import sys
 from coordinator import settings
 from coordinator.front import SERVICE, Backend, CoordinatorFront, CoordinatorServicer, LocalBackend
 from specdec.runtime import grpc_server as srv
+from specdec.runtime import security
 from specdec.runtime.coordination import CoordinatorConfig
 from specdec.telemetry import tracing
 from specdec.v1 import coordinator_pb2_grpc
@@ -20,8 +21,9 @@ from specdec.v1 import coordinator_pb2_grpc
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     settings.add_arguments(p)
+    security.add_arguments(p)
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     p.add_argument("--replicas", type=int, default=1, help="coordinator Ray actors")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS or a local one)")
     p.add_argument("--no-ray", action="store_true", help="run the request path in the front process (debugging only)")
@@ -67,7 +69,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = srv.create_server(max_receive_bytes=args.max_request_bytes)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(front), server)
     health = srv.add_health_and_reflection(server, [SERVICE])
-    bound = server.add_insecure_port(f"{args.host}:{args.port}")
+    bound = security.bind(server, f"{args.host}:{args.port}")
     if bound == 0:
         raise SystemExit(f"specdec coordinator: cannot listen on {args.host}:{args.port}")
     http = None
@@ -90,6 +92,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[specdec coordinator] %(levelname)s %(message)s")
+    security.apply_arguments(args)  # before Ray starts: its actors inherit the environment
     tracing.init_tracing("specdec-coordinator")
     asyncio.run(serve(args))
     return 0

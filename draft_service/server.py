@@ -8,7 +8,7 @@ import dataclasses
 
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import MAX_BLOCK
-from specdec.runtime import wire
+from specdec.runtime import security, wire
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.servicer import (
     ServiceSpec,
@@ -87,7 +87,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="draft model spec (HF dir, .gguf, cached id) or 'ngram'")
     p.add_argument("--port", type=int, default=50061)
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     add_replica_arguments(p)
     p.add_argument("--vocab-size", type=int, default=0, help="ngram only: the target's vocabulary size (0 = unchecked)")
     p.add_argument("--top-m", type=int, default=64, help="ship at most M tokens of q per position (0 = all)")
@@ -112,6 +112,7 @@ def build_engine(args):
 
 
 def main(args) -> int:
+    security.apply_arguments(args)  # TLS / token flags -> this process's environment
     import os
 
     from specdec.modeling.loading import tokenizer_fingerprint, try_load_tokenizer

@@ -8,7 +8,7 @@ import argparse
 
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import MAX_BLOCK
-from specdec.runtime import wire
+from specdec.runtime import security, wire
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import on_model_thread
 from specdec.runtime.servicer import (
@@ -110,12 +110,13 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="target model spec (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--port", type=int, default=50062)
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     add_replica_arguments(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one device each; gloo on CPU)")
 
 
 def main(args) -> int:
+    security.apply_arguments(args)  # TLS / token flags -> this process's environment
     import os
     import sys
 

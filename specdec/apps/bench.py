@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.apps.cli import SERVE_DEFAULT_K
+from specdec.runtime.grpc_server import client_channel
 from specdec.training.prompts import BENCH_PROMPTS, load_prompts
 
 
@@ -212,7 +213,6 @@ def build_request(
 
 
 def run(args) -> dict:
-    import grpc
 
     from specdec.apps.launcher import local_stack
     from specdec.modeling.loading import default_draft_for, encode_prompt, load_model, load_tokenizer
@@ -274,7 +274,7 @@ def run(args) -> dict:
     ) as stack:
 
         async def measure():
-            async with grpc.aio.insecure_channel(stack.coordinator_address) as channel:
+            async with client_channel(stack.coordinator_address) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
                 await stream_one(stub, build_request(prompts[0], modes[0], 0.0, 4, 0))  # warm-up
                 total = args.repeats * len(prompts) * len(temperatures) * (len(modes) + len(hf_modes))
@@ -382,13 +382,12 @@ async def _concurrency(
     EOS), ``repeats`` times, the modes of a level interleaved; the median aggregate tokens/s,
     latency percentiles over every stream, and how many streams' tokens differ from the same
     request run alone (measured once per request, one at a time)."""
-    import grpc
 
     from specdec.v1 import coordinator_pb2_grpc
 
     out = []
     alone_by_mode: dict[str, dict[int, list[int]]] = {}
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with client_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
 
         def make(i: int, mode: Mode):

@@ -9,6 +9,7 @@ import sys
 import time
 
 from specdec.runtime.flags import non_negative_int, positive_int
+from specdec.runtime.security import redacted
 
 # `specdec serve` / `run`'s default k: the best k of the held-out CPU bench with the shipped draft
 # (docs/performance.md); the load-aware policy chooses each step's k in 0..k.
@@ -171,9 +172,10 @@ def cmd_serve(args) -> int:
         print(
             f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)\n"
             f"{http}"
-            f"  registry and session log: {stack.redis_url}"
+            f"  registry and session log: {redacted(stack.redis_url)}"
             f"{' (embedded redis-server)' if stack.embedded_redis else ''}\n"
-            f"  add a draft replica: specdec draft --model {stack.draft_model} --port PORT --redis {stack.redis_url}",
+            f"  add a draft replica: specdec draft --model {stack.draft_model} --port PORT "
+            f"--redis {redacted(stack.redis_url)}",
             flush=True,
         )
         try:

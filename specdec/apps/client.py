@@ -6,8 +6,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
+from specdec.runtime.grpc_server import sync_channel
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -55,7 +54,7 @@ def stream_to(address: str, request, out=sys.stdout, timeout: float | None = Non
     """Call GenerateStream, write text to ``out`` as it is committed, return the whole answer."""
     answer = StreamedAnswer()
     started = time.perf_counter()
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         for chunk in stub.GenerateStream(request, timeout=timeout):
             if chunk.token_ids and answer.first_token_seconds is None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError
 from specdec.modeling.loading import default_draft_for, resolve
+from specdec.runtime import security
 from specdec.runtime.grpc_server import wait_for_health
 
 
@@ -235,7 +236,7 @@ def local_stack(
         if not redis_url:
             embedded = EmbeddedRedis().start()
             redis_url = embedded.url
-            _say(f"started an embedded redis-server at {redis_url}")
+            _say(f"started an embedded redis-server at {security.redacted(redis_url)}")
         stack.redis_url, stack.embedded_redis = redis_url, embedded
         stack.host, stack.log_dir, stack.env = host, log_dir, env or {}
         stack.draft_model, stack.extra_draft = draft_model, draft_flags(extra_draft)

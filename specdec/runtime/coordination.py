@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -614,7 +615,8 @@ class CoordinatorCore:
             self.tokenizer,
             # Per run: a resumed or taken-over request never collides with (or releases) the
             # sessions of the run before it, which may still live until their TTL.
-            session_id=f"{parsed.request_id}/{uuid.uuid4().hex[:8]}",
+            # 128 random bits: a session id nobody can guess from the request id it starts with
+            session_id=f"{parsed.request_id}/{secrets.token_hex(16)}",
             failover=routing,
             committed=committed,
             committed_steps=committed_steps,

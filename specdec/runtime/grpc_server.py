@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import SpecdecError
+from specdec.runtime import security
 from specdec.telemetry import metrics, tracing
 
 log = logging.getLogger("specdec.runtime.grpc_server")
@@ -111,14 +112,16 @@ def grpc_method(fn: Callable) -> Callable:
     return unary_wrapper
 
 
-def create_server(max_receive_bytes: int | None = None) -> grpc.aio.Server:
+def create_server(max_receive_bytes: int | None = None, token: str | None = None) -> grpc.aio.Server:
     """A grpc.aio server; ``max_receive_bytes`` bounds a request message (a public port takes
-    far less than the internal services' MAX_MESSAGE_BYTES, which carry features)."""
+    far less than the internal services' MAX_MESSAGE_BYTES, which carry features). With
+    ``token``, every call but health and reflection must carry it (specdec.runtime.security)."""
     options = CHANNEL_OPTIONS
     if max_receive_bytes is not None:
         options = [o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
-    return grpc.aio.server(interceptors=tracing.server_interceptors(), options=options)
+    checks = [security.TokenCheck(token)] if token else []
+    return grpc.aio.server(interceptors=checks + tracing.server_interceptors(), options=options)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str]) -> health.aio.HealthServicer:
@@ -135,8 +138,24 @@ async def set_serving(servicer: health.aio.HealthServicer, service_full_names: I
         await servicer.set(name, status)
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=tracing.client_interceptors())
+def client_channel(address: str, settings: security.Security | None = None) -> grpc.aio.Channel:
+    """An aio channel to a specdec port: TLS (mutual, with a certificate) and the shared token
+    when this process is configured for them (specdec.runtime.security), plaintext otherwise."""
+    settings = settings or security.current()
+    interceptors = security.client_interceptors(settings) + tracing.client_interceptors()
+    credentials = settings.channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+
+
+def sync_channel(address: str, settings: security.Security | None = None) -> grpc.Channel:
+    """A blocking channel (the CLI client, launchers' probes): TLS as :func:`client_channel`, no
+    token -- they talk to the coordinator's public port and to health checks, which need none."""
+    credentials = (settings or security.current()).channel_credentials()
+    if credentials is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 
 async def serve_until_signal(
@@ -168,7 +187,7 @@ async def wait_for_health(address: str, timeout: float = 60.0, service: str = ""
     """Block until ``address`` answers SERVING on the standard health service (for launchers/tests)."""
     deadline = asyncio.get_running_loop().time() + timeout
     last_error = "no answer"
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with client_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while asyncio.get_running_loop().time() < deadline:
             try:

@@ -22,7 +22,7 @@ from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import TargetVerdict
 from specdec.loop.goodput import CostCurve, SpeculationRegime
 from specdec.runtime import wire
-from specdec.runtime.grpc_server import insecure_channel
+from specdec.runtime.grpc_server import client_channel
 from specdec.v1 import draft_pb2, draft_pb2_grpc, engine_pb2, target_pb2, target_pb2_grpc
 
 # What gRPC's core says when the connection died under a call (a replica killed mid-RPC): the
@@ -172,7 +172,7 @@ class GrpcDraft(_LoadReports):
     ):
         self.address = address
         self.timeout = timeout
-        self.channel = channel or insecure_channel(address)
+        self.channel = channel or client_channel(address)
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
         self.release_timeout = timeout
         self.wants_features = draft_kind == "feature"  # it drafts from the target's features
@@ -211,7 +211,7 @@ class GrpcTarget(_LoadReports):
     def __init__(self, address: str, timeout: float = 60.0, channel: grpc.aio.Channel | None = None):
         self.address = address
         self.timeout = timeout
-        self.channel = channel or insecure_channel(address)
+        self.channel = channel or client_channel(address)
         self.stub = target_pb2_grpc.TargetStub(self.channel)
         self.context_length = 0  # set by info()
         self._init_reports()

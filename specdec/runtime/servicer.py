@@ -19,7 +19,7 @@ from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, parse_kv_bytes, res
 from specdec.engine.sessions import CacheLimits
 from specdec.errors import DrainingError
 from specdec.runtime import grpc_server as srv
-from specdec.runtime import wire
+from specdec.runtime import security, wire
 from specdec.runtime.batcher import IterationLoop
 from specdec.runtime.flags import non_negative_float, non_negative_int, positive_int
 from specdec.runtime.grpc_server import grpc_method
@@ -80,7 +80,8 @@ def cache_limits(args, device, ranks_on_host: int = 1) -> CacheLimits:
 
 
 def add_replica_arguments(p) -> None:
-    """The flags every draft/target replica takes (device, caps, registry, drain, metrics)."""
+    """The flags every draft/target replica takes (device, caps, registry, drain, metrics, TLS)."""
+    security.add_arguments(p)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
     p.add_argument("--max-sessions", type=int, default=256)
@@ -233,11 +234,12 @@ async def _expiry_loop(engine, ttl: float) -> None:
 
 
 async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> None:
-    server = srv.create_server()
+    settings = security.current()
+    server = srv.create_server(token=settings.token or None)
     spec.add_to_server(spec.servicer, server)
     health = srv.add_health_and_reflection(server, [spec.full_service_name])
     address = f"{spec.host}:{spec.port}"
-    bound = server.add_insecure_port(address)
+    bound = security.bind(server, address, settings)
     if bound == 0:
         raise SystemExit(f"specdec {spec.name}: cannot listen on {address}")
     if spec.batch is not None:
@@ -246,7 +248,9 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
     metrics.watch_engine(spec.engine)
     metrics.serve_metrics(spec.metrics_port)
     await srv.set_serving(health, [spec.full_service_name], True)
-    print(f"[specdec] {spec.name} service SERVING on {spec.host}:{bound}", file=sys.stderr, flush=True)
+    how = ("mutual TLS" if settings.ca else "TLS") if settings.server_tls else "plaintext"
+    how += ", token required" if settings.token else ""
+    print(f"[specdec] {spec.name} service SERVING on {spec.host}:{bound} ({how})", file=sys.stderr, flush=True)
     if on_ready:
         on_ready()
     expiry = asyncio.create_task(_expiry_loop(spec.engine, spec.session_ttl))
@@ -257,7 +261,11 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
         registry = Registry(spec.redis_url)
         heartbeat = Heartbeat(registry, lambda: describe(advertise, spec.servicer.draining))
         heartbeat.start()
-        print(f"[specdec] {spec.name} registered in {spec.redis_url} as {advertise}", file=sys.stderr, flush=True)
+        print(
+            f"[specdec] {spec.name} registered in {security.redacted(spec.redis_url)} as {advertise}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     async def drain() -> None:
         # Refuse new sessions, tell the registry at once, let live sessions finish, deregister.
@@ -296,6 +304,7 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
 
 def main_async(spec_factory: Callable[[], ServiceSpec], service_name: str) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[specdec {service_name}] %(levelname)s %(message)s")
+    security.current()  # bad TLS / token settings stop the service here, naming the setting
     tracing.init_tracing(f"specdec-{service_name}")
     spec = call_on_model_thread(spec_factory)  # loads the model on the thread that will run it
     asyncio.run(run(spec))

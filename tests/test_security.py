@@ -1,0 +1,219 @@
+"""Who may talk to a specdec port (issue 24, item 13): TLS and mutual TLS from PEM files, the
+shared bearer token of the internal services, Redis passwords kept out of what is printed, and
+internal ports on 127.0.0.1 unless told otherwise -- against a real grpc.aio server running the
+target service over a tiny model, and a real stack of processes."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.runtime import security
+from specdec.runtime.security import Security, SecurityConfigError, redacted
+
+# -- certificates made here: a CA, a server certificate for 127.0.0.1, a client certificate ------
+
+
+def _certificates(directory):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(common):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    def issue(subject, key, issuer, issuer_key, ca=False, san=None):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(name(issuer))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    import ipaddress
+
+    def write(stem, cert, key):
+        (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (directory / f"{stem}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = issue("specdec test CA", ca_key, "specdec test CA", ca_key, ca=True)
+    write("ca", ca, ca_key)
+    for stem in ("server", "client"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+        write(stem, issue(f"specdec {stem}", key, "specdec test CA", ca_key, san=san), key)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return _certificates(tmp_path_factory.mktemp("certs"))
+
+
+def test_settings_are_checked_and_name_the_setting(tmp_path, certs):
+    with pytest.raises(SecurityConfigError, match="go together"):
+        Security(cert=str(certs / "server.pem"))
+    with pytest.raises(SecurityConfigError, match="SPECDEC_TLS_CA: no such file"):
+        Security(ca=str(tmp_path / "missing.pem"))
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    assert security.from_env({security.TOKEN_FILE_ENV: str(token_file)}).token == "s3cret"
+    token_file.write_text("")
+    with pytest.raises(SecurityConfigError, match="empty"):
+        security.from_env({security.TOKEN_FILE_ENV: str(token_file)})
+
+
+def test_a_redis_password_never_reaches_what_is_printed():
+    assert redacted("redis://:hunter2@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redacted("rediss://app:hunter2@10.0.0.5/1") == "rediss://app:***@10.0.0.5/1"
+    assert redacted("redis://redis:6379/0") == "redis://redis:6379/0"
+
+
+def _serve_target(model, sec: Security):
+    """A real target service over ``model`` on a grpc.aio server with ``sec``; (server, port)."""
+    from specdec.engine.target import TargetEngine
+    from specdec.runtime import grpc_server as srv
+    from specdec.v1 import target_pb2_grpc
+    from target_service.server import SERVICE, TargetServicer
+
+    server = srv.create_server(token=sec.token or None)
+    target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(TargetEngine(model), "tiny-target"), server)
+    srv.add_health_and_reflection(server, [SERVICE])
+    port = security.bind(server, "127.0.0.1:0", sec)
+    return server, port
+
+
+def test_mutual_tls_and_the_token_admit_only_who_has_both(target_model, certs):
+    from specdec.runtime.grpc_server import client_channel
+    from specdec.v1 import engine_pb2, target_pb2_grpc
+
+    server_side = Security(str(certs / "server.pem"), str(certs / "server.key"), str(certs / "ca.pem"), "t0ken")
+    full = Security(str(certs / "client.pem"), str(certs / "client.key"), str(certs / "ca.pem"), "t0ken")
+    no_token = Security(full.cert, full.key, full.ca, "")
+    wrong_token = Security(full.cert, full.key, full.ca, "guess")
+    no_client_cert = Security(ca=full.ca, token="t0ken")
+
+    async def info(sec: Security | None) -> str:
+        channel = client_channel(address, sec) if sec is not None else grpc.aio.insecure_channel(address)
+        async with channel:
+            try:
+                await target_pb2_grpc.TargetStub(channel).Info(engine_pb2.InfoRequest(), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+            return "OK"
+
+    async def health(sec: Security) -> str:
+        async with client_channel(address, sec) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def main():
+        nonlocal address
+        server, port = _serve_target(target_model, server_side)
+        address = f"127.0.0.1:{port}"
+        await server.start()
+        try:
+            return {
+                "full": await info(full),
+                "no token": await info(no_token),
+                "wrong token": await info(wrong_token),
+                "no client certificate": await info(no_client_cert),
+                "plaintext": await info(None),
+                "health without a token": await health(no_token),
+            }
+        finally:
+            await server.stop(None)
+
+    address = ""
+    outcome = asyncio.run(main())
+    assert outcome == {
+        "full": "OK",
+        "no token": "UNAUTHENTICATED",
+        "wrong token": "UNAUTHENTICATED",
+        "no client certificate": "UNAVAILABLE",  # the TLS handshake fails: no call is made
+        "plaintext": "UNAVAILABLE",
+        "health without a token": "SERVING",  # kubelet's probes carry no token
+    }
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_stack_over_mutual_tls_with_a_token_generates_and_a_plaintext_client_is_refused(certs, tmp_path):
+    """The real stack -- target, draft and the coordinator with its Ray actor, each its own
+    process -- with mTLS on every port and the token on the internal ones, all from the
+    environment a Secret would set; a request through it gives the target's greedy tokens."""
+    from stack_util import request
+
+    from specdec.apps.launcher import local_stack
+    from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
+    from specdec.runtime.grpc_server import sync_channel
+    from specdec.v1 import coordinator_pb2_grpc, engine_pb2, target_pb2_grpc
+
+    target = tiny_llama(32, seed=3, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    target.save_pretrained(tmp_path / "target")
+    perturbed(target, scale=0.04, seed=4).save_pretrained(tmp_path / "draft")
+    for name in ("target", "draft"):
+        word_tokenizer(32).save_pretrained(tmp_path / name)
+    env = {
+        security.CERT_ENV: str(certs / "server.pem"),
+        security.KEY_ENV: str(certs / "server.key"),
+        security.CA_ENV: str(certs / "ca.pem"),
+        security.TOKEN_ENV: "stack-t0ken",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with local_stack(str(tmp_path / "target"), str(tmp_path / "draft"), log_dir=tmp_path / "logs") as stack:
+            req = request([1, 2, 3], k=2, temperature=0.0, max_new_tokens=12, ignore_eos=True)
+            with sync_channel(stack.coordinator_address) as channel:
+                reply = coordinator_pb2_grpc.CoordinatorStub(channel).Generate(req, timeout=120)
+            assert len(reply.token_ids) == 12
+            with grpc.insecure_channel(stack.coordinator_address) as channel, pytest.raises(grpc.RpcError) as info:
+                coordinator_pb2_grpc.CoordinatorStub(channel).Generate(req, timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            del os.environ[security.TOKEN_ENV]  # TLS alone, without the token: the target refuses
+            target_address = next(c.address for c in stack.children if c.name == "target-0")
+            with sync_channel(target_address) as channel, pytest.raises(grpc.RpcError) as info:
+                target_pb2_grpc.TargetStub(channel).Info(engine_pb2.InfoRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_services_listen_on_loopback_unless_told_otherwise():
+    code = (
+        "import argparse\n"
+        "from coordinator.server import add_arguments as c\n"
+        "from draft_service.server import add_arguments as d\n"
+        "from target_service.server import add_arguments as t\n"
+        "for add in (c, d, t):\n"
+        '    p = argparse.ArgumentParser(); add(p); print(p.get_default("host"))\n'
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["127.0.0.1"] * 3

@@ -9,7 +9,6 @@ import sys
 import time
 
 from specdec.runtime.flags import non_negative_int, positive_int
-from specdec.runtime.security import redacted
 
 # `specdec serve` / `run`'s default k: the best k of the held-out CPU bench with the shipped draft
 # (docs/performance.md); the load-aware policy chooses each step's k in 0..k.
@@ -168,6 +167,8 @@ def cmd_serve(args) -> int:
         target_replicas=args.target_replicas,
         http_port=args.http_port,
     ) as stack:
+        from specdec.runtime.security import redacted  # here: `specdec distill` must not import grpc
+
         http = f"  OpenAI-compatible HTTP API: {stack.http_url}/v1\n" if stack.http_url else ""
         print(
             f"specdec is serving specdec.v1.Coordinator on {stack.coordinator_address} (Ctrl-C to stop)\n"

@@ -48,7 +48,9 @@ def stack(tmp_path_factory):
     target.save_pretrained(root / "target")
     perturbed(target, scale=0.05, seed=32).save_pretrained(root / "draft")
     for name in ("target", "draft"):
-        word_tokenizer(VOCAB).save_pretrained(root / name)
+        tokenizer = word_tokenizer(VOCAB)
+        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # chat works too
+        tokenizer.save_pretrained(root / name)
     with local_stack(
         str(root / "target"),
         str(root / "draft"),
@@ -97,8 +99,33 @@ def sampling(draw) -> pb.SamplingParams:
     return msg
 
 
+PLAUSIBLE = {  # each sampling field's valid range, so a case can be right but for one field
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.05, 1),
+    "min_p": st.floats(0, 0.5),
+    "repetition_penalty": st.floats(0.5, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "top_k": st.integers(0, 40),
+    "min_tokens": st.integers(0, 4),
+    "logprobs": st.integers(0, 5),
+}
+
+
 @st.composite
 def generate_request(draw) -> pb.GenerateRequest:
+    if not draw(st.booleans()):  # valid, then a few fields drawn from their range or from anywhere
+        req = pb.GenerateRequest(prompt_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)))
+        req.sampling.max_new_tokens = draw(st.integers(1, 16))
+        for name in draw(st.lists(st.sampled_from(sorted(PLAUSIBLE)), unique=True, max_size=4)):
+            integer = name in ("top_k", "min_tokens", "logprobs")
+            setattr(
+                req.sampling, name, draw(PLAUSIBLE[name] if draw(st.integers(0, 3)) else INT32 if integer else FLOATS)
+            )
+        if draw(st.booleans()):
+            req.speculation.num_speculative_tokens = draw(st.integers(0, 6))
+        req.speculation.method = draw(st.sampled_from(["", "draft_model", "ngram", "none"]))
+        return req
     req = pb.GenerateRequest(sampling=draw(sampling()))
     which = draw(st.sampled_from(["ids", "text", "messages", "both", "none"]))
     if which in ("ids", "both"):
@@ -144,11 +171,19 @@ GOOD_VALUES = {
 
 
 @st.composite
-def http_body(draw):
-    body = {}
-    for name in draw(st.lists(st.sampled_from(HTTP_FIELDS), unique=True, max_size=8)):
+def http_body(draw, path: str, model: str):
+    """Half the cases start from a valid request (so the success paths are fuzzed too), then a
+    few fields get drawn values, garbage or not."""
+    body: dict = {}
+    if not draw(st.booleans()):  # hypothesis starts from False: the valid base first
+        body = {"model": model, "max_tokens": draw(st.integers(1, 12))}
+        if path.endswith("chat/completions"):
+            body["messages"] = [{"role": "user", "content": draw(st.sampled_from(["w1 w2", "w3", "w4 w5 w6"]))}]
+        else:
+            body["prompt"] = draw(st.sampled_from(["w1 w2", "w3", [1, 2, 3]]))
+    for name in draw(st.lists(st.sampled_from(HTTP_FIELDS), unique=True, max_size=2 if body else 8)):
         body[name] = draw(GOOD_VALUES[name]) if name in GOOD_VALUES and draw(st.booleans()) else draw(JSON_VALUES)
-    if draw(st.integers(0, 4)) == 0:
+    if draw(st.integers(0, 4)) == 4:
         body[draw(st.text(min_size=1, max_size=12))] = draw(JSON_VALUES)  # an unknown field
     return body
 
@@ -176,6 +211,7 @@ def test_fuzz_public_grpc_api(stack):
         seen[code] = seen.get(code, 0) + 1
 
     case()
+    print("public gRPC statuses:", seen)  # for the record (pytest -s)
     assert seen.get("OK", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen  # both paths were exercised
     after_a_fuzz_run_nothing_is_left_and_a_request_works(stack, client)
 
@@ -196,10 +232,17 @@ def after_a_fuzz_run_nothing_is_left_and_a_request_works(stack, client):
 def test_fuzz_http_api(stack):
     seen: dict[int, int] = {}
 
+    with urllib.request.urlopen(stack.http_url + "/v1/models", timeout=30) as reply:
+        model = json.loads(reply.read())["data"][0]["id"]
+    paths = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+
     @CASES
-    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=http_body(), raw=st.booleans())
-    def case(path, body, raw):
-        data = json.dumps(body).encode() if not raw else json.dumps(body).encode()[: len(body) * 3]  # cut JSON too
+    @given(call=paths.flatmap(lambda p: st.tuples(st.just(p), http_body(p, model))), cut=st.integers(0, 9))
+    def case(call, cut):
+        path, body = call
+        data = json.dumps(body).encode()
+        if cut == 9:
+            data = data[: len(data) // 2]  # malformed JSON too
         post = urllib.request.Request(
             stack.http_url + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
         )
@@ -215,6 +258,7 @@ def test_fuzz_http_api(stack):
             assert error["message"] and error["type"], error
 
     case()
+    print("HTTP statuses:", seen)
     assert seen.get(200, 0) > 0 and seen.get(400, 0) > 0, seen
     client = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(stack.coordinator_address))
     after_a_fuzz_run_nothing_is_left_and_a_request_works(stack, client)
@@ -237,7 +281,7 @@ def commit(draw) -> engine_pb2.Commit:
     )
 
 
-SESSION_IDS = st.sampled_from(["fuzz-a", "fuzz-b", "", "fuzz-a/../x", "x" * 300])
+SESSION_IDS = st.one_of(st.just("fuzz-a"), st.sampled_from(["fuzz-a", "fuzz-b", "", "fuzz-a/../x", "x" * 300]))
 
 
 @st.composite
@@ -245,6 +289,13 @@ def internal_call(draw):
     kind = draw(st.sampled_from(["target", "draft"]))
     method = draw(st.sampled_from(["StartSession", "Commit", "Release", "Step"]))
     session = draw(SESSION_IDS)
+    if method == "StartSession" and draw(st.booleans()):  # a valid start, for the calls after it
+        params = pb.SamplingParams(seed=draw(st.integers(0, 99)), max_new_tokens=8, temperature=draw(FLOATS))
+        return (
+            kind,
+            method,
+            engine_pb2.StartSessionRequest(session_id=session, prompt_token_ids=[1, 2, 3], sampling=params),
+        )
     if method == "StartSession":
         msg = engine_pb2.StartSessionRequest(
             session_id=session,
@@ -263,18 +314,31 @@ def internal_call(draw):
     if method == "Release":
         return kind, method, engine_pb2.ReleaseRequest(session_id=session)
     if kind == "draft":
-        msg = draft_pb2.ProposeRequest(session_id=session, step=draw(SMALL_OR_EXTREME), k=draw(SMALL_OR_EXTREME))
+        step = draw(st.one_of(st.integers(0, 3), INT32))
+        msg = draft_pb2.ProposeRequest(session_id=session, step=step, k=draw(st.one_of(st.integers(0, 6), INT32)))
         if draw(st.booleans()):
             msg.commit.CopyFrom(draw(commit()))
         return kind, "Propose", msg
-    header = target_pb2.VerifyChunk(session_id=session, step=draw(SMALL_OR_EXTREME))
+    header = target_pb2.VerifyChunk(session_id=session, step=draw(st.one_of(st.integers(0, 3), INT32)))
     if draw(st.booleans()):
         header.commit.CopyFrom(draw(commit()))
     tokens = [
         draft_pb2.ProposedToken(token_id=draw(SMALL_OR_EXTREME), q=draw(distribution()))
         for _ in range(draw(st.integers(0, 5)))
     ]
+    if tokens and draw(st.booleans()):  # a well-formed block: a token and a q that holds it
+        tokens = [draft_pb2.ProposedToken(token_id=5, q=engine_pb2.SparseDistribution(token_ids=[5], probs=[1.0]))]
     return kind, "Verify", [header, target_pb2.VerifyChunk(proposals=tokens)]
+
+
+def start_both(target, draft, session: str) -> None:
+    """A valid session on both services, as a coordinator would start it (the fuzzed calls then
+    reach the step paths, not only NOT_FOUND)."""
+    start = engine_pb2.StartSessionRequest(
+        session_id=session, prompt_token_ids=[1, 2, 3], sampling=pb.SamplingParams(seed=7, max_new_tokens=8)
+    )
+    target.StartSession(start, timeout=30)
+    draft.StartSession(start, timeout=30)
 
 
 def test_fuzz_internal_rpcs(stack):
@@ -285,6 +349,7 @@ def test_fuzz_internal_rpcs(stack):
     @CASES
     @given(calls=st.lists(internal_call(), min_size=1, max_size=6))
     def case(calls):
+        start_both(target, draft, "fuzz-a")
         for kind, method, msg in calls:
             stub = target if kind == "target" else draft
             try:
@@ -302,6 +367,7 @@ def test_fuzz_internal_rpcs(stack):
                 stub.Release(engine_pb2.ReleaseRequest(session_id=session), timeout=30)
 
     case()
-    assert seen.get("StartSession:OK", 0) > 0 and any(k.startswith("Verify:") for k in seen), seen
+    print("internal RPC statuses:", seen)
+    assert {"StartSession:OK", "Propose:OK", "Verify:OK"} <= set(seen), seen
     client = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(stack.coordinator_address))
     after_a_fuzz_run_nothing_is_left_and_a_request_works(stack, client)

@@ -2,11 +2,17 @@
 # `specdec` subcommand. Only the shipped distilled draft (models/) is baked in: mount other models at /models, or let an init container
 # fetch them at start (see deploy/).
 #
+# Both variants: `make image` (docker buildx bake, docker-bake.hcl), or by hand:
 # CPU (default):  docker build -t ghcr.io/specdec/specdec:0.1.0 .
-# GPU variant:    docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 \
+# GPU variant:    docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 \
 #                   -t ghcr.io/specdec/specdec:0.1.0-cuda .
 #                 (the CUDA wheels carry their own CUDA runtime; nodes need the NVIDIA driver and the
 #                 NVIDIA device plugin, pods request nvidia.com/gpu)
+# The CUDA index: torch 2.13.0 is built for CUDA 12.6, 12.8 and 13.0 (cu126 / cu128 / cu130; the
+# cu124 index stopped at 2.6). Check before changing either pin with
+#   pip index versions torch --index-url https://download.pytorch.org/whl/cu130
+# (from a machine that reaches download.pytorch.org; the development machine of this repository
+# does not, so tests/test_image.py resolves the pins against the configured index only).
 FROM python:3.11.9-slim-bookworm
 
 ARG TORCH_VERSION=2.13.0
@@ -18,10 +24,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     HF_HOME=/tmp/hf \
     SPECDEC_MODELS_DIR=/opt/specdec/models \
+    SPECDEC_BENCHMARKS_DIR=/opt/specdec/benchmarks \
     SPECDEC_CACHE_DIR=/tmp/specdec-cache
 # SPECDEC_CACHE_DIR: the dequantized copy of a quantized target (README: Model specs) goes to /tmp,
 # the one writable path of the pods (an emptyDir): a restarted container skips the dequantization.
 
+# A C compiler (and OpenMP): the lean pass's few-row kernel (specdec/modeling/fewrow.py) is compiled
+# on first use into SPECDEC_CACHE_DIR; without one every CPU product falls back to torch's.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 specdec && useradd --uid 10001 --gid 10001 --create-home specdec
 
 WORKDIR /opt/specdec
@@ -35,8 +47,8 @@ COPY coordinator ./coordinator
 COPY proto ./proto
 # the distilled draft for the default target (a few tens of MB); other models are mounted
 COPY models ./models
-# No C compiler in this slim image: the lean pass's few-row kernel (specdec/modeling/fewrow.py) is not built and
-# CPU products use torch's (the service logs why once); GPU passes never use it.
+# the prompt sets `specdec bench` and `specdec distill` default to (SPECDEC_BENCHMARKS_DIR)
+COPY benchmarks ./benchmarks
 RUN pip install . && python -c "import specdec.v1.coordinator_pb2, coordinator.serve_app"
 
 USER 10001:10001

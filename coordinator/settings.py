@@ -2,7 +2,8 @@
 
 ``specdec coordinator`` takes them as flags (``--num-speculative-tokens 3``); the Ray Serve
 application (``serve_app.build_app``, what deploy/ runs) takes the same names as the args of its
-``serveConfigV2`` entry (``num_speculative_tokens: 3``). The defaults are
+``serveConfigV2`` entry (``num_speculative_tokens: 3``); either falls back on the environment
+(``SPECDEC_NUM_SPECULATIVE_TOKENS=3``, the ConfigMap deploy/ mounts). The defaults are
 :class:`~specdec.runtime.coordination.CoordinatorConfig`'s, so they live in one place too.
 """
 
@@ -137,10 +138,33 @@ def parse_values(values: Mapping[str, Any]) -> dict[str, Any]:
     return parsed
 
 
+ENV_PREFIX = "SPECDEC_"  # SPECDEC_NUM_SPECULATIVE_TOKENS=3: a setting from the environment
+
+
+def env_name(setting: Setting) -> str:
+    return ENV_PREFIX + setting.name.upper()
+
+
+def values_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings the environment gives (``SPECDEC_<NAME>``, what a Kubernetes ConfigMap sets
+    with envFrom), parsed; a bad value is a ValueError naming the variable."""
+    env = os.environ if env is None else env
+    out = {}
+    for s in SETTINGS:
+        if s.field is None or env.get(env_name(s), "") == "":
+            continue
+        try:
+            out[s.name] = s.parse(env[env_name(s)])
+        except ValueError as exc:
+            raise ValueError(f"{env_name(s)}: {exc}") from None
+    return out
+
+
 def config_from(values: Mapping[str, Any]) -> CoordinatorConfig:
-    """The request path's config from parsed settings (REDIS_URL when ``redis`` is unset)."""
+    """The request path's config from parsed settings over those of the environment
+    (``SPECDEC_<NAME>``; REDIS_URL when ``redis`` is unset): flags and Serve args win."""
     kwargs: dict[str, Any] = {}
-    for name, value in values.items():
+    for name, value in {**values_from_env(), **values}.items():
         s = BY_NAME[name]
         if s.field is not None:
             kwargs[s.field] = (not value) if s.invert else value

@@ -224,7 +224,32 @@ def test_cli_flags_and_ports_agree_with_the_services(objects):
             assert {"name": "specdec-config"} in [e.get("configMapRef") for e in c["envFrom"]]
     assert seen == {"draft", "target"}
     # the model specs the config names are what the services will be asked to load
-    assert env["TARGET_TP"].isdigit() and int(env["NUM_SPECULATIVE_TOKENS"]) <= int(env["MAX_SPECULATIVE_TOKENS"])
+    assert env["TARGET_TP"].isdigit()
+    # the coordinator's settings in the ConfigMap are valid settings (what the Serve replica reads)
+    from coordinator import settings
+
+    coordinator_config = settings.config_from(settings.values_from_env(env))
+    assert coordinator_config.default_k == int(env["SPECDEC_NUM_SPECULATIVE_TOKENS"]) <= coordinator_config.max_k
+
+
+def test_every_config_key_is_read_and_no_setting_is_written_twice(objects):
+    """Issue 25: a ConfigMap key nothing reads is a setting that silently does nothing, and a
+    setting both in the ConfigMap and in serveConfigV2 drifts. Every key is a $(KEY) in a
+    rendered manifest, an environment variable the code reads, or one of a library's (OTEL_,
+    HF_); the Serve app's args repeat none of them."""
+    _, objs = objects
+    rendered = yaml.safe_dump_all(objs)
+    code = "\n".join(p.read_text() for d in ("specdec", "coordinator") for p in (ROOT / d).rglob("*.py"))
+    from coordinator import settings
+
+    setting_env = {settings.env_name(s) for s in settings.SETTINGS if s.field is not None}
+    for key in config(objs):
+        used = f"$({key})" in rendered or f'"{key}"' in code or key in setting_env or key.startswith(("OTEL_", "HF_"))
+        assert used, f"ConfigMap key {key} is read by nothing"
+    rs = next(o for o in objs if o["kind"] == "RayService")
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    twice = {settings.env_name(settings.BY_NAME[name]) for name in app.get("args") or {}} & set(config(objs))
+    assert not twice, f"written both in serveConfigV2 and the ConfigMap: {twice}"
 
 
 def test_gpu_overlay_shards_the_target_and_gives_drafts_their_own_gpus():

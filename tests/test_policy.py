@@ -303,3 +303,25 @@ def test_health_names_what_the_coordinator_lacks():
     nobody, silent = asyncio.run(scenario())
     assert nobody == "no target replica is registered"
     assert silent == "none of the 1 target replica(s) answers"
+
+
+def test_coordinator_settings_fall_back_on_the_environment_and_flags_win():
+    """SPECDEC_<NAME> (what deploy/'s ConfigMap sets) configures the coordinator where no flag or
+    Serve arg does; a bad value names the variable."""
+    from coordinator import settings
+
+    env = {"SPECDEC_NUM_SPECULATIVE_TOKENS": "5", "SPECDEC_FIXED_K": "true", "SPECDEC_STEP_COST": "0.1,0.2"}
+    from_env = settings.values_from_env(env)
+    assert from_env == {"num_speculative_tokens": 5, "fixed_k": True, "step_cost": settings._step_cost("0.1,0.2")}
+    with pytest.raises(ValueError, match="SPECDEC_MAX_SPECULATIVE_TOKENS"):
+        settings.values_from_env({"SPECDEC_MAX_SPECULATIVE_TOKENS": "many"})
+    import os
+
+    saved = dict(os.environ)
+    try:
+        os.environ.update(env)
+        config = settings.config_from({"num_speculative_tokens": 2})  # a flag / Serve arg
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert config.default_k == 2 and config.default_adaptive is False

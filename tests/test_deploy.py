@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS = ["dev", "gpu"]
 K8S_VERSION = "1.34.0"
 PROJECT_IMAGE = re.compile(r"^ghcr\.io/specdec/specdec:\d+\.\d+\.\d+(-cuda)?$")
-THIRD_PARTY = re.compile(r"^(redis:7\.\d+\.\d+-alpine|jaegertracing/all-in-one:1\.\d+\.\d+)$")
+THIRD_PARTY = re.compile(r"^(redis:7\.\d+\.\d+-alpine|jaegertracing/jaeger:2\.\d+\.\d+)$")  # Jaeger v2
 CRD_KINDS = {"RayService"}
 
 
@@ -283,3 +283,36 @@ def test_dockerfile_structure():
     assert "gguf" not in text.lower()
     assert [c for c in copies if "models" in " ".join(c)] == [["models", "./models"]]
     assert "SPECDEC_MODELS_DIR=/opt/specdec/models" in text
+
+
+def test_pods_that_would_fail_or_go_unprotected(objects):
+    """Issue 25, item 4: a writable HOME under every read-only root filesystem, a startup probe
+    wherever a model loads, and the tensor-parallel target's /dev/shm in memory; in the production
+    (gpu) overlay every PDB protects something (minAvailable 1 over >= 2 replicas; the one Redis
+    and the one coordinator head are never evicted voluntarily)."""
+    overlay, objs = objects
+    for owner, template in pod_templates(objs):
+        volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+        for c in containers(template, init=False):
+            if c["image"].startswith("ghcr.io/specdec/") and c["securityContext"].get("readOnlyRootFilesystem"):
+                home = {e["name"]: e.get("value") for e in c.get("env", [])}.get("HOME")
+                mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+                assert home in mounts and "emptyDir" in volumes[mounts[home]], (owner, c["name"], home)
+                assert "startupProbe" in c, (owner, c["name"])
+    tp = int(config(objs)["TARGET_TP"])
+    target = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "specdec-target")
+    shm = {m["mountPath"]: m["name"] for c in containers(target["spec"]["template"]) for m in c.get("volumeMounts", [])}
+    if tp > 1:
+        volume = next(v for v in target["spec"]["template"]["spec"]["volumes"] if v["name"] == shm["/dev/shm"])
+        assert volume["emptyDir"]["medium"] == "Memory"
+    if overlay != "gpu":
+        return
+    pdbs = {
+        o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: o["spec"]
+        for o in objs
+        if o["kind"] == "PodDisruptionBudget"
+    }
+    assert set(pdbs) == {"draft", "target", "coordinator", "redis"}
+    assert all(spec.get("minAvailable") == 1 and "maxUnavailable" not in spec for spec in pdbs.values())
+    hpa = next(o for o in objs if o["kind"] == "HorizontalPodAutoscaler")
+    assert hpa["spec"]["minReplicas"] >= 2 and target["spec"]["replicas"] >= 2

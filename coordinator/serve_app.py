@@ -59,7 +59,8 @@ def _fail(grpc_context, exc: BaseException, method: str) -> None:
 class CoordinatorDeployment:
     def __init__(self, values: dict[str, Any]):
         tracing.init_tracing("specdec-coordinator")
-        self.front = CoordinatorFront(LocalBackend(serve_config(values)), values.get("metrics_port", 0))
+        port = {**settings.values_from_env(), **values}.get("metrics_port", 0)  # SPECDEC_METRICS_PORT too
+        self.front = CoordinatorFront(LocalBackend(serve_config(values)), port)
         self._starting: asyncio.Future | None = None
         self._http: Any = None  # the OpenAI-compatible HTTP API, made on the first HTTP request
 

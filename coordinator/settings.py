@@ -151,7 +151,7 @@ def values_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if env is None else env
     out = {}
     for s in SETTINGS:
-        if s.field is None or env.get(env_name(s), "") == "":
+        if env.get(env_name(s), "") == "":
             continue
         try:
             out[s.name] = s.parse(env[env_name(s)])

@@ -19,7 +19,7 @@ OVERLAYS = ["dev", "gpu"]
 K8S_VERSION = "1.34.0"
 PROJECT_IMAGE = re.compile(r"^ghcr\.io/specdec/specdec:\d+\.\d+\.\d+(-cuda)?$")
 THIRD_PARTY = re.compile(r"^(redis:7\.\d+\.\d+-alpine|jaegertracing/jaeger:2\.\d+\.\d+)$")  # Jaeger v2
-CRD_KINDS = {"RayService"}
+CRD_KINDS = {"RayService", "PodMonitor", "ScaledObject"}  # checked structurally below
 
 
 def render(overlay: str) -> list[dict]:
@@ -71,7 +71,8 @@ def test_the_expected_objects_exist(objects):
     expected = {
         ("Deployment", "specdec-draft"),
         ("Service", "specdec-draft"),
-        ("HorizontalPodAutoscaler", "specdec-draft"),
+        # the draft pool's autoscaler: CPU in dev, KEDA on the busy fraction in gpu
+        ("HorizontalPodAutoscaler" if overlay == "dev" else "ScaledObject", "specdec-draft"),
         ("StatefulSet", "specdec-target"),
         ("RayService", "specdec-coordinator"),
         ("Service", "specdec-coordinator"),
@@ -242,7 +243,7 @@ def test_every_config_key_is_read_and_no_setting_is_written_twice(objects):
     code = "\n".join(p.read_text() for d in ("specdec", "coordinator") for p in (ROOT / d).rglob("*.py"))
     from coordinator import settings
 
-    setting_env = {settings.env_name(s) for s in settings.SETTINGS if s.field is not None}
+    setting_env = {settings.env_name(s) for s in settings.SETTINGS}
     for key in config(objs):
         used = f"$({key})" in rendered or f'"{key}"' in code or key in setting_env or key.startswith(("OTEL_", "HF_"))
         assert used, f"ConfigMap key {key} is read by nothing"
@@ -261,8 +262,9 @@ def test_gpu_overlay_shards_the_target_and_gives_drafts_their_own_gpus():
     draft = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "specdec-draft")
     (dc,) = containers(draft["spec"]["template"], init=False)
     assert int(dc["resources"]["limits"]["nvidia.com/gpu"]) == 1
-    hpa = next(o for o in objs if o["kind"] == "HorizontalPodAutoscaler")
-    assert hpa["spec"]["maxReplicas"] > 1
+    assert not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]  # KEDA's ScaledObject owns it
+    scaled = next(o for o in objs if o["kind"] == "ScaledObject")
+    assert scaled["spec"]["maxReplicaCount"] > scaled["spec"]["minReplicaCount"]
     assert all(not t["spec"].get("initContainers") for _, t in pod_templates(objs))  # models from the PVC
 
 
@@ -314,5 +316,47 @@ def test_pods_that_would_fail_or_go_unprotected(objects):
     }
     assert set(pdbs) == {"draft", "target", "coordinator", "redis"}
     assert all(spec.get("minAvailable") == 1 and "maxUnavailable" not in spec for spec in pdbs.values())
-    hpa = next(o for o in objs if o["kind"] == "HorizontalPodAutoscaler")
-    assert hpa["spec"]["minReplicas"] >= 2 and target["spec"]["replicas"] >= 2
+    scaled = next(o for o in objs if o["kind"] == "ScaledObject")
+    assert scaled["spec"]["minReplicaCount"] >= 2 and target["spec"]["replicas"] >= 2
+
+
+def test_the_scaling_chain_is_complete():
+    """Issue 25, item 3, on the gpu overlay: the metric the KEDA trigger queries is one the code
+    exports, from the container the PodMonitor scrapes, on the port the service serves /metrics
+    on, which the NetworkPolicy lets Prometheus reach; and KEDA scales the draft Deployment."""
+    from prometheus_client import generate_latest
+
+    from specdec.telemetry import metrics
+
+    objs = render("gpu")
+    exported = generate_latest(metrics.REGISTRY).decode()
+    (scaled,) = [o for o in objs if o["kind"] == "ScaledObject"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
+    query = trigger["metadata"]["query"]
+    metric = re.search(r"(specdec_[a-z_]+)\{", query).group(1)
+    assert re.search(rf"^{metric} ", exported, re.M), f"{metric} is not exported"
+    container = re.search(r'container="([^"]+)"', query).group(1)
+    namespace = re.search(r'namespace="([^"]+)"', query).group(1)
+    draft = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "specdec-draft")
+    assert namespace == draft["metadata"]["namespace"]
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "specdec-draft"}
+    template = draft["spec"]["template"]
+    (served,) = [c for c in template["spec"]["containers"] if c["name"] == container]
+    (monitor,) = [o for o in objs if o["kind"] == "PodMonitor"]
+    labels = template["metadata"]["labels"]
+    selector = monitor["spec"]["selector"]
+    assert selector["matchLabels"].items() <= labels.items()
+    assert all(labels[e["key"]] in e["values"] for e in selector["matchExpressions"])
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    port = next(p["containerPort"] for p in served["ports"] if p["name"] == endpoint["port"])
+    args = served["args"]
+    assert int(args[args.index("--metrics-port") + 1]) == port
+    admitted = [
+        rule
+        for policy in objs
+        if policy["kind"] == "NetworkPolicy" and policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        for rule in policy["spec"]["ingress"]
+        if any(p["port"] == port for p in rule.get("ports", []))
+    ]
+    assert admitted and all("namespaceSelector" in f for r in admitted for f in r["from"])  # Prometheus's namespace

@@ -185,3 +185,15 @@ def test_a_failed_release_is_retried_in_the_background_and_close_waits_for_it(mo
     flaky_then_fine, hopeless_calls = asyncio.run(main())
     assert flaky_then_fine == ["s", "s", "s"]  # one try, two retries, the second of them succeeds
     assert hopeless_calls == 1 + 3  # bounded: the TTL frees what the retries could not
+
+
+def test_the_model_threads_busy_seconds_count_what_it_runs():
+    """specdec_model_busy_seconds is the autoscaling signal (docs/autoscaling.md): it grows by
+    the time engine calls take on the model thread."""
+    import time
+
+    from specdec.telemetry import metrics
+
+    before = metrics.MODEL_BUSY._value.get()
+    asyncio.run(on_model_thread(time.sleep, 0.2))
+    assert metrics.MODEL_BUSY._value.get() - before >= 0.2

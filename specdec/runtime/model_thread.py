@@ -13,9 +13,12 @@ import asyncio
 import contextvars
 import functools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from specdec.telemetry import metrics
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
@@ -42,4 +45,13 @@ async def on_model_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     """``await fn(*args, **kwargs)`` on the model thread, with the caller's context (trace span)."""
     context = contextvars.copy_context()
     call = functools.partial(context.run, fn, *args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(model_executor(), call)
+    return await asyncio.get_running_loop().run_in_executor(model_executor(), functools.partial(_timed, call))
+
+
+def _timed(call: Callable[[], Any]) -> Any:
+    """``call()``, its time added to the model thread's busy seconds (the autoscaling signal)."""
+    started = time.perf_counter()
+    try:
+        return call()
+    finally:
+        metrics.MODEL_BUSY.inc(time.perf_counter() - started)

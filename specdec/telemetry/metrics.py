@@ -121,6 +121,9 @@ VLLM_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # our
 
 LIVE_SESSIONS = Gauge("specdec_live_sessions", "Live sessions on this replica", registry=REGISTRY)
 KV_BYTES = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by this replica", registry=REGISTRY)
+# Seconds the replica's one model thread spent running engine calls: its rate is the busy
+# fraction in [0, 1], what deploy/ scales the draft pool on (docs/autoscaling.md).
+MODEL_BUSY = Counter("specdec_model_busy_seconds", "Seconds the model thread spent in engine calls", registry=REGISTRY)
 RPC_SECONDS = Histogram(
     "specdec_rpc_seconds", "Server-side RPC latency", ["method"], buckets=LATENCY_BUCKETS, registry=REGISTRY
 )

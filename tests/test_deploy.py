@@ -360,3 +360,21 @@ def test_the_scaling_chain_is_complete():
         if any(p["port"] == port for p in rule.get("ports", []))
     ]
     assert admitted and all("namespaceSelector" in f for r in admitted for f in r["from"])  # Prometheus's namespace
+
+
+def test_the_rayservice_pod_templates_validate_as_kubernetes_pod_templates(objects):
+    """The CRD check beyond structure (issue 25, item 6): the RayService embeds ordinary pod
+    templates, validated here strictly against Kubernetes' own schema (as a core PodTemplate),
+    and its KubeRay fields take the values KubeRay's API reference allows."""
+    import kubernetes_validate
+
+    _, objs = objects
+    rs = next(o for o in objs if o["kind"] == "RayService")
+    cluster = rs["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster.get("workerGroupSpecs", [])]
+    for group in groups:
+        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": group["template"]}
+        kubernetes_validate.validate(template, K8S_VERSION, strict=True)
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())  # KubeRay: map[string]string
+    assert cluster["authOptions"]["mode"] in ("disabled", "token")
+    assert isinstance(rs["spec"]["serveConfigV2"], str)

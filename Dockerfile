@@ -8,11 +8,12 @@
 #                   -t ghcr.io/specdec/specdec:0.1.0-cuda .
 #                 (the CUDA wheels carry their own CUDA runtime; nodes need the NVIDIA driver and the
 #                 NVIDIA device plugin, pods request nvidia.com/gpu)
-# The CUDA index: torch 2.13.0 is built for CUDA 12.6, 12.8 and 13.0 (cu126 / cu128 / cu130; the
-# cu124 index stopped at 2.6). Check before changing either pin with
+# The CUDA index: cu124 has no torch 2.13.0 (that index's builds stopped long before). cu130 is
+# the CUDA line recent torch releases ship (2.11 and 2.12 have cu130 wheels), but whether it
+# serves 2.13.0 was NOT checked: the machine this was written on cannot reach
+# download.pytorch.org (tests/test_image.py resolves the pins against the configured index
+# only). Check before building, and before changing either pin:
 #   pip index versions torch --index-url https://download.pytorch.org/whl/cu130
-# (from a machine that reaches download.pytorch.org; the development machine of this repository
-# does not, so tests/test_image.py resolves the pins against the configured index only).
 FROM python:3.11.9-slim-bookworm
 
 ARG TORCH_VERSION=2.13.0

@@ -64,6 +64,7 @@ class _Common(_Strict):
     stop_token_ids: list[StrictInt] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     ignore_eos: StrictBool = False
+    invariant: StrictBool | None = None  # our extension: invariant sampling (None: the server's default)
     user: str | None = None  # accepted and ignored, as by vLLM
     speculation: SpeculationOptions | None = None
 
@@ -148,6 +149,8 @@ def _sampling(req: _Common, max_tokens: int | None) -> coordinator_pb2.SamplingP
     s.stop_token_ids.extend(req.stop_token_ids or [])
     s.ignore_eos = req.ignore_eos
     s.min_tokens = req.min_tokens
+    if req.invariant is not None:
+        s.invariant = req.invariant
     return s
 
 

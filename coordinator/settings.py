@@ -85,6 +85,14 @@ SETTINGS = (
         "replayable_schedule",
         switch=True,
     ),
+    Setting(
+        "invariant_sampling",
+        _boolean,
+        "requests that do not say sample invariantly: a seed then fixes the output whatever the draft, k, "
+        "load or replica, at some cost in acceptance (docs/exactness.md, 'Invariant sampling')",
+        "invariant_sampling",
+        switch=True,
+    ),
     Setting("max_speculative_tokens", int, "largest k a request may ask for", "max_k"),
     Setting("default_max_new_tokens", int, "max_new_tokens of a request that does not say", "default_max_new_tokens"),
     Setting("max_new_tokens_limit", int, "largest max_new_tokens a request may ask for", "max_new_tokens_limit"),

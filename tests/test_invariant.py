@@ -182,3 +182,61 @@ def test_acceptance_is_at_least_the_gumbel_coupling_bound():
             gumbel_argmax(lp, g)[0] == gumbel_argmax(lq, g)[0] for g in (gumbel_noise(s, [0], 30) for s in seeds)
         )
         assert stats.binomtest(hits, 6000, bound, alternative="less").pvalue > ALPHA, (pair, tv, hits / 6000, bound)
+
+
+# -- through the real services ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from specdec.apps.launcher import local_stack
+    from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
+
+    root = tmp_path_factory.mktemp("invariant-models")
+    target = tiny_llama(48, seed=51, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=512)
+    target.save_pretrained(root / "target")
+    perturbed(target, scale=0.08, seed=52).save_pretrained(root / "draft")
+    for name in ("target", "draft"):
+        word_tokenizer(48).save_pretrained(root / name)
+    with local_stack(str(root / "target"), str(root / "draft"), log_dir=tmp_path_factory.mktemp("invariant-logs")) as s:
+        yield s
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_invariant_output_is_the_target_only_output_through_the_stack_at_any_k_and_load(stack):
+    """The draft and target services, the coordinator and its Ray actor: with invariant sampling
+    a seed gives the same tokens with speculation off, with the draft model at k = 1..6 fixed or
+    adaptive, with the n-gram draft, and beside concurrent streams."""
+    import threading
+
+    from stack_util import generate_many, request, stub
+
+    client = stub(stack.coordinator_address)
+    sampling = {"temperature": 0.8, "top_k": 30, "max_new_tokens": 40, "ignore_eos": True, "invariant": True}
+
+    def run(seed, **speculation):
+        return list(
+            client.Generate(request([4, 8, 15, 16], seed=seed, **speculation, **sampling), timeout=120).token_ids
+        )
+
+    stop = threading.Event()
+
+    def background():  # other users' streams sharing the batches
+        while not stop.is_set():
+            generate_many(stack.coordinator_address, [request([23, 42], seed=9, k=3, **sampling)] * 3, concurrency=3)
+
+    load = threading.Thread(target=background)
+    load.start()
+    accepted = 0
+    try:
+        for seed in (1, 2, 3):
+            expected = run(seed, k=0)
+            variants = [{"k": k, "adaptive": False} for k in (1, 2, 4, 6)] + [{"k": 4, "adaptive": True}]
+            variants.append({"k": 3, "method": "ngram", "adaptive": False})
+            for speculation in variants:
+                reply = client.Generate(request([4, 8, 15, 16], seed=seed, **speculation, **sampling), timeout=120)
+                assert list(reply.token_ids) == expected, (seed, speculation)
+                accepted += reply.stats.accepted_tokens
+    finally:
+        stop.set()
+        load.join(120)
+    assert accepted > 0  # the drafts' proposals were accepted, not only corrected

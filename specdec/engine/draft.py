@@ -28,9 +28,10 @@ from specdec.engine.sessions import (
     run_alone,
 )
 from specdec.errors import InvalidArgumentError
+from specdec.exact.gumbel import gumbel_argmax, gumbel_noise
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import Purpose, uniform
-from specdec.exact.sampling import SamplingParams, greedy_tokens, probs_from_logits
+from specdec.exact.sampling import SamplingParams, greedy_tokens, logprobs_from_logits, probs_from_logits
 from specdec.exact.sparse import SparseDist, sample_sparse, truncate
 
 
@@ -49,6 +50,11 @@ class _Proposer(SessionEngine):
     ) -> tuple[int, SparseDist]:
         if session.params.greedy:  # q is the one-hot: skip building (and truncating) the dense row
             y = int(greedy_tokens(logits, session.params, counts, session.prompt_seen))
+            q = SparseDist.one_hot(y)
+        elif session.params.invariant:  # y = argmax(log q + g) with the target's noise; q itself is not needed
+            logprobs = logprobs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
+            noise = gumbel_noise(session.seed, [position], logprobs.shape[-1], device=logprobs.device)
+            y = gumbel_argmax(logprobs.reshape(1, -1), noise)[0]
             q = SparseDist.one_hot(y)
         else:
             probs = probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)

@@ -15,11 +15,13 @@ import torch
 
 from specdec.engine.commits import Commit
 from specdec.engine.sessions import CacheLimits, PassRequest, SessionEngine, SessionStore, Work, run_alone
+from specdec.exact.gumbel import gumbel_argmax, gumbel_noise
 from specdec.exact.logprobs import block_candidates, row_logprobs
 from specdec.exact.sampling import (
     SamplingParams,
     block_token_counts,
     greedy_tokens,
+    logprobs_from_logits,
     probs_from_logits,
     reported_logprobs,
 )
@@ -48,6 +50,14 @@ class TargetEngine(SessionEngine):
             logits = self.store.forward(session, proposals, len(proposals) + 1)
             counts = block_token_counts(session.counts, proposals) if session.params.needs_counts else None
             return probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
+
+    @staticmethod
+    def _invariant_tokens(session, logits, counts) -> list[int]:
+        """The target's Gumbel-max token at each row's absolute position (specdec.exact.gumbel)."""
+        logprobs = logprobs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
+        first = len(session.tokens)
+        positions = list(range(first, first + logprobs.shape[0]))
+        return gumbel_argmax(logprobs, gumbel_noise(session.seed, positions, logprobs.shape[-1], logprobs.device))
 
     def verify(
         self,
@@ -84,6 +94,8 @@ class TargetEngine(SessionEngine):
             if session.params.greedy:  # one-hot rows: their argmaxes are the whole verdict
                 greedy = greedy_tokens(logits, session.params, counts, session.prompt_seen)
                 verdict = target_verify_greedy(greedy.tolist(), proposals)
+            elif session.params.invariant:  # x_t = argmax(log p_t + g_t): a proposal stands iff it is x_t
+                verdict = target_verify_greedy(self._invariant_tokens(session, logits, counts), proposals)
             else:
                 p_rows = probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
                 verdict = target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))

@@ -84,6 +84,9 @@ class SamplingParams:
     # from the target's model, so the draft and the target mask the same set).
     eos_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # report each emitted token's logprob and its position's top-n (None: off)
+    # Gumbel-max with noise keyed by (seed, position, token): the output depends on the seed alone,
+    # whatever the draft, k or schedule (specdec.exact.gumbel)
+    invariant: bool = False
 
     def __post_init__(self) -> None:
         # Normalise containers so the object is hashable-ish and immutable in spirit.

@@ -70,6 +70,7 @@ class CoordinatorConfig:
     max_new_tokens_limit: int = 4096
     max_concurrent_requests: int = 64
     max_resume_readers: int = 64  # resumed streams reading the log at once (past it: RESOURCE_EXHAUSTED)
+    invariant_sampling: bool = False  # requests that do not say sample invariantly (docs/exactness.md)
     draft_timeout_s: float = 5.0
     target_timeout_s: float = 60.0
     default_method: str = "draft_model"
@@ -100,6 +101,7 @@ class ParsedRequest:
         out.speculation.num_speculative_tokens = self.k
         out.speculation.method = self.method
         out.speculation.adaptive = self.adaptive
+        out.sampling.invariant = self.params.invariant  # the server default it got, recorded for a resume
         return out
 
 
@@ -303,7 +305,9 @@ class CoordinatorCore:
                 "sampling.max_new_tokens",
                 f"{request.sampling.max_new_tokens} exceeds this server's limit of {cfg.max_new_tokens_limit}",
             )
-        params = wire.sampling_from_proto(request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT))
+        params = wire.sampling_from_proto(
+            request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT), cfg.invariant_sampling
+        )
         try:
             params.validate_for_vocab(self.vocab_size)
         except InvalidArgumentError as exc:

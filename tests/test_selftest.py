@@ -25,6 +25,8 @@ REQUIRED = {
     "feature_draft",
     "adaptive_k",
     "load_aware_k",
+    "invariant",
+    "invariant_load_aware_top_k",
 }
 
 

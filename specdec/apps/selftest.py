@@ -133,6 +133,20 @@ CASES: tuple[Case, ...] = (
         tokens=4,
         load_aware=True,
     ),
+    Case(
+        "invariant",
+        "invariant sampling (Gumbel-max, noise keyed by position): the target's law, and every run "
+        "token for token the target-only run of its seed",
+        {"temperature": 1.0, "invariant": True},
+    ),
+    Case(
+        "invariant_load_aware_top_k",
+        "invariant sampling with top-k 6 under the randomly loaded load-aware policy: k follows the "
+        "load, the tokens do not",
+        {"temperature": 0.8, "top_k": 6, "invariant": True},
+        tokens=4,
+        load_aware=True,
+    ),
 )
 SUBSET_HEAD = (0, 1, 2, 3, 5, 8, 9, 11, 12, 14)
 
@@ -285,17 +299,23 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     if case.adaptive_cost is not None:
         policy = {"adaptive": True, "step_cost": StepCost(*case.adaptive_cost)}
     chosen_ks: set[int] = set()
+    diverged = 0  # invariant runs whose tokens are not the target-only run's
     for i in range(n):
         params = base.with_seed(BASE_SEED + i)
         if case.load_aware:
             result = _load_aware_run(target, draft, case, params, random.Random(i), chosen_ks)
         else:
             result = speculative_generate(target, draft, case.prompt, params, case.k, **policy)
+        if base.invariant:
+            alone = speculative_generate(target, draft, case.prompt, params, 0)
+            diverged += alone.token_ids != result.token_ids
         observed[tuple(result.token_ids[: case.tokens])] += 1
         proposed += result.stats.proposed_tokens
         accepted += result.stats.accepted_tokens
         target_only += result.stats.target_passes - result.stats.drafts
     verdict = judge(case, observed, law, n, proposed, accepted, time.perf_counter() - started)
+    if diverged and verdict.passed:
+        verdict.passed, verdict.detail = False, f"{diverged} of {n} invariant runs differ from target-only"
     if case.adaptive_cost is not None and verdict.passed and not target_only:
         verdict.passed, verdict.detail = False, "the adaptive policy never chose k = 0: its path was not exercised"
     if case.load_aware and verdict.passed and len(chosen_ks) < 3:

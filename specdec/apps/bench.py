@@ -269,7 +269,8 @@ def run(args) -> dict:
         args.target_model,
         args.draft_model if draft_is_model else "ngram",
         num_speculative_tokens=args.default_k,
-        extra_coordinator=["--max-speculative-tokens", str(largest)],
+        extra_coordinator=["--max-speculative-tokens", str(largest)]
+        + (["--invariant-sampling"] if args.invariant else []),
         log_dir=Path(args.log_dir) if args.log_dir else None,
     ) as stack:
 
@@ -510,6 +511,7 @@ def report(summaries: list[dict], sweep: list[dict], args) -> dict:
             "ks": args.ks,
             "temperatures": args.temperatures,
             "max_new_tokens": args.max_new_tokens,
+            "invariant": getattr(args, "invariant", False),
             "repeats": args.repeats,
             "prompts": args.prompts,
             "num_prompts": args.num_prompts,
@@ -653,6 +655,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--temperatures", default="0,0.7", help="sampling settings; the first is the headline")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--invariant",
+        action="store_true",
+        help="every request samples invariantly (the coordinator's --invariant-sampling; docs/exactness.md)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--concurrency", default="1,4,16", help="concurrency sweep ('' = skip)")
     p.add_argument(

@@ -70,3 +70,19 @@ def scrape(port: int) -> dict[str, float]:
             key = sample.name + "".join(f"|{k}={v}" for k, v in sorted(sample.labels.items()))
             out[key] = sample.value
     return out
+
+
+def save_tiny_pair(root, vocab: int, seed: int, draft_scale: float = 0.04, chat_template: str | None = None, **dims):
+    """A tiny random Llama target and a perturbed copy as its draft, each with a word tokenizer,
+    saved as ``root/target`` and ``root/draft`` (what the stack tests serve); their paths."""
+    from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
+
+    target = tiny_llama(vocab, seed=seed, **dims)
+    target.save_pretrained(root / "target")
+    perturbed(target, scale=draft_scale, seed=seed + 1).save_pretrained(root / "draft")
+    for name in ("target", "draft"):
+        tokenizer = word_tokenizer(vocab)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(root / name)
+    return str(root / "target"), str(root / "draft")

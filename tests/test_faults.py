@@ -21,10 +21,9 @@ import time
 import grpc
 import psutil
 import pytest
-from stack_util import live_sessions, request, stub
+from stack_util import live_sessions, request, save_tiny_pair, stub
 
 from specdec.apps.launcher import local_stack
-from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,16 +34,20 @@ RETRYABLE = {"UNAVAILABLE", "ABORTED"}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fault-models")
-    target = tiny_llama(32, seed=41, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=4096)
-    target.save_pretrained(root / "target")
-    perturbed(target, scale=0.04, seed=42).save_pretrained(root / "draft")
-    for name in ("target", "draft"):
-        word_tokenizer(32).save_pretrained(root / name)
+    target, draft = save_tiny_pair(
+        tmp_path_factory.mktemp("fault-models"),
+        32,
+        seed=41,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_positions=4096,
+    )
     ttl = ["--threads", "1", "--session-ttl", str(SESSION_TTL)]
     with local_stack(
-        str(root / "target"),
-        str(root / "draft"),
+        target,
+        draft,
         num_speculative_tokens=2,
         log_dir=tmp_path_factory.mktemp("fault-logs"),
         extra_coordinator=["--max-new-tokens-limit", str(LONG), "--draft-timeout", "2"],

@@ -19,10 +19,9 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stack_util import live_sessions, request
+from stack_util import live_sessions, request, save_tiny_pair
 
 from specdec.apps.launcher import local_stack
-from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
 from specdec.v1 import coordinator_pb2 as pb
 from specdec.v1 import coordinator_pb2_grpc, draft_pb2, draft_pb2_grpc, engine_pb2, target_pb2, target_pb2_grpc
 
@@ -43,17 +42,21 @@ HTTP_CLIENT_ERRORS = {400, 404, 405, 413, 422, 429}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fuzz-models")
-    target = tiny_llama(VOCAB, seed=31, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=256)
-    target.save_pretrained(root / "target")
-    perturbed(target, scale=0.05, seed=32).save_pretrained(root / "draft")
-    for name in ("target", "draft"):
-        tokenizer = word_tokenizer(VOCAB)
-        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # chat works too
-        tokenizer.save_pretrained(root / name)
+    target, draft = save_tiny_pair(
+        tmp_path_factory.mktemp("fuzz-models"),
+        VOCAB,
+        seed=31,
+        draft_scale=0.05,
+        chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}",  # chat works too
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_positions=256,
+    )
     with local_stack(
-        str(root / "target"),
-        str(root / "draft"),
+        target,
+        draft,
         num_speculative_tokens=3,
         log_dir=tmp_path_factory.mktemp("fuzz-logs"),
         extra_target=["--threads", "1"],

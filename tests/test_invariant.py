@@ -187,16 +187,22 @@ def test_acceptance_is_at_least_the_gumbel_coupling_bound():
 # -- through the real services ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from specdec.apps.launcher import local_stack
-    from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
+    from stack_util import save_tiny_pair
 
-    root = tmp_path_factory.mktemp("invariant-models")
-    target = tiny_llama(48, seed=51, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=512)
-    target.save_pretrained(root / "target")
-    perturbed(target, scale=0.08, seed=52).save_pretrained(root / "draft")
-    for name in ("target", "draft"):
-        word_tokenizer(48).save_pretrained(root / name)
-    with local_stack(str(root / "target"), str(root / "draft"), log_dir=tmp_path_factory.mktemp("invariant-logs")) as s:
+    from specdec.apps.launcher import local_stack
+
+    target, draft = save_tiny_pair(
+        tmp_path_factory.mktemp("invariant-models"),
+        48,
+        seed=51,
+        draft_scale=0.08,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_positions=512,
+    )
+    with local_stack(target, draft, log_dir=tmp_path_factory.mktemp("invariant-logs")) as s:
         yield s
 
 

@@ -163,19 +163,14 @@ def test_mutual_tls_and_the_token_admit_only_who_has_both(target_model, certs):
 def test_a_stack_over_mutual_tls_with_a_token_generates_and_a_plaintext_client_is_refused(certs, tmp_path):
     """The real stack -- target, draft and the coordinator with its Ray actor, each its own
     process -- with mTLS on every port and the token on the internal ones, all from the
-    environment a Secret would set; a request through it gives the target's greedy tokens."""
-    from stack_util import request
+    environment a Secret would set; a request through it generates every token it asks for."""
+    from stack_util import request, save_tiny_pair
 
     from specdec.apps.launcher import local_stack
-    from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
     from specdec.runtime.grpc_server import sync_channel
     from specdec.v1 import coordinator_pb2_grpc, engine_pb2, target_pb2_grpc
 
-    target = tiny_llama(32, seed=3, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
-    target.save_pretrained(tmp_path / "target")
-    perturbed(target, scale=0.04, seed=4).save_pretrained(tmp_path / "draft")
-    for name in ("target", "draft"):
-        word_tokenizer(32).save_pretrained(tmp_path / name)
+    target, draft = save_tiny_pair(tmp_path, 32, seed=3, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
     env = {
         security.CERT_ENV: str(certs / "server.pem"),
         security.KEY_ENV: str(certs / "server.key"),
@@ -185,7 +180,7 @@ def test_a_stack_over_mutual_tls_with_a_token_generates_and_a_plaintext_client_i
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        with local_stack(str(tmp_path / "target"), str(tmp_path / "draft"), log_dir=tmp_path / "logs") as stack:
+        with local_stack(target, draft, log_dir=tmp_path / "logs") as stack:
             req = request([1, 2, 3], k=2, temperature=0.0, max_new_tokens=12, ignore_eos=True)
             with sync_channel(stack.coordinator_address) as channel:
                 reply = coordinator_pb2_grpc.CoordinatorStub(channel).Generate(req, timeout=120)
@@ -217,3 +212,16 @@ def test_services_listen_on_loopback_unless_told_otherwise():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["127.0.0.1"] * 3
+
+
+def test_bad_tls_flags_stop_a_service_with_one_line_naming_the_setting(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec", "draft", "--model", "ngram", "--tls-cert", str(tmp_path / "no.pem")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert "SPECDEC_TLS_CERT and SPECDEC_TLS_KEY" in result.stderr  # a cert without its key

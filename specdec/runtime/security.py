@@ -118,14 +118,18 @@ def add_arguments(p) -> None:
 
 
 def apply_arguments(args) -> Security:
-    """Put the flags given into the environment (children and Ray workers inherit it); validated."""
+    """Put the flags given into the environment (children and Ray workers inherit it), and check
+    the result: bad settings stop the process with one line naming the setting, no traceback."""
     for flag, name in (("tls_cert", CERT_ENV), ("tls_key", KEY_ENV), ("tls_ca", CA_ENV)):
         value = getattr(args, flag, None)
         if value:
             os.environ[name] = str(Path(value).resolve())
     if getattr(args, "auth_token_file", None):
         os.environ[TOKEN_FILE_ENV] = str(Path(args.auth_token_file).resolve())
-    return current()
+    try:
+        return current()
+    except SecurityConfigError as exc:
+        raise SystemExit(f"specdec: {exc}") from None
 
 
 def forwarded_env() -> dict[str, str]:

@@ -304,7 +304,6 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
 
 def main_async(spec_factory: Callable[[], ServiceSpec], service_name: str) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[specdec {service_name}] %(levelname)s %(message)s")
-    security.current()  # bad TLS / token settings stop the service here, naming the setting
     tracing.init_tracing(f"specdec-{service_name}")
     spec = call_on_model_thread(spec_factory)  # loads the model on the thread that will run it
     asyncio.run(run(spec))

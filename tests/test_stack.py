@@ -534,6 +534,8 @@ def test_service_logs_go_to_the_log_dir_the_stack_created(stack):
     assert (stack.logs / "target-0.log").stat().st_size > 0
     assert "KV pool cap: " in (stack.logs / "target-0.log").read_text()  # auto: a cap, not none (issue 24)
     assert "GiB (auto" in (stack.logs / "draft-0.log").read_text()
+    # one target and one draft on this host split the default half of its memory
+    assert "(auto, 0.25 of the free memory)" in (stack.logs / "target-0.log").read_text()
 
 
 def test_internal_rpcs_bound_what_a_client_sends(stack):

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.engine.memory import DEFAULT_KV_FRACTION
 from specdec.errors import SpecdecError
 from specdec.modeling.loading import default_draft_for, resolve
 from specdec.runtime import security
@@ -79,6 +80,7 @@ class Stack:
     extra_draft: list = field(default_factory=list)
     target_model: str | None = None
     extra_target: list = field(default_factory=list)
+    kv_sharers: int = 1  # replicas with a KV pool on this host: they split the default share of memory
 
     def start_replica(self, kind: str, model: str, extra: list[str], name: str) -> Child:
         """Start one draft/target replica registered in the stack's Redis (not waited for)."""
@@ -97,6 +99,9 @@ class Stack:
             name,
             *extra,
         ]
+        if not {"--max-kv-bytes", "--kv-memory-fraction"} & set(extra):
+            # every replica here measures the same host's free memory: the default share is theirs together
+            args += ["--kv-memory-fraction", f"{DEFAULT_KV_FRACTION / max(1, self.kv_sharers):g}"]
         return self.start(name, args, address, self.log_dir, {"OTEL_SERVICE_NAME": f"specdec-{kind}", **self.env})
 
     def add_replica(self, kind: str, name: str, timeout: float = 120.0) -> Child:
@@ -241,6 +246,8 @@ def local_stack(
         stack.host, stack.log_dir, stack.env = host, log_dir, env or {}
         stack.draft_model, stack.extra_draft = draft_model, draft_flags(extra_draft)
         stack.target_model, stack.extra_target = target_model, list(extra_target or [])
+        drafts = draft_replicas if draft_model and draft_model != "none" else 0
+        stack.kv_sharers = target_replicas + drafts
         for i in range(target_replicas):
             _say(f"starting target replica {i} ({target_model})...")
             stack.start_replica("target", target_model, list(extra_target or []), f"target-{i}")

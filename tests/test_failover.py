@@ -249,14 +249,14 @@ COORDINATOR = [sys.executable, "-m", "specdec", "coordinator", "--num-speculativ
 
 
 @contextlib.contextmanager
-def extra_coordinator(stack: Stack, log_dir, name: str):
+def extra_coordinator(stack: Stack, log_dir, name: str, options=tuple(STEP_COST)):
     """Another coordinator process (its own Ray) on the same Redis, stopped afterwards if alive."""
     from specdec.apps.launcher import Child
 
     port = free_port()
     log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the process writes it
     process = subprocess.Popen(
-        [*COORDINATOR, "--redis", stack.redis_url, "--host", "127.0.0.1", "--port", str(port), *STEP_COST],
+        [*COORDINATOR, "--redis", stack.redis_url, "--host", "127.0.0.1", "--port", str(port), *options],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -323,6 +323,30 @@ def test_resume_after_the_coordinator_died(stack, doomed_coordinator, streams):
     assert first + rest == undisturbed
     if load is not None:
         load.check()
+
+
+def test_an_invariant_request_keeps_its_target_only_tokens_through_a_draft_and_a_coordinator_kill(stack, tmp_path):
+    """A seeded sampled invariant request gives the tokens of target-only sampling with its seed
+    when its draft replica is killed beside 4 other streams, and when its coordinator -- one on
+    the load-aware default, no replayable schedule -- is killed and it resumes on another
+    coordinator (which runs the replayable schedule: a different schedule from the first)."""
+    base = {"temperature": 0.8, "seed": 2026, "max_new_tokens": 300, "ignore_eos": True, "invariant": True}
+    prompt = [6, 2, 8, 3]
+    expected = list(stub(stack.coordinator_address).Generate(request(prompt, k=0, **base)).token_ids)
+    with maybe_background(stack, 4, 0.8) as load:
+        killer = kill_serving(stack, "draft", load)
+        tokens, last, error = stream(stack, request(prompt, k=3, **base), on_first=killer)
+        assert error is None and tokens == expected
+        assert last.stats.draft_failovers == 1 and last.stats.accepted_tokens > 0
+    replace_replica(stack, "draft")
+    with extra_coordinator(stack, tmp_path, "load-aware-coordinator", options=()) as coordinator:
+        rid = f"invariant-coord-death-{time.monotonic_ns()}"
+        kill = lambda: os.killpg(coordinator.process.pid, signal.SIGKILL)  # noqa: E731 - front and its Ray
+        first, _, error = stream(coordinator.address, request(prompt, k=3, request_id=rid, **base), on_first=kill)
+    assert error in ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL") and 0 < len(first) < len(expected)
+    resumed = request(prompt, k=3, request_id=rid, resume_from_index=len(first), **base)
+    rest, _last, error = stream(stack, resumed)
+    assert error is None and first + rest == expected
 
 
 def test_bad_resume_requests(stack):

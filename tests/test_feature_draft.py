@@ -251,3 +251,23 @@ def test_feature_loss_in_bf16_autocast_matches_fp32_and_trains_fp32_weights(targ
         results[bf16] = loss.item()
     assert results[True] == pytest.approx(results[False], rel=0.05)
     assert all(p.dtype == torch.float32 for p in draft.parameters())
+
+
+def test_invariant_sampling_with_a_feature_draft_is_the_target_only_output(target_model, feature_model):
+    """Invariant sampling through the loop over the engines, the feature draft fed the target's
+    features: for every seed and k = 1..8 (and adaptive) the tokens are those of target-only
+    invariant sampling with the seed (docs/exactness.md)."""
+    target = TargetEngine(target_model)
+    accepted = 0
+    for seed in range(3):
+        params = SamplingParams(
+            temperature=0.9, top_p=0.95, seed=seed, max_new_tokens=20, ignore_eos=True, invariant=True
+        )
+        expected = speculative_generate(target, None, PROMPT, params, 0).token_ids
+        for k, adaptive in [(k, False) for k in range(1, 9)] + [(4, True)]:
+            result = speculative_generate(
+                target, FeatureDraftEngine(feature_model), PROMPT, params, k, adaptive=adaptive
+            )
+            assert result.token_ids == expected, (seed, k, adaptive)
+            accepted += result.stats.accepted_tokens
+    assert accepted > 0 and len(target.store) == 0

@@ -184,6 +184,70 @@ def test_acceptance_is_at_least_the_gumbel_coupling_bound():
         assert stats.binomtest(hits, 6000, bound, alternative="less").pvalue > ALPHA, (pair, tv, hits / 6000, bound)
 
 
+# -- the wire: invariant blocks carry tokens alone -----------------------------------------------
+def test_a_block_without_q_is_valid_only_in_invariant_mode_and_a_q_only_outside_it():
+    from specdec.errors import MalformedProposalError
+    from specdec.exact.sparse import SparseDist
+    from specdec.exact.verify import validate_block
+
+    one_hots = [SparseDist.one_hot(3), SparseDist.one_hot(4)]
+    validate_block([3, 4], [], 30, invariant=True)
+    validate_block([3, 4], one_hots, 30, invariant=False)
+    validate_block([], [], 30, invariant=False)  # an empty block is a plain target step in either mode
+    with pytest.raises(MalformedProposalError, match="carry no q"):
+        validate_block([3, 4], one_hots, 30, invariant=True)
+    with pytest.raises(MalformedProposalError, match="without q"):
+        validate_block([3, 4], [], 30, invariant=False)
+    with pytest.raises(MalformedProposalError, match="outside the vocabulary"):
+        validate_block([3, 40], [], 30, invariant=True)
+
+
+def test_the_wire_ships_an_invariant_block_as_tokens_and_refuses_a_half_shipped_q():
+    from specdec.errors import MalformedProposalError
+    from specdec.exact.proposal import DraftProposal
+    from specdec.exact.sparse import SparseDist
+    from specdec.runtime import wire
+    from specdec.v1 import draft_pb2
+
+    tokens_only = wire.proposed_tokens_to_proto(DraftProposal([3, 4, 5]))
+    assert [t.HasField("q") for t in tokens_only] == [False] * 3
+    back = wire.proposal_from_proto(draft_pb2.ProposeResponse(tokens=tokens_only).tokens)
+    assert back.tokens == [3, 4, 5] and back.q == [] and not back.carries_q
+    with_q = wire.proposed_tokens_to_proto(DraftProposal([3], [SparseDist.one_hot(3)]))
+    assert wire.proposal_from_proto(with_q).carries_q
+    with pytest.raises(MalformedProposalError, match="1 of 2 proposals carry a q"):
+        wire.proposal_from_proto([*with_q, draft_pb2.ProposedToken(token_id=4)])
+    with pytest.raises(ValueError, match="no q"):
+        DraftProposal([3]).q_of_proposals()
+
+
+def test_the_engines_propose_and_verify_invariant_blocks_without_q(models):
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.ngram import NgramDraft
+    from specdec.engine.target import TargetEngine
+    from specdec.errors import MalformedProposalError
+    from specdec.exact.sparse import SparseDist
+
+    target_model, draft_model = models
+    target, draft = TargetEngine(target_model), DraftEngine(draft_model)
+    ngram = NgramDraft(target.vocab_size)
+    prompt = [1, 2, 3, 1, 2]
+    for invariant in (True, False):
+        params = SamplingParams(temperature=0.9, seed=5, invariant=invariant)
+        sid = f"s-{invariant}"
+        target.prefill(sid, prompt, params)
+        draft.prefill(sid, prompt, params)
+        ngram.prefill(sid, prompt, params)
+        block = draft.propose(sid, 1, 4)
+        assert len(block) == 4 and block.carries_q is not invariant
+        assert ngram.propose(sid, 1, 2).carries_q is not invariant  # it matches "1 2" -> proposes "3 1"
+        wrong = [] if not invariant else [SparseDist.one_hot(t) for t in block.tokens]
+        with pytest.raises(MalformedProposalError, match="q"):
+            target.verify(sid, 1, block.tokens, wrong)
+        verdict = target.verify(sid, 1, block.tokens, block.q)  # the refused block left no trace
+        assert len(verdict.recovered) == 4
+
+
 # -- through the real services ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
@@ -246,3 +310,67 @@ def test_invariant_output_is_the_target_only_output_through_the_stack_at_any_k_a
         stop.set()
         load.join(120)
     assert accepted > 0  # the drafts' proposals were accepted, not only corrected
+
+
+@pytest.mark.integration
+def test_the_services_ship_invariant_blocks_without_q_and_refuse_the_wrong_mode(stack):
+    """Through the real draft and target services: an invariant session's Propose answers tokens
+    alone; Verify with a q for it, or without q for a standard session, is INVALID_ARGUMENT."""
+    import grpc
+
+    from specdec.v1 import coordinator_pb2, draft_pb2, draft_pb2_grpc, engine_pb2, target_pb2, target_pb2_grpc
+
+    def address(kind):
+        return next(c.address for c in stack.children if c.name == f"{kind}-0")
+
+    target = target_pb2_grpc.TargetStub(grpc.insecure_channel(address("target")))
+    draft = draft_pb2_grpc.DraftStub(grpc.insecure_channel(address("draft")))
+    with_q = draft_pb2.ProposedToken(token_id=5, q=engine_pb2.SparseDistribution(token_ids=[5], probs=[1.0]))
+    without_q = draft_pb2.ProposedToken(token_id=5)
+    for invariant, wrong in ((True, with_q), (False, without_q)):
+        sid = f"wire-{invariant}"
+        sampling = coordinator_pb2.SamplingParams(temperature=0.9, seed=3, max_new_tokens=8, invariant=invariant)
+        start = engine_pb2.StartSessionRequest(session_id=sid, prompt_token_ids=[1, 2, 3], sampling=sampling)
+        target.StartSession(start, timeout=30)
+        draft.StartSession(start, timeout=30)
+        try:
+            proposed = draft.Propose(draft_pb2.ProposeRequest(session_id=sid, step=1, k=3), timeout=30).tokens
+            assert len(proposed) == 3
+            assert all(t.HasField("q") for t in proposed) is not invariant
+            with pytest.raises(grpc.RpcError) as refused:
+                header = target_pb2.VerifyChunk(session_id=sid, step=1)
+                target.Verify(iter([header, target_pb2.VerifyChunk(proposals=[wrong])]), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "q" in refused.value.details(), refused.value.details()
+            chunks = [target_pb2.VerifyChunk(session_id=sid, step=1), target_pb2.VerifyChunk(proposals=proposed)]
+            assert len(target.Verify(iter(chunks), timeout=30).recovered) == 3  # the right block passes
+        finally:
+            for stub in (target, draft):
+                stub.Release(engine_pb2.ReleaseRequest(session_id=sid), timeout=30)
+
+
+@pytest.mark.parametrize("method", ["model", "ngram"])
+def test_invariant_output_through_the_loop_over_the_engines_is_the_target_only_output(models, method):
+    """The coordinator's loop over the engines (the draft model or n-gram, the target's verdict
+    and the q-less decision): k = 1..8 fixed and adaptive give the target-only tokens."""
+    from specdec.engine.draft import DraftEngine
+    from specdec.engine.ngram import NgramDraft
+    from specdec.engine.target import TargetEngine
+    from specdec.loop.generate import speculative_generate
+
+    target_model, draft_model = models
+    target = TargetEngine(target_model)
+    accepted = 0
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram draft finds matches
+    for seed in range(3):
+        params = SamplingParams(
+            temperature=0.9, top_k=20, seed=seed, max_new_tokens=24, ignore_eos=True, invariant=True
+        )
+        expected = speculative_generate(target, None, prompt, params, 0).token_ids
+        for k, adaptive in [(k, False) for k in range(1, 9)] + [(4, True)]:
+            draft = DraftEngine(draft_model) if method == "model" else NgramDraft(40)
+            result = speculative_generate(target, draft, prompt, params, k, adaptive=adaptive)
+            assert result.token_ids == expected, (seed, k, adaptive)
+            assert result.stats.draft_fallbacks == 0
+            accepted += result.stats.accepted_tokens
+    assert accepted > 0

@@ -96,6 +96,31 @@ def test_greedy_with_the_shipped_draft_is_the_targets_greedy(draft, smollm2):
     assert accepted / proposed >= 0.15, f"greedy acceptance {accepted / proposed:.2f} on held-out prompts"
 
 
+def test_invariant_sampling_with_the_shipped_pair_is_the_target_only_output(draft, smollm2):
+    """The default models (49152-token vocabulary, the draft's reduced head): invariant sampling
+    at temperature 0.7 with the shipped draft at k = 2 and 5 and adaptive, and with n-gram, gives
+    the target-only tokens of each seed."""
+    from specdec.engine.ngram import NgramDraft
+
+    target_model, tokenizer = smollm2
+    target = TargetEngine(target_model)
+    ids = encode_prompt(tokenizer, HELD_OUT[0], chat=True)
+    accepted = 0
+    for seed in (1, 2):
+        params = SamplingParams(temperature=0.7, seed=seed, max_new_tokens=24, ignore_eos=True, invariant=True)
+        expected = speculative_generate(target, None, ids, params, 0).token_ids
+        for make, k, adaptive in [
+            (lambda: DraftEngine(draft), 2, False),
+            (lambda: DraftEngine(draft), 5, False),
+            (lambda: DraftEngine(draft), 4, True),
+            (lambda: NgramDraft(target.vocab_size), 3, False),
+        ]:
+            result = speculative_generate(target, make(), ids, params, k, adaptive=adaptive)
+            assert result.token_ids == expected, (seed, k, adaptive)
+            accepted += result.stats.accepted_tokens
+    assert accepted > 0 and len(target.store) == 0
+
+
 RUNS = 400  # per case; each run prefills and decodes SmolLM2 (~0.15 s on this CPU)
 # A short plain-text prompt: a chat-formatted one (34 tokens) made every run's prefill 2x dearer
 # without testing anything more; each transform is covered at N=1000 by `specdec selftest`.

@@ -2,7 +2,8 @@
 
 Proposal y_i is sampled from the transformed, truncated q_i it ships (same transform pipeline as
 the target, penalties seeing the proposals before i), with the uniform keyed by
-(seed, absolute position, DRAFT). Two kinds:
+(seed, absolute position, DRAFT). An invariant-sampling session (docs/exactness.md) instead
+proposes argmax(log q + g) with the target's Gumbel noise and ships no q. Two kinds:
 
 - :class:`DraftEngine` ("model"): a standalone causal LM sharing the target's tokenizer.
 - :class:`FeatureDraftEngine` ("feature"): a :class:`specdec.modeling.feature_draft.FeatureDraft`, which
@@ -47,15 +48,16 @@ class _Proposer(SessionEngine):
 
     def _draw(
         self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int
-    ) -> tuple[int, SparseDist]:
+    ) -> tuple[int, SparseDist | None]:
+        """The proposal at ``position`` and the q it ships (None in invariant mode: none travels)."""
+        q: SparseDist | None
         if session.params.greedy:  # q is the one-hot: skip building (and truncating) the dense row
             y = int(greedy_tokens(logits, session.params, counts, session.prompt_seen))
-            q = SparseDist.one_hot(y)
+            q = None if session.params.invariant else SparseDist.one_hot(y)
         elif session.params.invariant:  # y = argmax(log q + g) with the target's noise; q itself is not needed
             logprobs = logprobs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
             noise = gumbel_noise(session.seed, [position], logprobs.shape[-1], device=logprobs.device)
-            y = gumbel_argmax(logprobs.reshape(1, -1), noise)[0]
-            q = SparseDist.one_hot(y)
+            y, q = gumbel_argmax(logprobs.reshape(1, -1), noise)[0], None
         else:
             probs = probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
             q = truncate(probs, self.top_m, self.eps)
@@ -99,7 +101,8 @@ class DraftEngine(_Proposer):
                 logits, _ = yield PassRequest(session, list(tokens), 1)
                 y, q = self._draw(session, logits[0], counts, first + i)
                 tokens.append(y)
-                qs.append(q)
+                if q is not None:
+                    qs.append(q)
             return DraftProposal(tokens, qs)
 
 
@@ -209,7 +212,8 @@ class FeatureDraftEngine(_Proposer):
                 for i in range(k):
                     y, q = self._draw(session, self.model.logits(hidden)[0], counts, first + i)
                     tokens.append(y)
-                    qs.append(q)
+                    if q is not None:
+                        qs.append(q)
                     if i + 1 < k:  # the draft's prediction stands in for the target's feature
                         hidden = self.model.extend(torch.tensor([y], device=self.store.device), hidden, session.cache)
             finally:

@@ -3,7 +3,8 @@
 It looks for the most recent earlier occurrence of the sequence's last n tokens (n from
 ``max_n`` down to ``min_n``) in prompt + output and proposes the tokens that followed it. The
 proposal is deterministic, so it ships a one-hot q, which keeps the verifier exact for any
-sampling settings (acceptance of y is then simply p(y)). With no match it proposes nothing and the
+sampling settings (acceptance of y is then simply p(y)); an invariant-sampling session ships no q
+(a deterministic proposal is its own Gumbel-max token under any noise). With no match it proposes nothing and the
 step is a plain target step.
 """
 
@@ -44,6 +45,7 @@ def ngram_lookup(tokens: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) 
 class _NgramSession:
     session_id: str
     tokens: list[int]
+    ships_q: bool = True  # False for an invariant-sampling session: its blocks are tokens alone
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     ledger: CommitLedger = field(init=False)  # where the session stands in the commit protocol
@@ -84,7 +86,9 @@ class NgramDraft:
                 raise ResourceExhaustedError(
                     f"ngram draft: {len(self._sessions)} live sessions, the cap is {self.max_sessions}"
                 )
-            self._sessions[session_id] = _NgramSession(session_id, [int(t) for t in prompt])
+            self._sessions[session_id] = _NgramSession(
+                session_id, [int(t) for t in prompt], ships_q=not params.invariant
+            )
             self.sessions_started += 1
 
     def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
@@ -94,7 +98,7 @@ class NgramDraft:
                 self._commit(session, commit)
             session.ledger.check_step(step)
             tokens = ngram_lookup(session.tokens, k, self.max_n, self.min_n) if k > 0 else []
-            return DraftProposal(tokens, [SparseDist.one_hot(t) for t in tokens])
+            return DraftProposal(tokens, [SparseDist.one_hot(t) for t in tokens] if session.ships_q else [])
 
     def _commit(self, session: _NgramSession, commit: Commit) -> None:
         if session.ledger.admits(commit, len(session.tokens)):

@@ -88,7 +88,7 @@ class TargetEngine(SessionEngine):
                 self.store.commit(session, commit)
             self.store.check_step(session, step)
             proposals = [int(t) for t in proposals]
-            validate_block(proposals, q_block, self.vocab_size)
+            validate_block(proposals, q_block, self.vocab_size, invariant=session.params.invariant)
             logits, features = yield PassRequest(session, proposals, len(proposals) + 1, return_features)
             counts = block_token_counts(session.counts, proposals) if session.params.needs_counts else None
             if session.params.greedy:  # one-hot rows: their argmaxes are the whole verdict

@@ -1,4 +1,7 @@
-"""The draft's answer to one Propose: the block and, per position, q as shipped."""
+"""The draft's answer to one Propose: the block and, per position, q as shipped.
+
+Invariant sampling (docs/exactness.md) ships no q: the target decides from its own noise, so a
+block there is its tokens alone (``q`` empty)."""
 
 from __future__ import annotations
 
@@ -15,12 +18,19 @@ class DraftProposal:
     q: list[SparseDist] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.q):
+        if self.q and len(self.tokens) != len(self.q):
             raise ValueError(f"{len(self.tokens)} tokens but {len(self.q)} distributions")
+
+    @property
+    def carries_q(self) -> bool:
+        """Whether each proposal comes with its q (an empty block counts as either)."""
+        return bool(self.q) or not self.tokens
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def q_of_proposals(self) -> list[float]:
         """q_i(y_i) under the shipped (normalised) law, for the coordinator's decision."""
+        if not self.carries_q:
+            raise ValueError("a block without q (invariant sampling) has no q_i(y_i)")
         return [q.prob(y) for y, q in zip(self.tokens, self.q, strict=True)]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.exact.gumbel import invariant_decision
 from specdec.exact.logprobs import RowLogprobs
 from specdec.exact.rng import Purpose, uniform
 from specdec.exact.sparse import SparseDist, sample_dense, validate_sparse
@@ -130,15 +131,32 @@ def target_verify_greedy(argmax_rows: Sequence[int], proposals: Sequence[int]) -
     )
 
 
-def validate_block(proposals: Sequence[int], q_block: Sequence[SparseDist], vocab_size: int) -> None:
-    """Every shipped q must be well formed and contain its proposal (docs/exactness.md, "Sparse q")."""
+def validate_block(
+    proposals: Sequence[int], q_block: Sequence[SparseDist], vocab_size: int, invariant: bool = False
+) -> None:
+    """Every shipped q must be well formed and contain its proposal (docs/exactness.md, "Sparse q").
+
+    ``invariant``: the session samples invariantly, and then a block carries no q at all -- one
+    shipped anyway means the draft and the target disagree about the mode, which must not pass
+    silently (the target would ignore a q the coordinator's rule then relies on, or the reverse)."""
     from specdec.errors import MalformedProposalError
 
+    for i, y in enumerate(proposals):
+        if not 0 <= y < vocab_size:
+            raise MalformedProposalError("proposals", f"token {y} at index {i} is outside the vocabulary")
+    if invariant:
+        if q_block:
+            raise MalformedProposalError(
+                "q", "the session samples invariantly: its proposals carry no q (the draft is not in invariant mode)"
+            )
+        return
+    if proposals and not q_block:
+        raise MalformedProposalError(
+            "q", f"{len(proposals)} proposals without q: only an invariant-sampling session ships tokens alone"
+        )
     if len(proposals) != len(q_block):
         raise MalformedProposalError("q", f"{len(proposals)} proposals but {len(q_block)} distributions")
     for i, (y, q) in enumerate(zip(proposals, q_block, strict=True)):
-        if not 0 <= y < vocab_size:
-            raise MalformedProposalError("proposals", f"token {y} at index {i} is outside the vocabulary")
         try:
             validate_sparse(q, proposal=y, vocab_size=vocab_size)
         except MalformedProposalError as exc:
@@ -161,3 +179,12 @@ def decide(
         if not u * q_proposed[i] < verdict.p_proposed[i]:
             return StepDecision(i, [*proposals[:i], verdict.recovered[i]], rejected_at=i)
     return StepDecision(len(proposals), [*proposals, verdict.bonus])
+
+
+def decide_invariant(proposals: Sequence[int], verdict: TargetVerdict) -> StepDecision:
+    """Coordinator side of an invariant-sampling step: no uniform, no q. The target's verdict
+    for such a block holds its Gumbel-max token x at every position (``recovered``, then
+    ``bonus``); proposals stand while they equal x, and the step emits x up to and including the
+    first mismatch (specdec.exact.gumbel.invariant_decision)."""
+    accepted, tokens = invariant_decision(proposals, [*verdict.recovered, verdict.bonus])
+    return StepDecision(accepted, tokens, rejected_at=None if accepted == len(proposals) else accepted)

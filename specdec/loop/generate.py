@@ -31,7 +31,7 @@ from specdec.exact.logprobs import TokenLogprob, emitted_logprobs
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import SamplingParams
-from specdec.exact.verify import TargetVerdict, decide
+from specdec.exact.verify import StepDecision, TargetVerdict, decide, decide_invariant
 from specdec.loop.goodput import DRAFT_CALL_SECONDS, BatchLoad, Costs, GoodputK
 from specdec.loop.policy import StepCost, make_policy
 from specdec.loop.stats import StepStats
@@ -307,9 +307,7 @@ class SpeculativeRun:
                     draft_before = self.stats.draft_seconds
                     proposal, verdict = await self._propose_and_verify(min(k, room))
                     proposing = self.stats.draft_seconds - draft_before if len(proposal) else 0.0
-                    decision = decide(
-                        proposal.tokens, proposal.q_of_proposals(), verdict, self.seed, len(self.sequence)
-                    )
+                    decision = self._decide(proposal, verdict)
                     # What the policy chose, not what the draft managed: a replay from the
                     # committed tokens (which cannot see a short or dropped block) agrees.
                     self.policy.observe(k, decision.num_accepted)
@@ -331,6 +329,13 @@ class SpeculativeRun:
         finally:
             self.stats.total_seconds = time.perf_counter() - started
             await self._release_all()
+
+    def _decide(self, proposal: DraftProposal, verdict: TargetVerdict) -> StepDecision:
+        """The exact rule of the session's mode: invariant sampling matches the proposals against
+        the target's Gumbel-max tokens; otherwise rejection sampling with our own uniforms."""
+        if self.params.invariant:
+            return decide_invariant(proposal.tokens, verdict)
+        return decide(proposal.tokens, proposal.q_of_proposals(), verdict, self.seed, len(self.sequence))
 
     async def _use_load_aware_policy(self) -> None:
         """Switch to the goodput policy where the target reports its pass cost (a replica that
@@ -389,6 +394,8 @@ class SpeculativeRun:
                 self.draft_len = len(self.sequence)
                 if len(proposal) > k:
                     raise MalformedProposalError("proposals", f"{len(proposal)} tokens for k={k}")
+                if proposal.tokens and proposal.carries_q == self.params.invariant:
+                    raise MalformedProposalError("q", "the draft's block does not match the session's sampling mode")
                 break
             except Exception as exc:  # noqa: BLE001 - see module docstring
                 proposal = EMPTY

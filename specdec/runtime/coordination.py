@@ -579,6 +579,7 @@ class CoordinatorCore:
             span.set_attribute("specdec.finish_reason", result.finish_reason)
             span.set_attribute("specdec.tokens", len(result.token_ids))
             span.set_attribute("specdec.seed", str(result.seed))
+            span.set_attribute("specdec.invariant", run.params.invariant)
             yield coordinator_pb2.GenerateChunk(
                 request_id=parsed.request_id,
                 token_ids=final_tokens,

@@ -187,6 +187,7 @@ class SessionServicer:
         with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
+            span.set_attribute("specdec.invariant", params.invariant)
             features = await self.engine_call(
                 request.session_id,
                 getattr(self.engine, "prefill_work", None),

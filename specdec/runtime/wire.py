@@ -11,7 +11,7 @@ import torch
 
 from specdec.engine.batching import PassLoad
 from specdec.engine.commits import Commit
-from specdec.errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError, MalformedProposalError
 from specdec.exact.logprobs import RowLogprobs
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
@@ -123,6 +123,8 @@ def pass_load_from_proto(msg: engine_pb2.PassLoad) -> PassLoad | None:
 
 
 def proposed_tokens_to_proto(proposal: DraftProposal) -> list[draft_pb2.ProposedToken]:
+    if not proposal.carries_q:  # invariant sampling: the tokens alone
+        return [draft_pb2.ProposedToken(token_id=t) for t in proposal.tokens]
     return [
         draft_pb2.ProposedToken(token_id=t, q=sparse_to_proto(q))
         for t, q in zip(proposal.tokens, proposal.q, strict=True)
@@ -130,8 +132,13 @@ def proposed_tokens_to_proto(proposal: DraftProposal) -> list[draft_pb2.Proposed
 
 
 def proposal_from_proto(tokens: Iterable[draft_pb2.ProposedToken]) -> DraftProposal:
+    """A block as shipped: every token with its q, or (invariant sampling) none with one."""
     tokens = list(tokens)
-    return DraftProposal([int(t.token_id) for t in tokens], [sparse_from_proto(t.q) for t in tokens])
+    with_q = sum(t.HasField("q") for t in tokens)
+    if 0 < with_q < len(tokens):
+        raise MalformedProposalError("q", f"{with_q} of {len(tokens)} proposals carry a q: all or none must")
+    qs = [sparse_from_proto(t.q) for t in tokens] if with_q else []
+    return DraftProposal([int(t.token_id) for t in tokens], qs)
 
 
 def verdict_to_proto(verdict: TargetVerdict, load: PassLoad | None = None) -> target_pb2.VerifyResponse:

@@ -35,6 +35,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
             "1",
             "--concurrency",
             "1,2",
+            "--sustained",
+            "3",
             "--json",
             str(out),
             "--plot",
@@ -84,7 +86,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
         if not (level["mode"] == "speculative-default" and level["temperature"] > 0):
             assert level["streams_changed_vs_alone"] == 0, level
         assert level["steps_speculating"] is not None
-        assert level["streams"] == level["concurrency"] * report["settings"]["repeats"]
+        # --sustained 3: each level drains 3 requests (at least the level's streams) per repeat
+        assert level["streams"] == max(level["concurrency"], 3) * report["settings"]["repeats"]
         assert level["aggregate_tokens_per_s"] > 0 and level["itl_s_p99"] >= level["itl_s_p50"]
         assert level["ttft_s_p99"] >= level["ttft_s_p50"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -118,3 +121,25 @@ def test_summaries_and_the_leviathan_prediction():
     a = 5 / 9
     expected = ((1 - a**4) / (1 - a)) / ((3 * 0.3 / 9 + 0.5 / 3) / 0.1)
     assert predicted_speedup(s, base) == pytest.approx(expected)
+
+
+def test_a_sustained_level_keeps_its_workers_busy_and_never_runs_more_at_once():
+    import asyncio
+
+    from specdec.apps.bench import _drain, level_requests
+
+    assert [level_requests(level, 0) for level in (1, 4)] == [1, 4]  # one wave
+    assert [level_requests(level, 8) for level in (1, 4, 16)] == [8, 8, 16]
+    running, peak, order = 0, 0, []
+
+    async def one(i):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        order.append(i)
+        await asyncio.sleep(0.001 * (i % 3))
+        running -= 1
+        return i * i
+
+    assert asyncio.run(_drain(10, 3, one)) == [i * i for i in range(10)]
+    assert peak == 3 and sorted(order) == list(range(10)) and order[:3] == [0, 1, 2]

@@ -327,15 +327,16 @@ def test_resume_after_the_coordinator_died(stack, doomed_coordinator, streams):
 
 def test_an_invariant_request_keeps_its_target_only_tokens_through_a_draft_and_a_coordinator_kill(stack, tmp_path):
     """A seeded sampled invariant request gives the tokens of target-only sampling with its seed
-    when its draft replica is killed beside 4 other streams, and when its coordinator -- one on
-    the load-aware default, no replayable schedule -- is killed and it resumes on another
-    coordinator (which runs the replayable schedule: a different schedule from the first)."""
+    when its draft replica is killed beside 4 other streams, and when its coordinator is killed
+    and it resumes on another. Its k may follow the load even on these coordinators, which run
+    the replayable schedule for every other request."""
     base = {"temperature": 0.8, "seed": 2026, "max_new_tokens": 300, "ignore_eos": True, "invariant": True}
     prompt = [6, 2, 8, 3]
     expected = list(stub(stack.coordinator_address).Generate(request(prompt, k=0, **base)).token_ids)
     with maybe_background(stack, 4, 0.8) as load:
         killer = kill_serving(stack, "draft", load)
-        tokens, last, error = stream(stack, request(prompt, k=3, **base), on_first=killer)
+        # a fixed k: a block every step, so the draft holds the session when the kill lands
+        tokens, last, error = stream(stack, request(prompt, k=3, adaptive=False, **base), on_first=killer)
         assert error is None and tokens == expected
         assert last.stats.draft_failovers == 1 and last.stats.accepted_tokens > 0
     replace_replica(stack, "draft")
@@ -345,8 +346,11 @@ def test_an_invariant_request_keeps_its_target_only_tokens_through_a_draft_and_a
         first, _, error = stream(coordinator.address, request(prompt, k=3, request_id=rid, **base), on_first=kill)
     assert error in ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL") and 0 < len(first) < len(expected)
     resumed = request(prompt, k=3, request_id=rid, resume_from_index=len(first), **base)
-    rest, _last, error = stream(stack, resumed)
+    rest, last, error = stream(stack, resumed)
     assert error is None and first + rest == expected
+    assert last.stats.policy == "load_aware"  # where a standard seeded request gets the replayable one:
+    standard = {**base, "invariant": False, "max_new_tokens": 4}
+    assert stub(stack.coordinator_address).Generate(request(prompt, k=3, **standard)).stats.policy == "adaptive"
 
 
 def test_bad_resume_requests(stack):

@@ -211,14 +211,40 @@ def test_the_regime_measures_both_keeps_the_better_and_explores_the_other_ever_l
         return seen
 
     seen = windows(60)
-    # each measured once, "on" first (and "on" again while off's figure comes in: scored a window late)
-    assert seen[:3] == [True, False, True]
-    explorations = [i for i in range(3, 60) if seen[i]]
-    assert explorations == [7, 17, 37, 57]  # after 5, then 10, 20, at most 20 windows (each confirmed)
+    # the prior ("on": no model hint) until measured, "off" explored after 5 scored windows, then
+    # "on" once more while off's figure comes in (each window is scored a window late)
+    assert seen[:9] == [True] * 6 + [False, True, False]
+    explorations = [i for i in range(9, 60) if seen[i]]
+    assert explorations == [11, 21, 41]  # after 5, then 10, then 20 windows (at most; each confirmed)
     truth[True] = 90  # the load changed what pays: two explorations (EWMA) find it and "on" takes over
     later = windows(60)
-    assert later[:17].count(True) == 0 and later[-10:].count(True) >= 8
+    # explorations at windows 61 (its EWMA, 48, still below off's 50) and 81 (60.6: on wins)
+    assert [i for i in range(21) if later[i]] == [1] and later[-10:].count(True) >= 8
     assert regime.speculating(1)[0] is True and load_bucket(1) != load_bucket(8)  # a bucket of its own
+
+
+def test_a_bucket_starts_in_what_the_model_or_the_measured_loads_imply():
+    """Before a bucket has measured: the regime a lighter load measured to lose stays lost at a
+    heavier one ("off" at 3-4 sessions -> off at 5-8), one a heavier load measured to win still
+    wins at a lighter one, and otherwise the cost model's hint decides."""
+
+    def first_regimes(hints, measured=None):
+        regime, now = _regime_clock()
+        if measured:
+            regime.rates.update(measured)
+        seen = []
+        for sessions, hint in hints:
+            seen.append(regime.speculating(sessions, model_on=hint)[0])
+            now[0] += 10  # every call a window of its own
+        return seen
+
+    assert first_regimes([(8, False), (8, False)]) == [False, False]  # the model says off: off first
+    assert first_regimes([(8, True), (8, True)]) == [True, True]
+    off_at_4 = {(load_bucket(4), True): 10.0, (load_bucket(4), False): 12.0}
+    assert first_regimes([(8, True), (8, True)], off_at_4) == [False, False]
+    assert first_regimes([(2, False), (2, False)], off_at_4) == [False, False]  # nothing said for 2: the hint
+    on_at_16 = {(load_bucket(16), True): 12.0, (load_bucket(16), False): 10.0}
+    assert first_regimes([(8, False), (8, False)], on_at_16) == [True, True]
 
 
 def test_the_regime_counts_late_commits_per_session_and_skips_prefill_bursts():
@@ -266,7 +292,7 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
         def __init__(self, off_steps):
             self.left = off_steps
 
-        def speculating(self, sessions):
+        def speculating(self, sessions, model_on=True):
             self.left -= 1
             return self.left < 0, 0
 

@@ -227,6 +227,8 @@ def run(args) -> dict:
     if args.peer == "vllm":  # refused before the run, not after it
         if not concurrency or temperatures[0] != 0:
             raise SystemExit("specdec bench --peer vllm compares greedy concurrency sweeps: --concurrency, T = 0 first")
+        if args.sustained:
+            raise SystemExit("specdec bench --peer vllm runs one wave per level: leave --sustained at 0")
         if not Path(args.peer_python).is_file():
             raise SystemExit(
                 f"specdec bench --peer vllm: no Python at {args.peer_python} (make bench-peer sets up .venv-peer, "
@@ -335,6 +337,7 @@ def run(args) -> dict:
                         concurrency,
                         args.repeats,
                         say,
+                        args.sustained,
                     )
                 )
                 sweep += part
@@ -376,13 +379,35 @@ def DEFAULT_MODE(k: int) -> Mode:
     return Mode("speculative-default", k, "draft_model", True, server_default=True)
 
 
+def level_requests(level: int, sustained: int) -> int:
+    """How many requests a sweep level runs: one wave of ``level`` streams, or with
+    ``sustained`` > 0 that many (at least ``level``) drained by ``level`` workers, so the level's
+    load holds for the whole measurement instead of falling as the wave's streams finish."""
+    return level if sustained <= 0 else max(level, sustained)
+
+
+async def _drain(count: int, workers: int, run_one) -> list:
+    """``run_one(i)`` for i in 0..count-1, at most ``workers`` at a time (each worker takes the
+    next request as its last one ends); results in request order."""
+    results: list = [None] * count
+    queue = iter(range(count))
+
+    async def worker():
+        for i in queue:  # one shared iterator: each request is taken once
+            results[i] = await run_one(i)
+
+    await asyncio.gather(*(worker() for _ in range(min(workers, count))))
+    return results
+
+
 async def _concurrency(
-    address, prompts, modes: list[Mode], temperature, max_new_tokens, levels, repeats, say
+    address, prompts, modes: list[Mode], temperature, max_new_tokens, levels, repeats, say, sustained: int = 0
 ) -> tuple[list[dict], dict[str, dict[int, list[int]]]]:
     """Per level and mode: ``level`` streams at once (prompt i mod the prompts, seed i, natural
-    EOS), ``repeats`` times, the modes of a level interleaved; the median aggregate tokens/s,
-    latency percentiles over every stream, and how many streams' tokens differ from the same
-    request run alone (measured once per request, one at a time)."""
+    EOS) -- one wave, or ``sustained`` requests drained by ``level`` workers (level_requests) --,
+    ``repeats`` times, the modes of a level interleaved; the median aggregate tokens/s, latency
+    percentiles over every stream, and how many streams' tokens differ from the same request run
+    alone (measured once per request, one at a time)."""
 
     from specdec.v1 import coordinator_pb2_grpc
 
@@ -396,7 +421,7 @@ async def _concurrency(
 
         for mode in modes:
             alone: dict[int, list[int]] = {}
-            for i in range(max(levels)):
+            for i in range(max(level_requests(level, sustained) for level in levels)):
                 alone[i] = (await stream_one(stub, make(i, mode))).token_ids
             alone_by_mode[mode.mode if mode.mode != "speculative" else f"speculative-{mode.k}"] = alone
         for level in levels:
@@ -404,7 +429,9 @@ async def _concurrency(
             for rep in range(repeats):
                 for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:  # rotated per repeat
                     started = time.perf_counter()
-                    samples = await asyncio.gather(*(stream_one(stub, make(i, mode)) for i in range(level)))
+                    samples = await _drain(
+                        level_requests(level, sustained), level, lambda i, mode=mode: stream_one(stub, make(i, mode))
+                    )
                     runs[mode].append((time.perf_counter() - started, samples))
             for mode in modes:
                 alone = alone_by_mode[mode.mode if mode.mode != "speculative" else f"speculative-{mode.k}"]
@@ -427,7 +454,7 @@ async def _concurrency(
                         "itl_s_p50": percentile(itls, 50),
                         "itl_s_p99": percentile(itls, 99),
                         "streams_changed_vs_alone": changed,
-                        "streams": level * repeats,
+                        "streams": len(speculating),
                         "steps_speculating": _share(
                             sum(s.drafts for s in speculating), sum(s.passes for s in speculating)
                         ),
@@ -435,7 +462,7 @@ async def _concurrency(
                 )
                 say(
                     f"T={temperature} concurrency {level} {mode.mode} k={mode.k}: "
-                    f"{out[-1]['aggregate_tokens_per_s']:.1f} tokens/s, {changed} of {level * repeats} streams "
+                    f"{out[-1]['aggregate_tokens_per_s']:.1f} tokens/s, {changed} of {out[-1]['streams']} streams "
                     "differ from alone"
                 )
     return out, alone_by_mode
@@ -512,6 +539,7 @@ def report(summaries: list[dict], sweep: list[dict], args) -> dict:
             "temperatures": args.temperatures,
             "max_new_tokens": args.max_new_tokens,
             "invariant": getattr(args, "invariant", False),
+            "sustained": getattr(args, "sustained", 0),
             "repeats": args.repeats,
             "prompts": args.prompts,
             "num_prompts": args.num_prompts,
@@ -662,6 +690,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--concurrency", default="1,4,16", help="concurrency sweep ('' = skip)")
+    p.add_argument(
+        "--sustained",
+        type=int,
+        default=0,
+        help="each sweep level drains this many requests (at least the level) with as many workers as "
+        "the level, so the load holds throughout (as a serving benchmark's max concurrency); 0 = one wave "
+        "of level streams at once",
+    )
     p.add_argument(
         "--peer", choices=["none", "vllm"], default="none", help="also run vLLM's CPU build (make bench-peer)"
     )

@@ -252,7 +252,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
         "--replayable-schedule",
         action="store_true",
         help="adaptive requests choose k from their own past only, never the load: seeded sampled output "
-        "then reproduces under any load and through a takeover (docs/goodput.md)",
+        "then reproduces under any load and through a takeover (invariant-sampling requests, whose tokens "
+        "no schedule changes, still follow the load; docs/goodput.md)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")

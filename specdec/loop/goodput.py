@@ -236,7 +236,7 @@ class GoodputK:
     def next_k(self) -> int:
         if self.regime is not None:
             sessions = max(self.load.other_live, self.load.other_sessions) + 1
-            on, self.window = self.regime.speculating(sessions)
+            on, self.window = self.regime.speculating(sessions, model_on=self._best(self.load) > 0)
             if not on:
                 return 0
             # measured to pay on this replica now: the model chooses only how deep
@@ -325,7 +325,8 @@ class SpeculationRegime:
     and per live session (so a bucket's windows with fewer sessions, as streams finish, compare
     fairly), kept per load bucket (EWMA); it is scored one window late, once its steps are in.
     Windows that ran a burst of prefills (a quarter or more of the sessions starting) are not
-    scored. Each bucket measures both, then keeps the better, running the other again after
+    scored. Each bucket starts in its prior (:meth:`_prior`: what the measured buckets imply,
+    else the cost model's hint), then keeps the better measured regime, running the other after
     ``explore_every`` windows, that gap doubling (up to ``explore_max``) while the explorations
     confirm it. One object per target replica in a coordinator, shared by its requests;
     ``clock`` injected for tests."""
@@ -351,6 +352,7 @@ class SpeculationRegime:
         self._prefilling = 0
         self._since_explore: dict[int, int] = {}
         self._gap: dict[int, int] = {}
+        self._hints: dict[int, bool] = {}  # per bucket: whether the cost model expects "on" to pay
 
     @property
     def window(self) -> int:
@@ -368,16 +370,26 @@ class SpeculationRegime:
         old = self.rates.get(key)
         self.rates[key] = rate if old is None else old + REGIME_RATE * (rate - old)
 
-    def _next_regime(self, bucket: int, measuring: bool) -> tuple[bool, bool]:
-        """The next window's regime, and whether it is an exploration. ``measuring``: the regime
-        of the window just closed, not yet scored."""
+    def _prior(self, bucket: int) -> bool:
+        """The regime a bucket starts in, before it has measured anything: what the measured
+        buckets imply -- speculation pays less as the load grows, so "off" measured better at a
+        lighter load means off here, "on" measured better at a heavier one means on -- else the
+        cost model's expectation for this load (on where it has said nothing)."""
+        measured = sorted({b for b, _ in self.rates if (b, True) in self.rates and (b, False) in self.rates})
+        if any(b < bucket and self.rates[(b, False)] > self.rates[(b, True)] for b in measured):
+            return False
+        if any(b > bucket and self.rates[(b, True)] >= self.rates[(b, False)] for b in measured):
+            return True
+        return self._hints.get(bucket, True)
+
+    def _next_regime(self, bucket: int) -> tuple[bool, bool]:
+        """The next window's regime, and whether it is an exploration. A bucket follows its prior
+        until that regime has a figure, then the better measured one, running the other (once
+        unmeasured, later the loser) after a gap of windows."""
         known = {regime: self.rates[(bucket, regime)] for regime in (True, False) if (bucket, regime) in self.rates}
-        missing = [regime for regime in (True, False) if regime not in known and regime != measuring]
-        if missing:
-            return missing[0], False  # measure what is missing, "on" first
-        if len(known) < 2:
-            return (next(iter(known)) if known else True), False
-        best = known[True] >= known[False]
+        if not known:
+            return self._prior(bucket), False
+        best = known[True] >= known[False] if len(known) == 2 else next(iter(known))
         since = self._since_explore[bucket] = self._since_explore.get(bucket, 0) + 1
         if since < self._gap.get(bucket, self.explore_every):
             return best, False
@@ -403,7 +415,7 @@ class SpeculationRegime:
             self._score(closed)
             if closed.exploring and closed.per_session_rate() is not None:
                 self._after_exploring(bucket, before)
-        on, exploring = self._next_regime(load_bucket(current.max_sessions), current.on)
+        on, exploring = self._next_regime(load_bucket(current.max_sessions))
         nxt = _Window(current.id + 1, on, now, exploring=exploring)
         nxt.disturbed = self._burst(current.max_sessions)
         self._closed, self._current = current, nxt
@@ -411,9 +423,14 @@ class SpeculationRegime:
     def _burst(self, sessions: int) -> bool:
         return self._prefilling > 0 and 4 * self._prefilling >= sessions
 
-    def speculating(self, sessions: int) -> tuple[bool, int]:
-        """The regime now, and the window it belongs to (a step reports its tokens with it)."""
+    def speculating(self, sessions: int, model_on: bool = True) -> tuple[bool, int]:
+        """The regime now, and the window it belongs to (a step reports its tokens with it).
+        ``model_on``: whether the request's cost model expects speculation to pay at this load
+        (a bucket's prior until it has measured)."""
+        self._hints[load_bucket(sessions)] = model_on
         self._roll()
+        if self._current.id == 0 and not self._current.decisions:  # the very first window
+            self._current.on = self._prior(load_bucket(sessions))
         self._current.see(sessions)
         return self._current.on, self._current.id
 

@@ -53,6 +53,13 @@ MAX_REQUEST_ID_CHARS = 256  # a client's request_id: a Redis key and a log field
 MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the context)
 
 
+def schedule_may_follow_load(params: SamplingParams, replayable_schedule: bool) -> bool:
+    """Whether a request's k may follow the load (the load-aware policy). Under
+    ``--replayable-schedule`` only where the schedule cannot change a token: an invariant
+    request's tokens are a function of its seed alone (docs/exactness.md)."""
+    return params.invariant or not replayable_schedule
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     target_address: str | None = None  # static replicas (optional when a registry is used)
@@ -627,7 +634,7 @@ class CoordinatorCore:
             committed_steps=committed_steps,
             adaptive=parsed.adaptive,
             step_cost=self.config.step_cost,
-            load_aware=not self.config.replayable_schedule,
+            load_aware=schedule_may_follow_load(parsed.params, self.config.replayable_schedule),
         )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)

@@ -120,6 +120,47 @@ def test_all_accepted_block_emits_k_plus_one(target_model, target):
     assert len(target.store) == 0 and len(draft.store) == 0
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_a_request_cancelled_while_its_draft_prefills_frees_the_draft_session(target_model, target, late):
+    """The draft's start is awaited when the request is cancelled (a client gone, a deadline):
+    the session the replica makes anyway is freed, not left for the TTL. ``late``: the draft
+    starts at the first block (the load-aware path) rather than beside the target's prefill."""
+    draft = DraftEngine(target_model)
+    entered, gate, replicas = asyncio.Event(), asyncio.Event(), []
+
+    class SlowStartDraft(LocalDraft):
+        async def start(self, session_id, prompt, params, features=None):
+            # as over gRPC: the replica's work goes on when the caller stops waiting for it
+            async def replica_side():
+                await gate.wait()  # still prefilling when the cancellation arrives
+                await LocalDraft.start(self, session_id, prompt, params, features)
+
+            entered.set()
+            replicas.append(asyncio.ensure_future(replica_side()))
+            await asyncio.shield(replicas[-1])  # cancelling the call does not stop the replica
+
+    async def cancelled_mid_start():
+        run = SpeculativeRun(
+            LocalTarget(target), SlowStartDraft(draft), PROMPT, SamplingParams(seed=3, max_new_tokens=20), 3
+        )
+        if late:
+            run.load_aware = True  # the draft waits for the first block (no cost curve here: k stays 3)
+        task = asyncio.ensure_future(run.steps().__anext__())
+        await asyncio.wait_for(entered.wait(), 5)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        assert len(draft.store) == 0  # not made yet: the start is still waiting
+        gate.set()  # the replica finishes its prefill after the request is gone
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.gather(*replicas, return_exceptions=True)
+        for _ in range(20):  # the release that follows
+            await asyncio.sleep(0.01)
+
+    asyncio.run(cancelled_mid_start())
+    assert len(target.store) == 0 and len(draft.store) == 0
+
+
 def test_max_new_tokens_cuts_inside_a_block(target_model, target):
     draft = DraftEngine(target_model)
     result = speculative_generate(target, draft, PROMPT, SamplingParams(seed=3, max_new_tokens=3, ignore_eos=True), 5)

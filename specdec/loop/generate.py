@@ -200,6 +200,9 @@ class SpeculativeRun:
         self.sequence = self.prompt + [int(t) for t in committed]  # prompt + committed tokens
         self.target_len = self.draft_len = len(self.sequence)  # what each peer was told is committed
         self.draft_started = False  # a draft session exists for this run (started by the first block)
+        # Starts whose caller was cancelled mid-call: the call runs on to its end (a session made
+        # on the replica after the cancellation is still ours to free), and _release_all frees it.
+        self._orphaned_starts: list[tuple[Any, asyncio.Future]] = []
         self.token_logprobs: list[TokenLogprob] = []  # per generated token, when params.logprobs is set
         # For a feature draft: the target's hidden state after each committed token but the last,
         # [len(sequence) - 1, H] (row t precedes token t + 1); None when no draft needs them.
@@ -209,16 +212,29 @@ class SpeculativeRun:
     def wants_features(self) -> bool:
         return self.draft is not None and bool(getattr(self.draft, "wants_features", False))
 
+    async def _start_on(self, peer: Any, call: Any) -> Any:
+        """Await a peer's start call so that a cancellation of this request (a client gone, a
+        deadline) does not cut it off mid-flight: the replica may make the session anyway, and
+        nothing would free it before its TTL. A cancelled start is left to _release_all."""
+        pending = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            self._orphaned_starts.append((peer, pending))
+            raise
+
     async def _start_target(self, target: TargetPeer) -> None:
-        features = await target.start(self.session_id, self.sequence, self.params, self.wants_features)
+        call = target.start(self.session_id, self.sequence, self.params, self.wants_features)
+        features = await self._start_on(target, call)
         if self.wants_features:
             self.features = features
 
     async def _start_draft(self, draft: DraftPeer) -> None:
         if getattr(draft, "wants_features", False):
-            await draft.start(self.session_id, self.sequence, self.params, self.features)
+            call = draft.start(self.session_id, self.sequence, self.params, self.features)
         else:
-            await draft.start(self.session_id, self.sequence, self.params)
+            call = draft.start(self.session_id, self.sequence, self.params)
+        await self._start_on(draft, call)
         self.draft_started, self.draft_len = True, len(self.sequence)
 
     async def _start_draft_or_drop(self) -> None:
@@ -446,9 +462,16 @@ class SpeculativeRun:
         return Commit(self.step - 1, peer_len, tuple(self.sequence[peer_len:]), features)
 
     async def _release_all(self) -> None:
-        peers = [p for p in (self.target, self.draft if self.draft_started else None) if p is not None]
         # Shielded: a cancelled request must still free its caches on every service.
-        await asyncio.shield(asyncio.gather(*(p.release(self.session_id) for p in peers), return_exceptions=True))
+        await asyncio.shield(self._release_everywhere())
+
+    async def _release_everywhere(self) -> None:
+        peers = [p for p in (self.target, self.draft if self.draft_started else None) if p is not None]
+        if self._orphaned_starts:  # wait for cut-off starts to land, then free what they made
+            await asyncio.gather(*(start for _, start in self._orphaned_starts), return_exceptions=True)
+            made = [p for p, start in self._orphaned_starts if not start.cancelled() and start.exception() is None]
+            peers += [p for p in made if all(p is not q for q in peers)]
+        await asyncio.gather(*(p.release(self.session_id) for p in peers), return_exceptions=True)
 
     def result(self) -> GenerationResult:
         return GenerationResult(

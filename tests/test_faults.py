@@ -79,13 +79,16 @@ def undisturbed(stack):
     return list(stub(stack.coordinator_address).Generate(greedy(), timeout=300).token_ids)
 
 
-def stream_resuming(stack, rid: str, fault, attempts: int = 20) -> tuple[list[int], list[str]]:
+def stream_resuming(stack, rid: str, fault, patience: float = 240.0) -> tuple[list[int], list[str]]:
     """Stream request ``rid``; ``fault`` runs (in a thread) after the first chunk; each retryable
-    error is followed by a resume from the tokens received so far. (tokens, errors seen)."""
+    error is followed by a resume from the tokens received so far, for up to ``patience`` seconds
+    (a killed replica is back once its restart has loaded the model: on a busy CI machine that
+    took longer than 20 retries). (tokens, errors seen)."""
     tokens: list[int] = []
     errors: list[str] = []
     started: threading.Thread | None = None
-    for _ in range(attempts):
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
         try:
             for chunk in stub(stack.coordinator_address).GenerateStream(greedy(rid, len(tokens)), timeout=300):
                 tokens.extend(chunk.token_ids)

@@ -247,6 +247,27 @@ def test_a_bucket_starts_in_what_the_model_or_the_measured_loads_imply():
     assert first_regimes([(8, False), (8, False)], on_at_16) == [True, True]
 
 
+def test_an_exploration_whose_window_lands_in_another_load_bucket_breaks_nothing():
+    """The load may fall between windows: a window's regime is chosen for the load the window
+    before saw (8 sessions), but its figure is scored in the bucket of the load it sees itself
+    (2), which may have measured only one regime. That exploration says nothing about the bucket
+    that chose it, and the regime goes on deciding (CI once saw every request after such a
+    window fail on a KeyError)."""
+    rate = {True: 30, False: 50}
+    landed_elsewhere = 0
+    for windows_at_eight in range(12):  # the drop to 2 sessions comes after 0, 1, ... 11 windows
+        regime, now = _regime_clock(explore_every=2, explore_max=4)
+        for sessions in [8] * windows_at_eight + [2, 2, 8, 2, 8, 8]:
+            for call in range(10):
+                on, window = regime.speculating(sessions)
+                if call == 0 and regime._current.exploring and sessions == 2:
+                    landed_elsewhere += 1
+                regime.committed(window, rate[on] * sessions // 10)
+                now[0] += 1
+        assert (load_bucket(8), True) in regime.rates  # it measured, and never raised
+    assert landed_elsewhere >= 2  # the case happened (at each of the first explorations)
+
+
 def test_the_regime_counts_late_commits_per_session_and_skips_prefill_bursts():
     def scored(sessions_seen, tokens, late=0, prefills=0):
         """One window (1 s) whose decisions saw ``sessions_seen``; its figure once scored."""

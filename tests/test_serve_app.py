@@ -41,6 +41,18 @@ def wait_serving(address: str, timeout: float) -> None:
     raise AssertionError(f"{address} is not SERVING after {timeout:.0f}s")
 
 
+def init_ray(ray, runtime_env, attempts: int = 3):
+    """ray.init, tried again when the raylet misses Ray's fixed 30 s registration wait (seen on a
+    busy 2-core CI machine): a slow start of the harness, not of the code under test."""
+    for attempt in range(attempts):
+        try:
+            return ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env)
+        except Exception as exc:  # Ray raises a bare Exception for it
+            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
+                raise
+            ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def fronts(tmp_path_factory):
     """{"serve" | "local": (gRPC address, metrics port)}, the target model, the trace collector."""
@@ -60,11 +72,7 @@ def fronts(tmp_path_factory):
         try:
             for kind in ("target", "draft"):
                 stack.wait_healthy(stack.start_replica(kind, str(root / kind), ["--threads", "1"], f"{kind}-0"), 120)
-            ray.init(
-                num_cpus=2,
-                include_dashboard=False,
-                runtime_env={"env_vars": {"REDIS_URL": redis.url, **tracing_env}},
-            )
+            init_ray(ray, runtime_env={"env_vars": {"REDIS_URL": redis.url, **tracing_env}})
             serve_port, serve_metrics, http_port = free_port(), free_port(), free_port()
             serve.start(
                 http_options={"port": http_port},

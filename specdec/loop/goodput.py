@@ -301,6 +301,7 @@ class _Window:
     session_sum: int = 0
     max_sessions: int = 1
     exploring: bool = False  # it runs the regime that lost, to measure it again
+    chosen_for: int = 0  # the load bucket its regime was chosen for (the window before's load)
     disturbed: bool = False  # a burst of prefills ran in it: its figure says nothing of either regime
 
     def see(self, sessions: int) -> None:
@@ -413,10 +414,14 @@ class SpeculationRegime:
             bucket = load_bucket(closed.max_sessions)
             before = self.rates.get((bucket, True), 0.0) >= self.rates.get((bucket, False), 0.0)
             self._score(closed)
-            if closed.exploring and closed.per_session_rate() is not None:
+            # An exploration informs the bucket that chose it only if the load stayed in it (it
+            # may have fallen between windows, and the figure gone to a bucket measuring one regime).
+            explored = closed.exploring and bucket == closed.chosen_for and closed.per_session_rate() is not None
+            if explored and (bucket, True) in self.rates and (bucket, False) in self.rates:
                 self._after_exploring(bucket, before)
-        on, exploring = self._next_regime(load_bucket(current.max_sessions))
-        nxt = _Window(current.id + 1, on, now, exploring=exploring)
+        chosen_for = load_bucket(current.max_sessions)
+        on, exploring = self._next_regime(chosen_for)
+        nxt = _Window(current.id + 1, on, now, exploring=exploring, chosen_for=chosen_for)
         nxt.disturbed = self._burst(current.max_sessions)
         self._closed, self._current = current, nxt
 

@@ -2,6 +2,7 @@
 and a run resumes from its checkpoint."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -161,9 +162,22 @@ def test_distill_self_prompts_and_time_budget(tmp_path):
     report = json.loads((out / "distill.json").read_text())
     assert report["settings"]["self_prompts"] == 5 and report["stopped_by"] == "steps"
     assert report["exported_step"] in (10, 20, 30)
+    # the export is scored on the held-out bench prompts, as the agreement module scores any draft
+    assert report["bench_split"] == "heldout" and report["bench_positions"] > 0
+    assert 0.0 <= report["bench_top1"] <= 1.0 and f"{report['bench_top1']:.3f}" in (out / "README.md").read_text()
+    first = tmp_path / "first"
+    shutil.copytree(out, first, ignore=shutil.ignore_patterns("corpus", "checkpoint.pt"))
+    scored = subprocess.run(
+        [sys.executable, "-m", "specdec.training.agreement", "--target", str(tmp_path / "target"), str(first)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    assert json.loads(scored.stdout)["top1"][str(first)] == report["bench_top1"]
 
     budget = subprocess.run(
-        [*args, "--steps", "1000000", "--time-budget-minutes", "0.1"],
+        [*args, "--steps", "1000000", "--time-budget-minutes", "0.1", "--compare-draft", str(first)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -173,6 +187,8 @@ def test_distill_self_prompts_and_time_budget(tmp_path):
     assert "reusing 5 self-written prompts" in budget.stderr and "time budget reached" in budget.stderr
     report = json.loads((out / "distill.json").read_text())
     assert report["stopped_by"] == "time budget" and 30 <= report["steps"] < 1_000_000
+    assert report["compare_draft"] == str(first)
+    assert report["compare_draft_bench_top1"] == json.loads(scored.stdout)["top1"][str(first)]
     assert load_model(str(out), "cpu", quiet=True).config.vocab_size == 32
 
 

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from specdec.modeling.tiny import word_tokenizer
+from specdec.training.corpus import sharded_records
 from specdec.training.distill import add_arguments, check_arguments, finished_messages, user_turn_opening
 from specdec.training.trainer import warmup_cosine
 
@@ -54,6 +55,10 @@ def test_learning_rate_follows_steps_or_the_time_budget_whichever_is_further():
         (["--self-prompt-temperature", "0"], "--self-prompt-temperature must be > 0"),
         (["--time-budget-minutes", "-1"], "--time-budget-minutes must be >= 0"),
         (["--device", "gpu0"], "is not a device"),
+        (["--corpus-minutes", "-1"], "--corpus-minutes must be >= 0"),
+        (["--corpus-minutes", "5", "--time-budget-minutes", "5"], "leaves no training time"),
+        (["--bench-tokens", "0"], "--bench-tokens must be >= 1"),
+        (["--compare-draft", "/no/such/draft"], "no such model directory"),
     ],
 )
 def test_bad_settings_are_refused_before_loading_anything(flags, message):
@@ -91,3 +96,32 @@ def test_precision_auto_is_bf16_only_where_the_device_has_it_natively():
     assert args.student_bf16 is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--target", "t", "--out", "o", "--precision", "fp16"])
+
+
+def test_a_corpus_past_its_deadline_keeps_its_finished_shards_and_starts_no_new_batch(tmp_path):
+    import time
+    from dataclasses import asdict, dataclass
+
+    @dataclass
+    class Row:
+        batch: int
+
+        def as_dict(self):
+            return asdict(self)
+
+    made: list[int] = []
+
+    def make(b):
+        made.append(b)
+        return [Row(b)]
+
+    def build(deadline):
+        return [r.batch for r in sharded_records(tmp_path, 5, make, Row, lambda r: 1, deadline)]
+
+    assert build(time.monotonic() - 1) == [] and made == []  # the cap came first: nothing made
+    assert build(time.monotonic() + 3600) == [0, 1, 2, 3, 4] and made == [0, 1, 2, 3, 4]
+    (tmp_path / "shard-00003.pt").unlink()
+    made.clear()
+    # finished shards are read past the deadline; the first missing one ends the corpus there
+    assert build(time.monotonic() - 1) == [0, 1, 2] and made == []
+    assert build(None) == [0, 1, 2, 3, 4] and made == [3]

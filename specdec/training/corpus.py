@@ -45,10 +45,17 @@ def open_corpus_dir(corpus_dir: Path, settings: dict) -> None:
     plan_file.write_text(json.dumps(settings, indent=2))
 
 
-def sharded_records(corpus_dir: Path, batches: int, make_batch, record_type, tokens_of) -> list:
+def sharded_records(
+    corpus_dir: Path, batches: int, make_batch, record_type, tokens_of, deadline: float | None = None
+) -> list:
     """The records of ``batches`` batches: batch ``b`` read back from ``shard-b.pt`` when a previous
     run finished it, else made by ``make_batch(b)`` and saved (atomically: a shard exists only once it
-    is complete), so an interrupted corpus build resumes where it stopped."""
+    is complete), so an interrupted corpus build resumes where it stopped. Past ``deadline`` (a
+    ``time.monotonic()`` value) no new batch is started, so a corpus can be sized by the time a
+    device is lent for rather than guessed; what was finished is returned (and a later run with a
+    later deadline goes on from there)."""
+    import time
+
     from tqdm import tqdm
 
     done = sum(1 for b in range(batches) if (corpus_dir / f"shard-{b:05d}.pt").exists())
@@ -60,6 +67,9 @@ def sharded_records(corpus_dir: Path, batches: int, make_batch, record_type, tok
         shard = corpus_dir / f"shard-{b:05d}.pt"
         if shard.exists():
             rows = [record_type(**r) for r in torch.load(shard)]
+        elif deadline is not None and time.monotonic() >= deadline:
+            say(f"corpus time cap reached: {corpus_dir.name} stops at {b} of {batches} batches")
+            break
         else:
             rows = make_batch(b)
             tmp = shard.with_suffix(".tmp")

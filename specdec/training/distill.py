@@ -175,7 +175,9 @@ def corpus_settings(prompt_file: Path, args) -> dict:
     }
 
 
-def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path, settings: dict) -> list[Record]:
+def build_corpus(
+    target, tokenizer, prompts: list[dict], args, corpus_dir: Path, settings: dict, deadline: float | None = None
+) -> list[Record]:
     from specdec.modeling.loading import encode_prompt, eos_token_ids
 
     open_corpus_dir(corpus_dir, settings)
@@ -198,7 +200,7 @@ def build_corpus(target, tokenizer, prompts: list[dict], args, corpus_dir: Path,
             args.seed * 100_003 + b,
         )
 
-    return sharded_records(corpus_dir, len(plan), make_batch, Record, lambda r: len(r.top_ids))
+    return sharded_records(corpus_dir, len(plan), make_batch, Record, lambda r: len(r.top_ids), deadline)
 
 
 # -- prompts the target writes itself ----------------------------------------------------------------
@@ -432,6 +434,71 @@ def evaluate(student, records: list[Record], head, slot, temperature: float, seq
     return kl_sum / max(1, total), agree / max(1, total)
 
 
+# -- the bench yardstick -----------------------------------------------------------------------------
+def bench_records(target, tokenizer, split: str, tokens: int, teacher_top: int) -> list[Record]:
+    """The target's greedy answers (at most ``tokens`` new tokens, chat template) to the bench
+    prompts of ``split`` ('' = none), one prompt at a time (no padding), with its distribution at
+    every answer position: teacher-forced top-1 agreement on these is the greedy acceptance a
+    draft will show at a block's first position in ``specdec bench --split SPLIT``. None of the
+    bench prompts is ever distilled on (write_self_prompts excludes them)."""
+    from specdec.modeling.loading import encode_prompt, eos_token_ids
+
+    if not split:
+        return []
+    prompts = load_prompts(BENCH_PROMPTS, split=split)
+    if not prompts:
+        raise SystemExit(f"specdec distill: no bench prompts with split {split!r} in {BENCH_PROMPTS}")
+    eos_ids = eos_token_ids(target, tokenizer)
+    pad_id = padding_id(tokenizer, eos_ids)
+    records: list[Record] = []
+    for p in prompts:
+        ids = encode_prompt(tokenizer, p["text"], chat=True)
+        records += generate_batch(target, [ids], True, tokens, teacher_top, eos_ids, pad_id, 1.0, 0)
+    return records
+
+
+def head_slots(head_ids: list[int], vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head token ids, slot of every vocabulary id in the head or -1) on ``device``."""
+    head = torch.tensor(head_ids, dtype=torch.long, device=device)
+    slot = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
+    slot[head] = torch.arange(len(head), device=device)
+    return head, slot
+
+
+def saved_draft_agreement(directory: str, records: list[Record], device) -> float:
+    """Teacher-forced top-1 agreement on ``records`` (whole, never cut to a training length) of a
+    draft saved by this command (its own head vocabulary applied, weights in float32 as the
+    services run them)."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.modeling.heads import read_head_vocab
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
+    vocab_size = model.config.vocab_size
+    head, slot = head_slots(read_head_vocab(directory) or list(range(vocab_size)), vocab_size, device)
+    return evaluate(model, records, head, slot, 1.0, max(len(r.ids) for r in records))[1]
+
+
+def bench_agreements(student, head, slot, bench: list[Record], args, device) -> dict:
+    """The report's bench yardstick: the exported student's agreement, and ``--compare-draft``'s on
+    the same answers (so "better than the shipped draft" is one run's comparison)."""
+    if not bench:
+        return {}
+    report = {
+        "bench_split": args.bench_split,
+        "bench_positions": sum(len(r.top_ids) for r in bench),
+        "bench_top1": evaluate(student, bench, head, slot, 1.0, max(len(r.ids) for r in bench))[1],
+    }
+    if args.compare_draft:
+        report["compare_draft"] = args.compare_draft
+        report["compare_draft_bench_top1"] = saved_draft_agreement(args.compare_draft, bench, device)
+    say(
+        f"teacher-forced top-1 agreement on the {args.bench_split} bench prompts: {report['bench_top1']:.3f}"
+        + (f" (--compare-draft: {report['compare_draft_bench_top1']:.3f})" if args.compare_draft else "")
+    )
+    return report
+
+
 # -- the command -------------------------------------------------------------------------------------
 def prompt_files(spec: str) -> list[Path]:
     files = [Path(p).expanduser() for p in spec.split(",") if p.strip()]
@@ -454,6 +521,17 @@ def check_arguments(args) -> torch.device:
         problems.append(f"--self-prompt-temperature must be > 0 (got {args.self_prompt_temperature})")
     if args.time_budget_minutes < 0:
         problems.append(f"--time-budget-minutes must be >= 0 (got {args.time_budget_minutes})")
+    if args.corpus_minutes < 0:
+        problems.append(f"--corpus-minutes must be >= 0 (got {args.corpus_minutes})")
+    if args.time_budget_minutes and args.corpus_minutes >= args.time_budget_minutes:
+        problems.append(
+            f"--corpus-minutes {args.corpus_minutes} leaves no training time in --time-budget-minutes "
+            f"{args.time_budget_minutes}"
+        )
+    if args.bench_tokens < 1:
+        problems.append(f"--bench-tokens must be >= 1 (got {args.bench_tokens})")
+    if args.compare_draft and not Path(args.compare_draft).is_dir():
+        problems.append(f"--compare-draft {args.compare_draft}: no such model directory")
     try:
         device = torch.device(default_device() if args.device == "auto" else args.device)
     except RuntimeError:
@@ -518,20 +596,31 @@ def distill(args) -> dict:
             args, target, tokenizer, [p for _, prompts in sources for p in prompts], out, command_started, deadline
         )
     train, held_out = [], []
+    corpus_deadline = command_started + args.corpus_minutes * 60 if args.corpus_minutes else None
     for prompt_file, prompts in sources:
         # one corpus per prompt file: adding a file generates answers for that file only
         records = build_corpus(
-            target, tokenizer, prompts, args, out / "corpus" / prompt_file.stem, corpus_settings(prompt_file, args)
+            target,
+            tokenizer,
+            prompts,
+            args,
+            out / "corpus" / prompt_file.stem,
+            corpus_settings(prompt_file, args),
+            corpus_deadline,
         )
+        if not records:
+            continue  # the corpus time cap came before this file's first batch
         file_train, file_held = split_records(records, args.eval_sequences)
         train += file_train
         held_out += file_held
+    if not train or not held_out:
+        raise SystemExit("specdec distill: the corpus is empty (is --corpus-minutes too short for one batch?)")
     say(f"corpus ready after {(time.monotonic() - command_started) / 60:.1f} min")
+    # the yardstick the bench will see: the target's greedy answers to prompts never trained on
+    bench = bench_records(target, tokenizer, args.bench_split, args.bench_tokens, args.teacher_top)
     vocab_size = target.config.vocab_size
     head_ids = choose_head_vocab(train, args.head_vocab or vocab_size, vocab_size, eos_token_ids(target, tokenizer))
-    head = torch.tensor(head_ids, dtype=torch.long, device=device)
-    slot = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
-    slot[head] = torch.arange(len(head), device=device)
+    head, slot = head_slots(head_ids, vocab_size, device)
     coverage = head_coverage(held_out, head_ids, vocab_size)
     say(
         f"corpus: {len(train)} training + {len(held_out)} held-out sequences, "
@@ -615,6 +704,7 @@ def distill(args) -> dict:
         say(f"exporting the step-{exported_step} weights (best held-out agreement)")
     export(student, tokenizer, out, head_ids, args.save_dtype, note=f"distilled from {args.target}")
     params = sum(p.numel() for p in student.parameters())
+    bench_report = bench_agreements(student, head, slot, bench, args, device)
     report = {
         "target": args.target,
         "steps": step,
@@ -633,6 +723,7 @@ def distill(args) -> dict:
         "top1_end": after[1],
         "train_seconds": time.monotonic() - started,
         "total_seconds": time.monotonic() - command_started,
+        **bench_report,
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
     }
     (out / "distill.json").write_text(json.dumps(report, indent=2))
@@ -670,6 +761,16 @@ def write_model_card(out: Path, report: dict) -> None:
     if report.get("stopped_by") == "time budget":
         exported += f" (stopped by the {st['time_budget_minutes']}-minute time budget)"
     size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
+    bench = ""
+    if "bench_top1" in report:
+        bench = (
+            f"\n- **Bench prompts** (split {report['bench_split']!r}, never distilled on): teacher-forced top-1 "
+            f"agreement with the target's greedy answers {report['bench_top1']:.3f} over "
+            f"{report['bench_positions']} positions"
+        )
+        if "compare_draft_bench_top1" in report:
+            bench += f" (`{report['compare_draft']}` on the same answers: {report['compare_draft_bench_top1']:.3f})"
+        bench += "."
     (out / "README.md").write_text(f"""# Draft model for `{report["target"]}` (made by `specdec distill`)
 
 A speculative-decoding draft sharing the target's tokenizer. Not a general-purpose model: it is
@@ -693,7 +794,7 @@ trained only to predict the target's next-token distribution on the target's own
 - **Held-out**: KL(target || draft) {report["kl_start"]:.3f} -> {report["kl_end"]:.3f}; top-1 agreement with the
   target (how often the draft's first choice is the target's: greedy acceptance at one position)
   {report["top1_start"]:.3f} -> {report["top1_end"]:.3f};
-  the head vocabulary covers {report["head_coverage_held_out"]:.1%} of the target's held-out greedy choices.
+  the head vocabulary covers {report["head_coverage_held_out"]:.1%} of the target's held-out greedy choices.{bench}
 
 Reproduce: `specdec distill --target {report["target"]} --out DIR` with the settings in `distill.json`.
 """)
@@ -770,6 +871,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-prompt-tokens", type=int, default=64, help="longest self-written user message")
     p.add_argument("--self-prompt-temperature", type=float, default=1.0)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N ('auto': a GPU when there is one)")
+    p.add_argument(
+        "--corpus-minutes",
+        type=float,
+        default=0.0,
+        help="start no corpus batch after this many minutes from the command's start (self-written "
+        "prompts included); train on what is finished (0 = the whole corpus)",
+    )
+    p.add_argument(
+        "--bench-split",
+        default="heldout",
+        help="score the export by teacher-forced top-1 agreement with the target's greedy answers to "
+        "the bench prompts of this split ('' = off)",
+    )
+    p.add_argument("--bench-tokens", type=int, default=64, help="answer length of that yardstick")
+    p.add_argument("--compare-draft", default="", help="a saved draft directory scored on the same answers")
     p.add_argument(
         "--precision",
         choices=["auto", "bf16", "fp32"],

@@ -129,6 +129,24 @@ def test_distill_tiny_target(tmp_path):
         == expected
     )
 
+    # --init-from: a run starts from a saved draft's weights (here the one just exported), so with no
+    # training steps its starting KL is that draft's, not an untrained student's
+    start = [SPECDEC, "distill", "--target", str(tmp_path / "target"), "--out", str(out), *SMALL, "--restart"]
+    again = subprocess.run(
+        [*start, "--init-from", str(out), "--steps", "0"], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert again.returncode == 0 and "starting from the weights of" in again.stderr, again.stderr[-2000:]
+    started = json.loads((out / "distill.json").read_text())
+    assert started["kl_start"] == pytest.approx(report["kl_end"], rel=0.05) and started["kl_start"] < report["kl_start"]
+    wrong = subprocess.run(
+        [*start, "--init-from", str(out), "--steps", "0", "--layers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert wrong.returncode != 0 and "has another shape" in wrong.stderr and "model.layers.1" in wrong.stderr
+
 
 def test_distill_self_prompts_and_time_budget(tmp_path):
     """--self-prompts: the target writes prompts (a fourth corpus, reused by a second run);

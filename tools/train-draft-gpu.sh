@@ -16,6 +16,10 @@
 #   BUDGET_MINUTES  the whole distill run, corpus included (default 9)
 #   CORPUS_MINUTES  no corpus batch starts after this (default 5.3): the rest is training time
 #   SELF_PROMPTS    new user messages the target writes beyond the shipped 12000 (default 16000)
+#   PROMPTS         the prompt files (default: the three prompt sets and the shipped 12000 self-written
+#                   prompts; '' = only the new self-written ones)
+#   INIT_FROM       start from this saved draft (e.g. models/smollm2-draft, carried: the tool's 64 MiB a
+#                   call then means three calls) instead of from scratch; LR the learning rate (0.003)
 #   DEVICE          cuda (default) or cpu for the rehearsal
 #   GEN_BATCH       sequences the target answers at once (default 1024: 7.4 s a batch on an H200)
 #   EXTRA           more `specdec distill` flags (the CPU rehearsal shrinks everything with them)
@@ -43,8 +47,9 @@ export PYTHONPATH="$work/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" SPECDEC_GGUF_CACH
 python3 -c 'import sys, torch, transformers, gguf; print("python", sys.version.split()[0], "torch", torch.__version__,
 "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
 
-prompts=benchmarks/distill_prompts.v1.jsonl,benchmarks/distill_prompts_extra.v1.jsonl
-prompts=$prompts,benchmarks/distill_prompts_more.v1.jsonl,benchmarks/distill_self_prompts_smollm2.v1.jsonl
+default_prompts=benchmarks/distill_prompts.v1.jsonl,benchmarks/distill_prompts_extra.v1.jsonl
+default_prompts=$default_prompts,benchmarks/distill_prompts_more.v1.jsonl,benchmarks/distill_self_prompts_smollm2.v1.jsonl
+prompts=${PROMPTS-$default_prompts}
 # --seed 1: new self-written prompts (seed 0 wrote the shipped 12000) and new sampled answers.
 # --checkpoint-every: a checkpoint only to resume an interrupted run, which a lent machine never
 # gets to do; the export is the best held-out evaluation, kept in memory.
@@ -53,7 +58,7 @@ python3 -m specdec distill --target smollm2 --out "$work/draft" --device "${DEVI
     --prompts "$prompts" --self-prompts "${SELF_PROMPTS:-16000}" --seed 1 \
     --samples-per-prompt 2 --gen-tokens 160 --gen-batch-size "${GEN_BATCH:-1024}" \
     --layers 4 --hidden 256 --heads 4 --kv-heads 2 --intermediate 512 \
-    --batch-size 128 --steps 40000 --lr 0.003 --eval-every 500 --eval-sequences 64 --checkpoint-every 100000 \
+    --batch-size 128 --steps 40000 --lr "${LR:-0.003}" ${INIT_FROM:+--init-from "$INIT_FROM"} --eval-every 500 --eval-sequences 64 --checkpoint-every 100000 \
     --time-budget-minutes "${BUDGET_MINUTES:-9}" --corpus-minutes "${CORPUS_MINUTES:-5.3}" \
     ${EXTRA:-} >"$out/distill.log" 2>&1 || status=$?
 tr '\r' '\n' <"$out/distill.log" | grep -v -e 'it/s' -e 's/it' -e '^[[:space:]]*$' | tail -40

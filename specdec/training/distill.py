@@ -359,6 +359,34 @@ def build_student(target, layers: int, hidden: int, heads: int, kv_heads: int, i
     return student
 
 
+def start_from_draft(student, directory: str) -> None:
+    """Start ``student`` from the weights of a draft saved by this command (instead of the
+    projected target embeddings): new data then refines a trained draft rather than paying
+    again for what it already learnt. The shapes must be the same; the head vocabulary may
+    differ (the embeddings cover the whole vocabulary, the head is a choice of their rows)."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / "model.safetensors"
+    if not path.is_file():
+        raise SystemExit(f"specdec distill: --init-from {directory}: no model.safetensors there")
+    saved = load_file(str(path))
+    own = student.state_dict()
+    if "lm_head.weight" not in saved and "lm_head.weight" in own:  # tied: saved once, as the embeddings
+        saved["lm_head.weight"] = saved["model.embed_tokens.weight"]
+    wrong = sorted(
+        f"{k} {tuple(saved[k].shape) if k in saved else 'missing'} (needs {tuple(v.shape)})"
+        for k, v in own.items()
+        if k not in saved or saved[k].shape != v.shape
+    )
+    if wrong:
+        raise SystemExit(
+            f"specdec distill: --init-from {directory} has another shape than --layers/--hidden/--heads/"
+            f"--kv-heads/--intermediate ask for: {'; '.join(wrong[:4])}"
+        )
+    student.load_state_dict({k: saved[k].float() for k in own})
+    say(f"starting from the weights of {directory}")
+
+
 @dataclass
 class Batch:
     ids: torch.Tensor  # [B, T]
@@ -500,11 +528,12 @@ def bench_agreements(student, head, slot, bench: list[Record], args, device) -> 
 
 
 # -- the command -------------------------------------------------------------------------------------
-def prompt_files(spec: str) -> list[Path]:
+def prompt_files(spec: str, self_prompts: int = 0) -> list[Path]:
+    """The prompt files of ``--prompts``; none (``''``) only when the target writes its own."""
     files = [Path(p).expanduser() for p in spec.split(",") if p.strip()]
     missing = [str(f) for f in files if not f.is_file()]
-    if not files or missing:
-        raise SystemExit(f"prompt file(s) not found: {', '.join(missing) or spec!r}")
+    if (not files and not self_prompts) or missing:
+        raise SystemExit(f"prompt file(s) not found: {', '.join(missing) or spec!r} (and no --self-prompts)")
     return files
 
 
@@ -530,6 +559,8 @@ def check_arguments(args) -> torch.device:
         )
     if args.bench_tokens < 1:
         problems.append(f"--bench-tokens must be >= 1 (got {args.bench_tokens})")
+    if args.init_from and args.kind == "feature":
+        problems.append("--init-from is for the standalone kind")
     if args.compare_draft and not Path(args.compare_draft).is_dir():
         problems.append(f"--compare-draft {args.compare_draft}: no such model directory")
     try:
@@ -579,7 +610,7 @@ def distill(args) -> dict:
     if tokenizer is None:
         raise SystemExit("the target has no tokenizer: cannot build a corpus from text prompts")
     sources = []
-    for prompt_file in prompt_files(args.prompts):
+    for prompt_file in prompt_files(args.prompts, args.self_prompts):
         prompts = load_prompts(prompt_file, args.num_prompts, args.split)
         if not prompts:
             raise SystemExit(f"no prompts in {prompt_file} (split {args.split!r})")
@@ -630,7 +661,10 @@ def distill(args) -> dict:
 
     student = build_student(
         target.cpu(), args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.seed
-    ).to(device)
+    )
+    if args.init_from:
+        start_from_draft(student, args.init_from)
+    student = student.to(device)
     del target  # the corpus holds everything training needs from the target
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
     step, before, best = 0, None, None
@@ -754,7 +788,7 @@ def write_model_card(out: Path, report: dict) -> None:
         if st.get("self_prompts")
         else ""
     )
-    prompt_files_md = ", ".join("`" + Path(f).name + "`" for f in st["prompts"].split(","))
+    prompt_files_md = ", ".join("`" + Path(f).name + "`" for f in st["prompts"].split(",") if f.strip()) or "no file"
     exported = ""
     if report.get("exported_step", report["steps"]) != report["steps"]:
         exported = f"; exported the step-{report['exported_step']} weights (best held-out agreement)"
@@ -806,7 +840,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompts",
         default=DEFAULT_DISTILL_PROMPTS,
-        help="comma-separated JSONL prompt files {id, text, split}; one corpus each",
+        help="comma-separated JSONL prompt files {id, text, split}; one corpus each ('' with --self-prompts: "
+        "only the prompts the target writes)",
     )
     p.add_argument("--split", default="", help="only prompts with this split ('' = all)")
     p.add_argument("--num-prompts", type=int, default=None)
@@ -886,6 +921,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bench-tokens", type=int, default=64, help="answer length of that yardstick")
     p.add_argument("--compare-draft", default="", help="a saved draft directory scored on the same answers")
+    p.add_argument(
+        "--init-from",
+        default="",
+        help="start the student from this saved draft's weights (same shape) instead of from the target's embeddings",
+    )
     p.add_argument(
         "--precision",
         choices=["auto", "bf16", "fp32"],

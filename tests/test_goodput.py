@@ -211,16 +211,49 @@ def test_the_regime_measures_both_keeps_the_better_and_explores_the_other_ever_l
         return seen
 
     seen = windows(60)
-    # the prior ("on": no model hint) until measured, "off" explored after 5 scored windows, then
-    # "on" once more while off's figure comes in (each window is scored a window late)
-    assert seen[:9] == [True] * 6 + [False, True, False]
-    explorations = [i for i in range(9, 60) if seen[i]]
-    assert explorations == [11, 21, 41]  # after 5, then 10, then 20 windows (at most; each confirmed)
+    # the prior ("on": no model hint) until measured, then "off" explored 2 windows later for two
+    # windows (the first a warm-up, not scored), "on" once more while off's figure comes in (each
+    # window is scored a window late), then the better
+    assert seen[:7] == [True, True, True, False, False, True, False]
+    explorations = [i for i in range(7, 60) if seen[i]]
+    # two windows each: 5 windows after the first exploration, then 10, then 20 (at most)
+    assert explorations == [9, 10, 20, 21, 41, 42]
     truth[True] = 90  # the load changed what pays: two explorations (EWMA) find it and "on" takes over
     later = windows(60)
-    # explorations at windows 61 (its EWMA, 48, still below off's 50) and 81 (60.6: on wins)
-    assert [i for i in range(21) if later[i]] == [1] and later[-10:].count(True) >= 8
+    # explorations at windows 2-3 (its EWMA, 48, still below off's 50) and 23-24 (60.6: on wins)
+    assert [i for i in range(25) if later[i]] == [2, 3, 23, 24] and later[-10:].count(True) >= 8
     assert regime.speculating(1)[0] is True and load_bucket(1) != load_bucket(8)  # a bucket of its own
+
+
+def test_only_the_buckets_at_the_boundary_explore():
+    """Once "off" measured better at 2 sessions, every heavier load is settled: those buckets never try
+    speculation again (a try costs the most there), whatever their own windows would show; the
+    boundary buckets (1 and 2 sessions) go on exploring. A bucket whose own figures contradict
+    what the others imply (noise) explores as before."""
+
+    def run(sessions, truth, measured, n=60):
+        regime, now = _regime_clock(explore_every=5, explore_max=10)
+        regime.rates.update(measured)
+        seen = []
+        for _ in range(n):
+            for _ in range(10):
+                on, window = regime.speculating(sessions)
+                regime.committed(window, truth[on] * sessions // 10)
+                now[0] += 1
+            seen.append(on)
+        return seen
+
+    settled = {(load_bucket(1), True): 60.0, (load_bucket(1), False): 30.0}
+    settled |= {(load_bucket(2), True): 40.0, (load_bucket(2), False): 50.0}
+    for sessions in (3, 8, 32):
+        assert not any(run(sessions, {True: 30, False: 50}, settled))  # off, never explored
+        assert not any(run(sessions, {True: 90, False: 50}, settled))  # settled by the lighter load
+    # the boundary explores, two windows at a time, in at most a quarter of the windows
+    assert 4 <= run(2, {True: 40, False: 50}, settled).count(True) <= 15
+    assert 4 <= run(1, {True: 60, False: 30}, settled).count(False) <= 15
+    contradicting = settled | {(load_bucket(8), True): 55.0, (load_bucket(8), False): 50.0}
+    assert any(run(8, {True: 30, False: 50}, contradicting))  # its own figures disagree: explores
+    assert run(8, {True: 30, False: 50}, contradicting)[-10:].count(False) >= 8  # and finds off
 
 
 def test_a_bucket_starts_in_what_the_model_or_the_measured_loads_imply():
@@ -292,6 +325,8 @@ def test_the_regime_counts_late_commits_per_session_and_skips_prefill_bursts():
     assert scored([8], 0) == {}  # nothing committed: nothing said
     with pytest.raises(ValueError, match="explore_every"):
         _regime_clock(explore_every=1)
+    with pytest.raises(ValueError, match="explore_first"):
+        _regime_clock(explore_first=0)
 
 
 def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates():

@@ -277,7 +277,8 @@ class GoodputK:
 
 
 REGIME_WINDOW_SECONDS = 0.5  # a regime holds for this long, for every request on the replica
-REGIME_EXPLORE_EVERY = 10  # windows: the losing regime runs again after this many at first ...
+REGIME_EXPLORE_FIRST = 2  # windows: a bucket that measured one regime runs the other this soon ...
+REGIME_EXPLORE_EVERY = 10  # ... and once both are measured, the losing one runs again after this many at first ...
 REGIME_EXPLORE_MAX = 20  # ... the gap doubling, up to this, while each exploration confirms the loser
 REGIME_RATE = 0.3  # EWMA weight of one window's figure
 
@@ -303,6 +304,7 @@ class _Window:
     exploring: bool = False  # it runs the regime that lost, to measure it again
     chosen_for: int = 0  # the load bucket its regime was chosen for (the window before's load)
     disturbed: bool = False  # a burst of prefills ran in it: its figure says nothing of either regime
+    switched: bool = False  # the window before ran the other regime: a warm-up, not scored
 
     def see(self, sessions: int) -> None:
         self.decisions += 1
@@ -311,7 +313,7 @@ class _Window:
 
     def per_session_rate(self) -> float | None:
         seconds = self.end - self.start
-        if self.disturbed or not self.tokens or not self.decisions or seconds <= 0:
+        if self.switched or self.disturbed or not self.tokens or not self.decisions or seconds <= 0:
             return None
         return self.tokens / seconds / (self.session_sum / self.decisions)
 
@@ -326,9 +328,15 @@ class SpeculationRegime:
     and per live session (so a bucket's windows with fewer sessions, as streams finish, compare
     fairly), kept per load bucket (EWMA); it is scored one window late, once its steps are in.
     Windows that ran a burst of prefills (a quarter or more of the sessions starting) are not
-    scored. Each bucket starts in its prior (:meth:`_prior`: what the measured buckets imply,
-    else the cost model's hint), then keeps the better measured regime, running the other after
-    ``explore_every`` windows, that gap doubling (up to ``explore_max``) while the explorations
+    scored, nor is a window that follows one of the other regime: the steps a window decides run
+    on past its end as those of the window before ran into it, which evens out only between
+    windows of one regime (an "off" window after "on" decides its first steps only once the long
+    blocks decided before it finish, and its figure comes out low). So a switch costs a warm-up
+    window, and an exploration runs two windows. Each bucket starts in its prior
+    (:meth:`_prior`: what the measured buckets imply, else the cost model's hint); a bucket the
+    others settle does not explore (:meth:`_next_regime`); any other keeps the better measured
+    regime, running the other after ``explore_every`` windows, that gap doubling (up to
+    ``explore_max``) while the explorations
     confirm it. One object per target replica in a coordinator, shared by its requests;
     ``clock`` injected for tests."""
 
@@ -338,12 +346,16 @@ class SpeculationRegime:
         explore_every: int = REGIME_EXPLORE_EVERY,
         explore_max: int = REGIME_EXPLORE_MAX,
         clock=None,
+        explore_first: int = REGIME_EXPLORE_FIRST,
     ):
         import time
 
         if explore_every < 2 or explore_max < explore_every:
             raise ValueError(f"need 2 <= explore_every <= explore_max, got {explore_every}, {explore_max}")
+        if not 1 <= explore_first <= explore_every:
+            raise ValueError(f"need 1 <= explore_first <= explore_every, got {explore_first}, {explore_every}")
         self.window_seconds = window_seconds
+        self.explore_first = explore_first
         self.explore_every = explore_every
         self.explore_max = explore_max
         self.clock = clock or time.monotonic
@@ -371,28 +383,44 @@ class SpeculationRegime:
         old = self.rates.get(key)
         self.rates[key] = rate if old is None else old + REGIME_RATE * (rate - old)
 
+    def _implied(self, bucket: int) -> bool | None:
+        """The regime the *other* buckets' measurements imply for ``bucket``, if they imply one:
+        speculation pays less as the load grows (the primer's section 4), so "off" measured better
+        at a lighter load means off here, "on" measured better at a heavier one means on here.
+        None where they say nothing, or contradict each other (noise: each bucket then decides
+        by its own figures)."""
+        both = [b for b, on in self.rates if on and b != bucket and (b, False) in self.rates]
+        off = any(b < bucket and self.rates[(b, False)] > self.rates[(b, True)] for b in both)
+        on = any(b > bucket and self.rates[(b, True)] >= self.rates[(b, False)] for b in both)
+        return None if off == on else on
+
     def _prior(self, bucket: int) -> bool:
         """The regime a bucket starts in, before it has measured anything: what the measured
-        buckets imply -- speculation pays less as the load grows, so "off" measured better at a
-        lighter load means off here, "on" measured better at a heavier one means on -- else the
-        cost model's expectation for this load (on where it has said nothing)."""
-        measured = sorted({b for b, _ in self.rates if (b, True) in self.rates and (b, False) in self.rates})
-        if any(b < bucket and self.rates[(b, False)] > self.rates[(b, True)] for b in measured):
-            return False
-        if any(b > bucket and self.rates[(b, True)] >= self.rates[(b, False)] for b in measured):
-            return True
-        return self._hints.get(bucket, True)
+        buckets imply, else the cost model's expectation for this load (on where it has said
+        nothing)."""
+        implied = self._implied(bucket)
+        return self._hints.get(bucket, True) if implied is None else implied
 
     def _next_regime(self, bucket: int) -> tuple[bool, bool]:
-        """The next window's regime, and whether it is an exploration. A bucket follows its prior
-        until that regime has a figure, then the better measured one, running the other (once
-        unmeasured, later the loser) after a gap of windows."""
+        """The next window's regime, and whether it is an exploration. A bucket that the others'
+        measurements settle (:meth:`_implied`) follows them without exploring, unless its own
+        figures disagree: only the buckets at the boundary between "on" and "off" pay for
+        exploring, and a heavy load is never slowed by trying speculation again (each try there
+        costs the most). Otherwise a bucket follows its prior until that regime has a figure,
+        runs the other after ``explore_first`` windows, then keeps the better measured one and
+        runs the loser again after a gap of windows."""
         known = {regime: self.rates[(bucket, regime)] for regime in (True, False) if (bucket, regime) in self.rates}
-        if not known:
+        implied = self._implied(bucket)
+        if not known or (implied is not None and len(known) == 1):
             return self._prior(bucket), False
-        best = known[True] >= known[False] if len(known) == 2 else next(iter(known))
+        if len(known) == 1:
+            best, gap = next(iter(known)), self.explore_first
+        else:
+            best, gap = known[True] >= known[False], self._gap.get(bucket, self.explore_every)
+            if implied == best:
+                return best, False
         since = self._since_explore[bucket] = self._since_explore.get(bucket, 0) + 1
-        if since < self._gap.get(bucket, self.explore_every):
+        if since < gap:
             return best, False
         self._since_explore[bucket] = 0
         return not best, True
@@ -412,16 +440,22 @@ class SpeculationRegime:
         if self._closed is not None:
             closed = self._closed
             bucket = load_bucket(closed.max_sessions)
-            before = self.rates.get((bucket, True), 0.0) >= self.rates.get((bucket, False), 0.0)
+            had_both = (bucket, True) in self.rates and (bucket, False) in self.rates
+            before = had_both and self.rates[(bucket, True)] >= self.rates[(bucket, False)]
             self._score(closed)
             # An exploration informs the bucket that chose it only if the load stayed in it (it
-            # may have fallen between windows, and the figure gone to a bucket measuring one regime).
+            # may have fallen between windows, and the figure gone to a bucket measuring one
+            # regime); the first one, which measures the second regime at all, confirms nothing.
             explored = closed.exploring and bucket == closed.chosen_for and closed.per_session_rate() is not None
-            if explored and (bucket, True) in self.rates and (bucket, False) in self.rates:
+            if explored and had_both:
                 self._after_exploring(bucket, before)
-        chosen_for = load_bucket(current.max_sessions)
-        on, exploring = self._next_regime(chosen_for)
-        nxt = _Window(current.id + 1, on, now, exploring=exploring, chosen_for=chosen_for)
+        if current.exploring and current.switched:
+            # an exploration's first window only warms up (it is not scored): run it once more
+            on, exploring, chosen_for = current.on, True, current.chosen_for
+        else:
+            chosen_for = load_bucket(current.max_sessions)
+            on, exploring = self._next_regime(chosen_for)
+        nxt = _Window(current.id + 1, on, now, exploring=exploring, chosen_for=chosen_for, switched=on != current.on)
         nxt.disturbed = self._burst(current.max_sessions)
         self._closed, self._current = current, nxt
 

@@ -397,3 +397,24 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
     late, starts = run(off_steps=3)
     assert starts == [len(prompt) + 3]  # after three one-token target-only steps
     assert late.stats.drafts > 0 and late.token_ids == never.token_ids  # greedy: the target's own
+
+    # the first decision is for the load the request joins, as the replica last reported it
+    seen: list[int] = []
+
+    class Recording(Regime):
+        def speculating(self, sessions, model_on=True):
+            seen.append(sessions)
+            return super().speculating(sessions, model_on)
+
+    for reported, first in ((0, 1), (1, 1), (9, 9)):
+        seen.clear()
+        busy = Target(TargetEngine(target_model), Recording(100))
+        busy.last_live_sessions = reported  # what the replica's latest answer to any session said
+        loop = SpeculativeRun(busy, CountingDraft(draft_engine), prompt, params, 2, adaptive=True, load_aware=True)
+
+        async def drain(run):
+            async for _ in run.steps():
+                pass
+
+        asyncio.run(drain(loop))
+        assert seen[0] == first  # (a local target reports no passes: later steps see it alone)

@@ -370,6 +370,12 @@ class SpeculativeRun:
         regime = getattr(self.target, "regime", None)
         self.policy = GoodputK(self.k_max, Costs(target_curve, draft_curve, call), regime=regime)
         self.policy.replay(self.committed_steps)
+        # The first step decides for the load the request joins, as the replica last reported it
+        # (that report most likely counts this session already), not for an idle replica: that
+        # would make every new request under load prefill the draft and speculate once.
+        live = getattr(self.target, "last_live_sessions", 0)
+        if live > 1:
+            self.policy.observe_load(BatchLoad(other_live=live - 1))
 
     def _observe_load(self, k: int, cycle: float, proposing: float) -> None:
         """Tell a load-aware policy what this step saw of the batch."""

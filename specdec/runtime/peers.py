@@ -64,6 +64,7 @@ class _LoadReports:
 
     kind = ""
     address = ""
+    last_live_sessions = 0  # the replica's live sessions in its latest report to any session
     _curve: CostCurve | None = None
     _curve_asked: asyncio.Future | None = None
 
@@ -144,6 +145,7 @@ class _LoadReports:
         if load is None:
             return
         self._loads[session_id] = load
+        self.last_live_sessions = load.live_sessions
         if self._curve is not None:
             self._curve.observe(load.size, load.seconds)
 

@@ -196,19 +196,25 @@ def _regime_clock(window_seconds=1.0, **kw):
     return SpeculationRegime(window_seconds=window_seconds, clock=lambda: now[0] / 10, **kw), now
 
 
+def _run_windows(regime, now, n, sessions, truth) -> list[bool]:
+    """``n`` windows of 10 decisions by ``sessions`` sessions, each step committing what ``truth``
+    says its regime earns (tokens per second per session); the regime of each window."""
+    seen = []
+    for _ in range(n):
+        for _ in range(10):
+            on, window = regime.speculating(sessions)
+            regime.committed(window, truth[on] * sessions // 10)
+            now[0] += 1
+        seen.append(on)
+    return seen
+
+
 def test_the_regime_measures_both_keeps_the_better_and_explores_the_other_ever_less_often():
     regime, now = _regime_clock(explore_every=5, explore_max=20)
     truth = {True: 30, False: 50}  # tokens per second per session the replica commits in each regime
 
     def windows(n, sessions=8):
-        seen = []
-        for _ in range(n):
-            for _ in range(10):
-                on, window = regime.speculating(sessions)
-                regime.committed(window, truth[on] * sessions // 10)
-                now[0] += 1
-            seen.append(on)
-        return seen
+        return _run_windows(regime, now, n, sessions, truth)
 
     seen = windows(60)
     # the prior ("on": no model hint) until measured, then "off" explored 2 windows later for two
@@ -234,14 +240,7 @@ def test_only_the_buckets_at_the_boundary_explore():
     def run(sessions, truth, measured, n=60):
         regime, now = _regime_clock(explore_every=5, explore_max=10)
         regime.rates.update(measured)
-        seen = []
-        for _ in range(n):
-            for _ in range(10):
-                on, window = regime.speculating(sessions)
-                regime.committed(window, truth[on] * sessions // 10)
-                now[0] += 1
-            seen.append(on)
-        return seen
+        return _run_windows(regime, now, n, sessions, truth)
 
     settled = {(load_bucket(1), True): 60.0, (load_bucket(1), False): 30.0}
     settled |= {(load_bucket(2), True): 40.0, (load_bucket(2), False): 50.0}

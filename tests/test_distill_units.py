@@ -59,6 +59,8 @@ def test_learning_rate_follows_steps_or_the_time_budget_whichever_is_further():
         (["--corpus-minutes", "5", "--time-budget-minutes", "5"], "leaves no training time"),
         (["--bench-tokens", "0"], "--bench-tokens must be >= 1"),
         (["--compare-draft", "/no/such/draft"], "no such model directory"),
+        (["--init-from", "/no/such/draft"], "--init-from /no/such/draft: no such model directory"),
+        (["--init-from", "/tmp"], "no config.json or model.safetensors there"),
     ],
 )
 def test_bad_settings_are_refused_before_loading_anything(flags, message):
@@ -125,3 +127,15 @@ def test_a_corpus_past_its_deadline_keeps_its_finished_shards_and_starts_no_new_
     # finished shards are read past the deadline; the first missing one ends the corpus there
     assert build(time.monotonic() - 1) == [0, 1, 2] and made == []
     assert build(None) == [0, 1, 2, 3, 4] and made == [3]
+
+
+def test_the_agreement_command_refuses_what_it_cannot_score(capsys):
+    from specdec.training.agreement import main
+
+    for argv, message in (
+        (["--target", "t", "/no/such/draft"], "/no/such/draft: no such model directory"),
+        (["--target", "t", "--tokens", "0", "/tmp"], "--tokens must be >= 1"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err

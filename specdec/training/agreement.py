@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from specdec.training.distill import bench_records, saved_draft_agreement
+from specdec.training.distill import bench_records, saved_draft_agreement, saved_draft_missing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="greedy answer length")
     p.add_argument("drafts", nargs="+", help="draft directories")
     args = p.parse_args(argv)
+    if args.tokens < 1:
+        p.error(f"--tokens must be >= 1 (got {args.tokens})")
+    for draft in args.drafts:
+        missing = saved_draft_missing(draft)
+        if missing:
+            p.error(f"{draft}: {missing}")
 
     from specdec.modeling.loading import load_model, try_load_tokenizer
 

@@ -366,10 +366,7 @@ def start_from_draft(student, directory: str) -> None:
     differ (the embeddings cover the whole vocabulary, the head is a choice of their rows)."""
     from safetensors.torch import load_file
 
-    path = Path(directory) / "model.safetensors"
-    if not path.is_file():
-        raise SystemExit(f"specdec distill: --init-from {directory}: no model.safetensors there")
-    saved = load_file(str(path))
+    saved = load_file(str(Path(directory) / "model.safetensors"))  # there: check_arguments looked
     own = student.state_dict()
     if "lm_head.weight" not in saved and "lm_head.weight" in own:  # tied: saved once, as the embeddings
         saved["lm_head.weight"] = saved["model.embed_tokens.weight"]
@@ -493,6 +490,16 @@ def head_slots(head_ids: list[int], vocab_size: int, device) -> tuple[torch.Tens
     return head, slot
 
 
+def saved_draft_missing(directory: str) -> str | None:
+    """What keeps ``directory`` from being a draft saved by this command, or None: checked before
+    a run spends its corpus and training time, not when the draft is first read."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return "no such model directory"
+    absent = [name for name in ("config.json", "model.safetensors") if not (folder / name).is_file()]
+    return f"no {' or '.join(absent)} there" if absent else None
+
+
 def saved_draft_agreement(directory: str, records: list[Record], device) -> float:
     """Teacher-forced top-1 agreement on ``records`` (whole, never cut to a training length) of a
     draft saved by this command (its own head vocabulary applied, weights in float32 as the
@@ -561,8 +568,10 @@ def check_arguments(args) -> torch.device:
         problems.append(f"--bench-tokens must be >= 1 (got {args.bench_tokens})")
     if args.init_from and args.kind == "feature":
         problems.append("--init-from is for the standalone kind")
-    if args.compare_draft and not Path(args.compare_draft).is_dir():
-        problems.append(f"--compare-draft {args.compare_draft}: no such model directory")
+    for flag, directory in (("--compare-draft", args.compare_draft), ("--init-from", args.init_from)):
+        missing = saved_draft_missing(directory) if directory else None
+        if missing:
+            problems.append(f"{flag} {directory}: {missing}")
     try:
         device = torch.device(default_device() if args.device == "auto" else args.device)
     except RuntimeError:

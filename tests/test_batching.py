@@ -268,3 +268,49 @@ def test_the_pool_accounts_allocated_bytes_and_growth_stops_at_the_cap():
     store.forward(session, [6, 7, 8, 9, 10, 11], rows=7)  # 11 positions: doubling would give 20; the cap allows 12
     assert session.kv_bytes == 12 * per_token
     assert store.total_kv_bytes == 12 * per_token
+
+
+def test_a_pass_waits_for_every_session_stepping_not_only_the_last_passes():
+    """The gather window (specdec/runtime/batcher.py): two sessions that fell out of phase -- A's
+    pass ran alone while B was elsewhere -- are brought back into one pass: A's next request waits
+    (up to the window) for B, which is stepping, although the pass before carried A alone. Waiting
+    only for as many as the last pass carried kept such a pair in one-session passes for good. A
+    session that sent no work lately (idle, or released) is not waited for."""
+    import asyncio
+
+    from specdec.runtime.batcher import IterationLoop
+
+    store = SessionStore(kernel_llama(seed=4), name="target")
+    runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8)
+    sessions = {sid: store.create(sid, [1, 2, 3], PARAMS) for sid in ("a", "b", "idle")}
+    for session in sessions.values():
+        store.warm(session)
+
+    def one_pass(session):
+        yield PassRequest(session, [], 1)
+        return session.session_id
+
+    async def main():
+        batching = IterationLoop(runner, gather_seconds=0.2)
+        step = batching.run_with_load
+        await asyncio.gather(step(one_pass(sessions["a"]), "a"), step(one_pass(sessions["b"]), "b"))
+
+        async def a_twice():
+            first = await step(one_pass(sessions["a"]), "a")  # B is late: A waits the window, then runs alone
+            await asyncio.sleep(0.05)
+            return first, await step(one_pass(sessions["a"]), "a")
+
+        async def b_late():
+            await asyncio.sleep(0.3)
+            return await step(one_pass(sessions["b"]), "b")
+
+        (a_alone, a_next), b_next = await asyncio.gather(a_twice(), b_late())
+        await batching.stop()
+        return a_alone, a_next, b_next
+
+    a_alone, a_next, b_next = asyncio.run(main())
+    assert a_alone[1].sessions == 1
+    assert a_next[1].sessions == 2 and b_next[1].sessions == 2  # together again
+    assert runner.stepping() == 2  # "idle" sent nothing: not waited for
+    store.release("b")
+    assert runner.stepping() == 1 and runner.stepping(within=0.0) == 0

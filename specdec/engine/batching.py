@@ -26,6 +26,8 @@ from typing import Any
 from specdec.engine.sessions import PassRequest, SessionStore, Work
 from specdec.errors import ResourceExhaustedError
 
+STEPPING_SECONDS = 0.5  # a session that sent a work this recently is expected to send the next soon
+
 
 @dataclass(frozen=True)
 class PassLoad:
@@ -115,6 +117,7 @@ class BatchRunner:
         self._jobs: list[Job] = []
         self._lock = threading.Lock()
         self._orders = itertools.count()
+        self._last_work: dict[str, float] = {}  # session -> when its latest work arrived
 
     def add(
         self,
@@ -130,6 +133,7 @@ class BatchRunner:
         job = Job(work, session_id, next(self._orders), on_done, on_start, admit_tokens)
         with self._lock:
             self._new.append(job)
+            self._last_work[session_id] = time.monotonic()
         return job
 
     @property
@@ -145,6 +149,24 @@ class BatchRunner:
         """Works that would take part in the next pass if it ran now (new ones included)."""
         with self._lock:
             return len(self._new) + sum(1 for j in self._jobs if j.request is not None and not j.cancelled)
+
+    def stepping(self, within: float = STEPPING_SECONDS) -> int:
+        """Live sessions whose latest work arrived in the last ``within`` (<= STEPPING_SECONDS)
+        seconds: the sessions stepping now, whose next request a pass may wait a moment for (one
+        idle, abandoned or released is not)."""
+        self._forget_quiet()
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for t in self._last_work.values() if now - t <= within)
+
+    def _forget_quiet(self) -> None:
+        """Drop the sessions released or quiet for longer than STEPPING_SECONDS: the table holds
+        only the sessions stepping now."""
+        now = time.monotonic()
+        live = set(self.store)
+        with self._lock:
+            for sid in [s for s, t in self._last_work.items() if now - t > STEPPING_SECONDS or s not in live]:
+                del self._last_work[sid]
 
     def waiting(self) -> int:
         """Session starts waiting for room in the KV pool."""
@@ -208,6 +230,7 @@ class BatchRunner:
         for job in list(self._jobs):
             if job.cancelled:
                 self._settle(job, finished)
+        self._forget_quiet()
         return Iteration(len(chosen), rows, prefill_rows, finished)
 
     def _settle(self, job: Job, finished: list[Job]) -> None:

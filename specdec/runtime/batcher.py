@@ -24,8 +24,8 @@ ADMISSION_POLL_SECONDS = 0.02
 
 
 class IterationLoop:
-    """``gather_seconds``: before a pass, wait up to this long for the sessions of the last pass
-    to come back with their next request (0: never wait; see docs/batching.md)."""
+    """``gather_seconds``: before a pass, wait up to this long for the sessions stepping now (those
+    that sent a work lately) to come back with their next request (0: never wait; docs/batching.md)."""
 
     def __init__(self, runner: BatchRunner, gather_seconds: float = 0.0):
         self.runner = runner
@@ -97,15 +97,16 @@ class IterationLoop:
                 await asyncio.wait_for(self._wake.wait(), left)
 
     async def _loop(self) -> None:
-        last_sessions = 0
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self.runner.busy:
-                if self.gather_seconds and last_sessions > 1:
-                    await self._gather(last_sessions)
+                # Wait for every session stepping now, not only as many as the last pass carried:
+                # two streams that fell out of phase (one verifying while the other proposes) would
+                # otherwise run one-session passes for good, each waiting for nobody.
+                if self.gather_seconds and (expected := self.runner.stepping()) > 1:
+                    await self._gather(expected)
                 iteration = await on_model_thread(self.runner.iterate)
-                last_sessions = iteration.sessions
                 metrics.record_iteration(iteration.sessions, iteration.rows, iteration.prefill_rows)
                 if not iteration.sessions and not iteration.finished:
                     # only session starts waiting for KV room: look again once sessions may have left

@@ -49,7 +49,7 @@ class ServiceSpec:
     on_stop: Callable[[], None] | None = None  # after the server stopped (e.g. stop the other TP ranks)
     metrics_port: int = 0
     batch: BatchRunner | None = None  # where the engine's calls are batched (continuous batching)
-    batch_gather_ms: float = 8.0  # before a pass, wait this long for the last pass's sessions
+    batch_gather_ms: float = 8.0  # before a pass, wait this long for the sessions stepping now
 
 
 def batch_runner_for(engine, args) -> BatchRunner | None:
@@ -126,8 +126,8 @@ def add_replica_arguments(p) -> None:
         "--batch-gather-ms",
         type=non_negative_float,
         default=8.0,
-        help="before a pass, wait up to this long for the last pass's sessions to come back (0 = never; "
-        "a lone session never waits; docs/batching.md)",
+        help="before a pass, wait up to this long for every session stepping now to come back with its "
+        "next request (0 = never; a lone session never waits; docs/batching.md)",
     )
     p.add_argument(
         "--max-waiting-sessions",

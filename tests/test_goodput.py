@@ -211,24 +211,36 @@ def _run_windows(regime, now, n, sessions, truth) -> list[bool]:
 
 def test_the_regime_measures_both_keeps_the_better_and_explores_the_other_ever_less_often():
     regime, now = _regime_clock(explore_every=5, explore_max=20)
-    truth = {True: 30, False: 50}  # tokens per second per session the replica commits in each regime
+    truth = {True: 42, False: 50}  # tokens per second per session the replica commits in each regime
 
     def windows(n, sessions=8):
         return _run_windows(regime, now, n, sessions, truth)
 
     seen = windows(60)
-    # the prior ("on": no model hint) until measured, then "off" explored 2 windows later for two
-    # windows (the first a warm-up, not scored), "on" once more while off's figure comes in (each
-    # window is scored a window late), then the better
-    assert seen[:7] == [True, True, True, False, False, True, False]
+    # the prior ("on": no model hint) until its first window is scored (a window late: its late
+    # commits), then "off", held until its own figure is in (the first window after a switch is a
+    # warm-up, not scored), then the better
+    assert seen[:7] == [True, True, False, False, False, False, False]
     explorations = [i for i in range(7, 60) if seen[i]]
-    # two windows each: 5 windows after the first exploration, then 10, then 20 (at most)
-    assert explorations == [9, 10, 20, 21, 41, 42]
-    truth[True] = 90  # the load changed what pays: two explorations (EWMA) find it and "on" takes over
+    # two windows each (a warm-up, a scored one), the gap doubling from 5 to 10, then 20 (at most)
+    assert explorations == [14, 15, 35, 36, 56, 57]
+    truth[True] = 90  # the load changed what pays: the next exploration finds it and "on" takes over
     later = windows(60)
-    # explorations at windows 2-3 (its EWMA, 48, still below off's 50) and 23-24 (60.6: on wins)
-    assert [i for i in range(25) if later[i]] == [2, 3, 23, 24] and later[-10:].count(True) >= 8
-    assert regime.speculating(1)[0] is True and load_bucket(1) != load_bucket(8)  # a bucket of its own
+    assert not any(later[:17]) and later[17:19] == [True, True] and later[-10:].count(True) >= 8
+
+
+def test_a_loser_far_behind_is_explored_only_every_explore_max_windows():
+    """A regime that loses by 30% or more is not about to win at a steady load: it is explored after
+    the longest gap at once rather than after the doubling ones (each exploration costs two
+    windows in it and a warm-up back); a change of load is still found, only later."""
+    regime, now = _regime_clock(explore_every=5, explore_max=20)
+    truth = {True: 30, False: 50}
+    seen = _run_windows(regime, now, 60, 8, truth)
+    assert seen[:7] == [True, True, False, False, False, False, False]  # the first comparison as before
+    assert [i for i in range(7, 60) if seen[i]] == [24, 25, 45, 46]  # then every 20 windows
+    truth[True] = 90
+    later = _run_windows(regime, now, 60, 8, truth)
+    assert not any(later[:6]) and later[-10:].count(True) >= 8
 
 
 def test_only_the_buckets_at_the_boundary_explore():
@@ -296,8 +308,28 @@ def test_an_exploration_whose_window_lands_in_another_load_bucket_breaks_nothing
                     landed_elsewhere += 1
                 regime.committed(window, rate[on] * sessions // 10)
                 now[0] += 1
-        assert (load_bucket(8), True) in regime.rates  # it measured, and never raised
+        assert regime.rates and regime.speculating(8)[1] > 0  # it measured, and goes on deciding
     assert landed_elsewhere >= 2  # the case happened (at each of the first explorations)
+
+
+def test_a_window_the_replica_went_quiet_in_is_not_scored_and_a_burst_decides_for_its_own_load():
+    """Windows roll when a step decides. One that spans a quiet spell (no step for seconds: between
+    requests) would score the quiet time as its regime's: it is not scored. And the window that
+    opens a burst of arrivals is chosen for the burst's load, not for the quiet window's lone
+    session (every arrival's first step would otherwise speculate, each prefilling the draft)."""
+    regime, now = _regime_clock(explore_every=5, explore_max=10)
+    measured = {(load_bucket(1), True): 40.0, (load_bucket(1), False): 30.0}
+    measured |= {(load_bucket(2), True): 20.0, (load_bucket(2), False): 30.0}  # off from 2 sessions on
+    regime.rates.update(measured)
+    _run_windows(regime, now, 3, 1, {True: 40, False: 30})  # a lone stream, "on"
+    assert regime.on
+    regime.committed(regime.window, 1)  # its last window: one step, then nothing for 5 s
+    now[0] += 50
+    on, _ = regime.speculating(16)  # sixteen arrive
+    assert not on
+    now[0] += 10
+    regime.speculating(16)  # scores the quiet window: not at all
+    assert regime.rates[(load_bucket(1), True)] == pytest.approx(40.0)
 
 
 def test_the_regime_counts_late_commits_per_session_and_skips_prefill_bursts():

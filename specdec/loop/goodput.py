@@ -277,10 +277,11 @@ class GoodputK:
 
 
 REGIME_WINDOW_SECONDS = 0.5  # a regime holds for this long, for every request on the replica
-REGIME_EXPLORE_FIRST = 2  # windows: a bucket that measured one regime runs the other this soon ...
+REGIME_EXPLORE_FIRST = 1  # windows: a bucket that measured one regime runs the other this soon ...
 REGIME_EXPLORE_EVERY = 10  # ... and once both are measured, the losing one runs again after this many at first ...
 REGIME_EXPLORE_MAX = 20  # ... the gap doubling, up to this, while each exploration confirms the loser
 REGIME_RATE = 0.3  # EWMA weight of one window's figure
+REGIME_CLEAR_MARGIN = 0.3  # the better regime this far ahead: explore the other only every explore_max windows
 
 
 def load_bucket(sessions: int) -> int:
@@ -407,7 +408,9 @@ class SpeculationRegime:
         figures disagree: only the buckets at the boundary between "on" and "off" pay for
         exploring, and a heavy load is never slowed by trying speculation again (each try there
         costs the most). Otherwise a bucket follows its prior until that regime has a figure,
-        runs the other after ``explore_first`` windows, then keeps the better measured one and
+        runs the other after ``explore_first`` scored windows (held until its own figure is in:
+        with 1, the window deciding after the switch still sees one regime measured and explores
+        on), then keeps the better measured one and
         runs the loser again after a gap of windows."""
         known = {regime: self.rates[(bucket, regime)] for regime in (True, False) if (bucket, regime) in self.rates}
         implied = self._implied(bucket)
@@ -416,7 +419,7 @@ class SpeculationRegime:
         if len(known) == 1:
             best, gap = next(iter(known)), self.explore_first
         else:
-            best, gap = known[True] >= known[False], self._gap.get(bucket, self.explore_every)
+            best, gap = known[True] >= known[False], self._explore_gap(bucket, known)
             if implied == best:
                 return best, False
         since = self._since_explore[bucket] = self._since_explore.get(bucket, 0) + 1
@@ -425,18 +428,32 @@ class SpeculationRegime:
         self._since_explore[bucket] = 0
         return not best, True
 
+    def _explore_gap(self, bucket: int, known: dict[bool, float]) -> int:
+        """Windows between explorations of a measured loser: the doubling gap, or at once the
+        longest where the loser is far behind -- a load that steady is not about to flip, and
+        each exploration costs two windows in the slow regime plus a warm-up back."""
+        slow, fast = sorted(known.values())
+        if fast >= (1.0 + REGIME_CLEAR_MARGIN) * slow:
+            return self.explore_max
+        return self._gap.get(bucket, self.explore_every)
+
     def _after_exploring(self, bucket: int, best_before: bool) -> None:
         """An exploration that confirms the better regime doubles the wait for the next."""
         best_now = self.rates[(bucket, True)] >= self.rates[(bucket, False)]
         gap = self._gap.get(bucket, self.explore_every)
         self._gap[bucket] = min(2 * gap, self.explore_max) if best_now == best_before else self.explore_every
 
-    def _roll(self) -> None:
+    def _roll(self, sessions: int) -> None:
         now = self.clock()
         current = self._current
         if now - current.start < self.window_seconds:
             return
         current.end = now
+        # Windows roll when a step decides: one that outlived two lengths saw the replica go quiet
+        # (between requests, or only other policies' requests running), and its figure would count
+        # the quiet time as the regime's; nor does its load say anything of the load coming now.
+        quiet = now - current.start > 2 * self.window_seconds
+        current.disturbed |= quiet
         if self._closed is not None:
             closed = self._closed
             bucket = load_bucket(closed.max_sessions)
@@ -453,9 +470,11 @@ class SpeculationRegime:
             # an exploration's first window only warms up (it is not scored): run it once more
             on, exploring, chosen_for = current.on, True, current.chosen_for
         else:
-            chosen_for = load_bucket(current.max_sessions)
+            # for the load now as well as the window's: a burst of arrivals is decided for itself
+            chosen_for = load_bucket(sessions if quiet else max(sessions, current.max_sessions))
             on, exploring = self._next_regime(chosen_for)
-        nxt = _Window(current.id + 1, on, now, exploring=exploring, chosen_for=chosen_for, switched=on != current.on)
+        switched = on != current.on and not quiet  # after a quiet spell nothing is in flight to warm up
+        nxt = _Window(current.id + 1, on, now, exploring=exploring, chosen_for=chosen_for, switched=switched)
         nxt.disturbed = self._burst(current.max_sessions)
         self._closed, self._current = current, nxt
 
@@ -467,7 +486,7 @@ class SpeculationRegime:
         ``model_on``: whether the request's cost model expects speculation to pay at this load
         (a bucket's prior until it has measured)."""
         self._hints[load_bucket(sessions)] = model_on
-        self._roll()
+        self._roll(sessions)
         if self._current.id == 0 and not self._current.decisions:  # the very first window
             self._current.on = self._prior(load_bucket(sessions))
         self._current.see(sessions)

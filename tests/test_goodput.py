@@ -332,6 +332,28 @@ def test_a_window_the_replica_went_quiet_in_is_not_scored_and_a_burst_decides_fo
     assert regime.rates[(load_bucket(1), True)] == pytest.approx(40.0)
 
 
+def test_a_burst_is_seen_by_the_coordinators_own_count_before_the_replica_reports_it():
+    """Arrivals report nothing before their first step, so the first decisions of a burst see the
+    replica's last report (one session); the regime counts its coordinator's requests as they
+    join, and decides for them."""
+    regime, now = _regime_clock(explore_every=5, explore_max=10)
+    regime.rates.update({(load_bucket(1), True): 40.0, (load_bucket(1), False): 30.0})
+    regime.rates.update({(load_bucket(2), True): 20.0, (load_bucket(2), False): 30.0})
+    regime.request_started()
+    _run_windows(regime, now, 3, 1, {True: 40, False: 30})
+    assert regime.on
+    for _ in range(8):
+        regime.request_started()
+    now[0] += 10
+    assert regime.speculating(1)[0] is False  # the report still says 1; nine are on the replica
+    for _ in range(9):
+        regime.request_finished()
+    for _ in range(2):  # the window after the burst is chosen for the burst's load too; then its own
+        now[0] += 10
+        on, _ = regime.speculating(1)
+    assert on
+
+
 def test_the_regime_counts_late_commits_per_session_and_skips_prefill_bursts():
     def scored(sessions_seen, tokens, late=0, prefills=0):
         """One window (1 s) whose decisions saw ``sessions_seen``; its figure once scored."""
@@ -386,7 +408,7 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
         def committed(self, window, tokens):
             pass
 
-        prefill_started = prefill_finished = lambda self: None
+        prefill_started = prefill_finished = request_started = request_finished = lambda self: None
 
     class Target(LocalTarget):
         def __init__(self, engine, regime):

@@ -290,8 +290,10 @@ class SpeculativeRun:
     async def steps(self) -> AsyncGenerator[list[int], None]:
         started = time.perf_counter()
         sid = self.session_id
+        regime = getattr(self.target, "regime", None) if self.load_aware else None
+        if regime is not None:
+            regime.request_started()
         try:
-            regime = getattr(self.target, "regime", None) if self.load_aware else None
             if regime is not None:
                 regime.prefill_started()
             try:  # both prefills: a burst of them spoils the regime's window (specdec.loop.goodput)
@@ -343,6 +345,8 @@ class SpeculativeRun:
                     span.set_attribute("specdec.emitted", len(emitted))
                 yield emitted
         finally:
+            if regime is not None:
+                regime.request_finished()
             self.stats.total_seconds = time.perf_counter() - started
             await self._release_all()
 

@@ -364,6 +364,7 @@ class SpeculationRegime:
         self._current = _Window(0, True, self.clock())
         self._closed: _Window | None = None  # the window before, still taking its late commits
         self._prefilling = 0
+        self._requests = 0  # load-aware requests of this coordinator on the replica, prefills included
         self._since_explore: dict[int, int] = {}
         self._gap: dict[int, int] = {}
         self._hints: dict[int, bool] = {}  # per bucket: whether the cost model expects "on" to pay
@@ -485,6 +486,9 @@ class SpeculationRegime:
         """The regime now, and the window it belongs to (a step reports its tokens with it).
         ``model_on``: whether the request's cost model expects speculation to pay at this load
         (a bucket's prior until it has measured)."""
+        # The replica's report lags a burst of arrivals (they report nothing before their first
+        # step), while this coordinator's own requests on it are counted as they come.
+        sessions = max(sessions, self._requests)
         self._hints[load_bucket(sessions)] = model_on
         self._roll(sessions)
         if self._current.id == 0 and not self._current.decisions:  # the very first window
@@ -506,3 +510,10 @@ class SpeculationRegime:
 
     def prefill_finished(self) -> None:
         self._prefilling = max(0, self._prefilling - 1)
+
+    def request_started(self) -> None:
+        """A load-aware request of this coordinator joins the replica (before its prefill)."""
+        self._requests += 1
+
+    def request_finished(self) -> None:
+        self._requests = max(0, self._requests - 1)

@@ -303,7 +303,7 @@ class _Window:
     session_sum: int = 0
     max_sessions: int = 1
     exploring: bool = False  # it runs the regime that lost, to measure it again
-    chosen_for: int = 0  # the load bucket its regime was chosen for (the window before's load)
+    chosen_for: int = 0  # its regime's load bucket: the larger of the load then and the window before's
     disturbed: bool = False  # a burst of prefills ran in it: its figure says nothing of either regime
     switched: bool = False  # the window before ran the other regime: a warm-up, not scored
 

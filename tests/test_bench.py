@@ -143,3 +143,12 @@ def test_a_sustained_level_keeps_its_workers_busy_and_never_runs_more_at_once():
 
     assert asyncio.run(_drain(10, 3, one)) == [i * i for i in range(10)]
     assert peak == 3 and sorted(order) == list(range(10)) and order[:3] == [0, 1, 2]
+
+
+def test_k_lists_take_empty_and_refuse_what_is_not_a_k():
+    from specdec.apps.bench import _ks
+
+    assert _ks("1, 2,4") == [1, 2, 4] and _ks("") == [] and _ks("2,") == [2]
+    for bad in ("two", "0", "-1", "1.5"):
+        with pytest.raises(SystemExit, match=repr(bad)):
+            _ks(bad)

@@ -221,7 +221,7 @@ def run(args) -> dict:
 
     say = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     prompts = load_prompts(Path(args.prompts), args.num_prompts, args.split)
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = _ks(args.ks)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
     if args.peer == "vllm":  # refused before the run, not after it
@@ -372,7 +372,15 @@ def _share(part: int, whole: int) -> float | None:
 
 
 def _ks(text: str) -> list[int]:
-    return [int(k) for k in text.split(",") if k.strip()]
+    """A comma-separated list of k >= 1 ('' = none), or a usage error naming the bad entry."""
+    ks = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise SystemExit(f"specdec bench: a k list takes integers >= 1 separated by commas, got {part!r}")
+        ks.append(int(part))
+    return ks
 
 
 def DEFAULT_MODE(k: int) -> Mode:

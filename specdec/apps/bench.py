@@ -680,7 +680,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=str(BENCH_PROMPTS), help="JSONL file of {id, category, text}")
     p.add_argument("--split", default=None, help="only prompts with this split (e.g. heldout)")
     p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="k sweep")
+    p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="k sweep of the fixed-k modes ('' = none)")
     p.add_argument("--adaptive-ks", default="2", help="k of the adaptive-policy modes ('' = skip)")
     p.add_argument(
         "--default-k",

@@ -89,8 +89,15 @@ def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis
             readers = [asyncio.ensure_future(read()) for _ in range(50)]
             await asyncio.sleep(0.5)
             assert core.readers == 50
-            in_use = len(core.log.redis.connection_pool._in_use_connections)
-            assert in_use <= 4, in_use  # polling: nobody parks a pooled connection
+            # Polling: between polls nobody holds a pooled connection. The readers poll in step, so a
+            # single look can land inside a burst of 50 reads on a loaded machine; the least of many
+            # looks cannot be small if each waiting reader parked a connection (a blocking read).
+            pool = core.log.redis.connection_pool
+            in_use = []
+            for _ in range(100):
+                in_use.append(len(pool._in_use_connections))
+                await asyncio.sleep(0.01)
+            assert min(in_use) <= 4, in_use
             with pytest.raises(ResourceExhaustedError, match="limit is 50"):
                 await read()
             await writer.append(rid, 0, chunk(5, 6), "W")

@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from specdec.errors import PeerError, SpecdecError
 from specdec.runtime import security
 from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
-from specdec.telemetry import tracing
+from specdec.telemetry import logs, tracing
 from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger("specdec.coordinator")
@@ -33,7 +33,7 @@ log = logging.getLogger("specdec.coordinator")
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class CoordinatorActor:
     def __init__(self, config: dict):
-        logging.basicConfig(level=logging.INFO, format="[specdec coordinator actor] %(levelname)s %(message)s")
+        logs.configure("coordinator actor")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         tracing.init_tracing("specdec-coordinator")
         self.core = CoordinatorCore(CoordinatorConfig(**config))

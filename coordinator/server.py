@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from coordinator import settings
@@ -15,7 +14,7 @@ from coordinator.front import SERVICE, Backend, CoordinatorFront, CoordinatorSer
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security
 from specdec.runtime.coordination import CoordinatorConfig
-from specdec.telemetry import tracing
+from specdec.telemetry import logs, tracing
 from specdec.v1 import coordinator_pb2_grpc
 
 
@@ -91,7 +90,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="[specdec coordinator] %(levelname)s %(message)s")
+    logs.configure("coordinator")
     security.apply_arguments(args)  # before Ray starts: its actors inherit the environment
     tracing.init_tracing("specdec-coordinator")
     asyncio.run(serve(args))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from specdec.loop.goodput import (
@@ -227,6 +229,28 @@ def test_the_regime_measures_both_keeps_the_better_and_explores_the_other_ever_l
     truth[True] = 90  # the load changed what pays: the next exploration finds it and "on" takes over
     later = windows(60)
     assert not any(later[:17]) and later[17:19] == [True, True] and later[-10:].count(True) >= 8
+
+
+def test_each_scored_window_is_logged_at_debug(caplog):
+    """SPECDEC_LOG_LEVEL=DEBUG shows how the regime decides: a line per window as it is scored,
+    with its figure (or why it has none) and the table of measured figures per load bucket."""
+    regime, now = _regime_clock()
+    with caplog.at_level(logging.DEBUG, logger="specdec.loop.goodput"):
+        _run_windows(regime, now, 5, 6, {True: 42, False: 50})
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.loop.goodput"]
+    assert len(lines) == 3  # windows 0, 1, 2 scored as windows 2, 3, 4 open (a window late)
+    # 6 sessions commit 42 * 6 // 10 = 25 tokens a step: 250 in the window's second, 41.7 per session
+    assert lines[0] == (
+        "regime window 0: on at 5-8 sessions (up to 6 in 10 steps), 250 tokens in 1.00 s:"
+        " 41.7 tokens/s per session; measured [5-8:on=41.7]"
+    )
+    assert (
+        lines[2].startswith("regime window 2: off (exploring) at 5-8 sessions") and "not scored (warm-up)" in lines[2]
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="specdec.loop.goodput"):
+        _run_windows(regime, now, 2, 6, {True: 42, False: 50})
+    assert not caplog.records
 
 
 def test_a_loser_far_behind_is_explored_only_every_explore_max_windows():

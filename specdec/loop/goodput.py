@@ -24,8 +24,11 @@ output is reproducible only under the replayable policy (specdec.loop.policy, th
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+
+log = logging.getLogger("specdec.loop.goodput")
 
 PRIOR_ACCEPTANCE = 0.6  # per position before the request's own blocks say (weight of one block)
 DRAFT_CALL_SECONDS = 0.002  # a propose round trip beyond its passes, until observed
@@ -289,6 +292,13 @@ def load_bucket(sessions: int) -> int:
     return max(0, sessions - 1).bit_length()
 
 
+def load_bucket_label(bucket: int) -> str:
+    """A bucket as the session counts it holds: 0 -> "1", 1 -> "2", 2 -> "3-4", 3 -> "5-8"."""
+    high = 1 << bucket
+    low = high // 2 + 1 if bucket >= 2 else high
+    return str(high) if low == high else f"{low}-{high}"
+
+
 @dataclass
 class _Window:
     """One regime window's tally: committed tokens of the steps decided in it (late commits
@@ -461,6 +471,8 @@ class SpeculationRegime:
             had_both = (bucket, True) in self.rates and (bucket, False) in self.rates
             before = had_both and self.rates[(bucket, True)] >= self.rates[(bucket, False)]
             self._score(closed)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s", self._describe(closed))
             # An exploration informs the bucket that chose it only if the load stayed in it (it
             # may have fallen between windows, and the figure gone to a bucket measuring one
             # regime); the first one, which measures the second regime at all, confirms nothing.
@@ -478,6 +490,22 @@ class SpeculationRegime:
         nxt = _Window(current.id + 1, on, now, exploring=exploring, chosen_for=chosen_for, switched=switched)
         nxt.disturbed = self._burst(current.max_sessions)
         self._closed, self._current = current, nxt
+
+    def _describe(self, closed: _Window) -> str:
+        """One scored window and the table it left, for SPECDEC_LOG_LEVEL=DEBUG: how a replica's
+        regime is decided is otherwise invisible (the metrics show only its outcome)."""
+        rate = closed.per_session_rate()
+        why = "warm-up" if closed.switched else "disturbed" if closed.disturbed else "no tokens" if rate is None else ""
+        figure = f"{rate:.1f} tokens/s per session" if rate is not None else f"not scored ({why})"
+        table = ", ".join(
+            f"{load_bucket_label(b)}:{'on' if on else 'off'}={r:.1f}" for (b, on), r in sorted(self.rates.items())
+        )
+        return (
+            f"regime window {closed.id}: {'on' if closed.on else 'off'}{' (exploring)' if closed.exploring else ''}"
+            f" at {load_bucket_label(load_bucket(closed.max_sessions))} sessions (up to {closed.max_sessions} in"
+            f" {closed.decisions} steps), {closed.tokens} tokens in {closed.end - closed.start:.2f} s: {figure};"
+            f" measured [{table}]"
+        )
 
     def _burst(self, sessions: int) -> bool:
         return self._prefilling > 0 and 4 * self._prefilling >= sessions

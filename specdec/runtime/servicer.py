@@ -25,7 +25,7 @@ from specdec.runtime.flags import non_negative_float, non_negative_int, positive
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
 from specdec.runtime.registry import Heartbeat, Registry, Replica
-from specdec.telemetry import metrics, tracing
+from specdec.telemetry import logs, metrics, tracing
 from specdec.v1 import engine_pb2
 
 log = logging.getLogger("specdec.runtime.servicer")
@@ -304,7 +304,7 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
 
 
 def main_async(spec_factory: Callable[[], ServiceSpec], service_name: str) -> int:
-    logging.basicConfig(level=logging.INFO, format=f"[specdec {service_name}] %(levelname)s %(message)s")
+    logs.configure(service_name)
     tracing.init_tracing(f"specdec-{service_name}")
     spec = call_on_model_thread(spec_factory)  # loads the model on the thread that will run it
     asyncio.run(run(spec))

@@ -1,0 +1,29 @@
+"""The services' log set-up, in one place: each line names its process, and the level comes from
+``SPECDEC_LOG_LEVEL`` (INFO by default; DEBUG adds, among others, a line per scored speculation
+regime window, docs/goodput.md). The launcher's services and the coordinator's Ray actor inherit it
+from the environment they start in."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+LEVEL_ENV = "SPECDEC_LOG_LEVEL"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def level_from(value: str | None) -> int | None:
+    """The level a ``SPECDEC_LOG_LEVEL`` value names (case and spaces ignored; unset or empty:
+    INFO), or None if it names none."""
+    name = (value or "").strip().upper() or "INFO"
+    return getattr(logging, name) if name in LEVELS else None
+
+
+def configure(process: str) -> None:
+    value = os.environ.get(LEVEL_ENV)
+    level = level_from(value)
+    logging.basicConfig(level=level or logging.INFO, format=f"[specdec {process}] %(levelname)s %(message)s")
+    if level is None:  # a typo must not stop a service, nor pass unseen
+        logging.getLogger("specdec").warning(
+            "%s=%r is not a log level (one of %s): logging at INFO", LEVEL_ENV, value, ", ".join(LEVELS)
+        )

@@ -32,3 +32,19 @@ def test_a_log_level_that_names_none_is_said_not_fatal(monkeypatch, caplog):
     with caplog.at_level(logging.INFO):
         logs.configure("test")
     assert "SPECDEC_LOG_LEVEL='verbose' is not a log level (one of DEBUG, INFO, WARNING, ERROR)" in caplog.text
+
+
+def test_debug_is_for_specdecs_own_loggers_not_the_libraries(monkeypatch):
+    """At DEBUG, gRPC alone would log a line per call: the level applies to the specdec loggers."""
+    from specdec.telemetry import logs
+
+    monkeypatch.setenv(logs.LEVEL_ENV, "debug")
+    ours, root = logging.getLogger("specdec"), logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # as in a fresh service process (pytest's restored after)
+    monkeypatch.setattr(root, "level", root.level)
+    try:
+        logs.configure("test")
+        assert logging.getLogger("specdec.loop.goodput").isEnabledFor(logging.DEBUG)
+        assert root.level == logging.INFO and not logging.getLogger("grpc._cython.cygrpc").isEnabledFor(logging.DEBUG)
+    finally:
+        ours.setLevel(logging.NOTSET)

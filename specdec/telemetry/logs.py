@@ -1,7 +1,7 @@
 """The services' log set-up, in one place: each line names its process, and the level comes from
-``SPECDEC_LOG_LEVEL`` (INFO by default; DEBUG adds, among others, a line per scored speculation
-regime window, docs/goodput.md). The launcher's services and the coordinator's Ray actor inherit it
-from the environment they start in."""
+``SPECDEC_LOG_LEVEL`` for specdec's own loggers (INFO by default; DEBUG adds, among others, a line
+per scored speculation regime window, docs/goodput.md). The launcher's services and the
+coordinator's Ray actor inherit it from the environment they start in."""
 
 from __future__ import annotations
 
@@ -20,10 +20,14 @@ def level_from(value: str | None) -> int | None:
 
 
 def configure(process: str) -> None:
+    """The level applies to specdec's own loggers; the libraries' stay at INFO or above (at DEBUG,
+    gRPC alone logs a line per call)."""
     value = os.environ.get(LEVEL_ENV)
-    level = level_from(value)
-    logging.basicConfig(level=level or logging.INFO, format=f"[specdec {process}] %(levelname)s %(message)s")
-    if level is None:  # a typo must not stop a service, nor pass unseen
+    named = level_from(value)
+    level = logging.INFO if named is None else named
+    logging.basicConfig(level=max(level, logging.INFO), format=f"[specdec {process}] %(levelname)s %(message)s")
+    logging.getLogger("specdec").setLevel(level)
+    if named is None:  # a typo must not stop a service, nor pass unseen
         logging.getLogger("specdec").warning(
             "%s=%r is not a log level (one of %s): logging at INFO", LEVEL_ENV, value, ", ".join(LEVELS)
         )

@@ -502,8 +502,17 @@ def test_specdec_generate_cli(stack):
 
 def test_metrics_counters_equal_the_returned_stats(stack):
     before = scrape(stack.metrics_ports["coordinator"])
+    # half of them fixed-k: the load-aware rest may not speculate, and the draft must see passes
     reqs = [
-        request([1 + i % 5, 2, 3], k=1 + i % 4, temperature=1.0, seed=500 + i, max_new_tokens=10 + i, ignore_eos=True)
+        request(
+            [1 + i % 5, 2, 3],
+            k=1 + i % 4,
+            adaptive=None if i % 2 else False,
+            temperature=1.0,
+            seed=500 + i,
+            max_new_tokens=10 + i,
+            ignore_eos=True,
+        )
         for i in range(12)
     ]
     replies = generate_many(stack.coordinator_address, reqs, concurrency=4)
@@ -530,6 +539,26 @@ def test_metrics_counters_equal_the_returned_stats(stack):
         assert any(k.startswith("specdec_rpc_seconds_count|method=") for k in scraped)
         assert scraped["specdec_iterations_total"] > 0 and scraped["specdec_running_works"] == 0
         assert scraped["specdec_waiting_works"] == 0 and scraped["specdec_queue_wait_seconds_count"] > 0
+
+
+def test_a_repeated_prompt_is_copied_from_the_prefix_cache_and_gives_the_same_tokens(stack):
+    """Both replicas keep what they computed (docs/batching.md, prefix caching): the same prompt
+    again copies its whole blocks on the target and the draft, and a seeded request draws the
+    same tokens from copied positions as from computed ones."""
+    from specdec.apps.selftest import VOCAB
+
+    hits = "specdec_prefix_cache_hit_tokens"
+    prompt = [(7 * i + 3) % VOCAB for i in range(40)]  # 39 positions prefilled: 2 whole blocks of 16
+    # fixed k: the draft session starts with the request (the load-aware default may not speculate)
+    same = request(prompt, k=2, adaptive=False, temperature=1.0, seed=91, max_new_tokens=12, ignore_eos=True)
+    first = stub(stack.coordinator_address).Generate(same)
+    before = {s: scrape(stack.metrics_ports[s])[hits] for s in ("target", "draft")}
+    again = stub(stack.coordinator_address).Generate(same)
+    assert list(again.token_ids) == list(first.token_ids) and len(first.token_ids) == 12
+    for service in ("target", "draft"):
+        scraped = scrape(stack.metrics_ports[service])
+        assert scraped[hits] - before[service] == 32, service
+        assert scraped["specdec_prefix_cache_bytes"] > 0 and scraped["specdec_prefix_cache_queried_tokens"] > 0
 
 
 def test_service_logs_go_to_the_log_dir_the_stack_created(stack):

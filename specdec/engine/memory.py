@@ -21,6 +21,12 @@ def parse_kv_bytes(value: str) -> int | str:
     text = value.strip()
     if text.lower() == AUTO:
         return AUTO
+    return parse_bytes(text, also="'auto' or ")
+
+
+def parse_bytes(value: str, also: str = "") -> int:
+    """A byte count with an optional K/M/G[i]B unit: 2000000000, 2G, 2GiB, 256MiB."""
+    text = value.strip()
     units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
     number = text.rstrip("bB")
     suffix = ""
@@ -28,7 +34,7 @@ def parse_kv_bytes(value: str) -> int | str:
         suffix = number[-1].lower() + suffix
         number = number[:-1]
     if suffix not in units or not number.isdigit():
-        raise ValueError(f"expected 'auto' or a byte count like 2000000000, 2G or 2GiB, got {value!r}")
+        raise ValueError(f"expected {also}a byte count like 2000000000, 2G or 2GiB, got {value!r}")
     return int(number) * units[suffix]
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from specdec.engine.commits import Commit, CommitLedger
+from specdec.engine.prefix import PrefixCache
 from specdec.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
@@ -126,6 +127,7 @@ class CacheLimits:
     max_sessions: int = 256
     max_session_kv_bytes: int = 0  # 0 = unlimited
     max_total_kv_bytes: int = 0  # 0 = unlimited
+    prefix_cache_bytes: int = 0  # KV of computed prefixes kept for new sessions (0 = none; specdec.engine.prefix)
 
 
 class SessionStore:
@@ -155,6 +157,12 @@ class SessionStore:
         self.runner = lean_runner(model) if kv_shards == 1 else None
         self.sessions_started = 0
         self._make_cache = new_cache
+        # Only where a copied prefix is the same bits as a computed one: the layer kernel's passes
+        # (each row on its own) into LeanCaches (specdec.engine.prefix).
+        exact_copies = self.runner is not None and self.runner.batches and new_cache is None
+        self.prefixes = (
+            PrefixCache(self.limits.prefix_cache_bytes) if self.limits.prefix_cache_bytes and exact_copies else None
+        )
 
     # -- table --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -220,6 +228,7 @@ class SessionStore:
         if session is None:
             return False
         with session.lock:
+            self.keep_prefix(session)  # a next turn of the chat starts with all of it
             session.cache = None
             session.cached = []
             session.features = None
@@ -233,6 +242,33 @@ class SessionStore:
     def expire_idle(self, ttl_seconds: float) -> list[str]:
         """Release sessions unused for ``ttl_seconds`` (abandoned by a dead coordinator)."""
         return [sid for sid in self.stale_sessions(ttl_seconds) if self.release(sid)]
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def reuse_prefix(self, session: Session, upto: int) -> int:
+        """Copy the longest kept prefix of ``session.tokens[:upto]`` into a session that has
+        cached nothing yet; returns how many positions it now holds."""
+        if self.prefixes is None or session.cached or not isinstance(session.cache, LeanCache):
+            return 0
+        chain = self.prefixes.lookup(session.tokens, upto)
+        if not chain:
+            return 0
+        cache, size = session.cache, self.prefixes.block
+        length = len(chain) * size
+        self._reserve(session, length)  # within what create reserved for the prompt: no growth
+        for index, block in enumerate(chain):
+            cache.keys[:, :, index * size : (index + 1) * size] = block.keys
+            cache.values[:, :, index * size : (index + 1) * size] = block.values
+        cache.length = length
+        session.cached = list(session.tokens[:length])
+        return length
+
+    def keep_prefix(self, session: Session) -> None:
+        """Keep the whole blocks of what the session has cached (its positions agree with its
+        ``cached`` tokens whatever they are: a rejected proposal's too)."""
+        if self.prefixes is None or not isinstance(session.cache, LeanCache) or not session.cached:
+            return
+        cache = session.cache
+        self.prefixes.insert(session.cached[: cache.length], cache.keys, cache.values)
 
     def _new_cache(self) -> Any:
         if self._make_cache is not None:
@@ -477,6 +513,7 @@ class SessionStore:
             "kv_bytes": self.total_kv_bytes,
             "kv_bytes_per_token": self.bytes_per_token,
             "sessions_started": self.sessions_started,
+            **(self.prefixes.stats() if self.prefixes is not None else {}),
         }
 
 
@@ -511,11 +548,13 @@ class SessionEngine:
         parts: list[torch.Tensor | None] = []
         try:
             with session.lock:
-                request = PassRequest(
-                    session, with_features=return_features, prefill=True, upto=len(session.tokens) - 1
-                )
+                upto = len(session.tokens) - 1
+                if not return_features:  # (a copied prefix has no features to return)
+                    self.store.reuse_prefix(session, upto)
+                request = PassRequest(session, with_features=return_features, prefill=True, upto=upto)
                 while self.store.feed_length(request):
                     parts.append((yield request))
+                self.store.keep_prefix(session)
         except BaseException:
             self.store.release(session_id)
             raise

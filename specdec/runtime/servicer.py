@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from specdec.engine.batching import BatchRunner, PassLoad
-from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, parse_kv_bytes, resolve_kv_cap
+from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, parse_bytes, parse_kv_bytes, resolve_kv_cap
 from specdec.engine.sessions import CacheLimits
 from specdec.errors import DrainingError
 from specdec.runtime import grpc_server as srv
@@ -27,6 +27,8 @@ from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
 from specdec.runtime.registry import Heartbeat, Registry, Replica
 from specdec.telemetry import logs, metrics, tracing
 from specdec.v1 import engine_pb2
+
+DEFAULT_PREFIX_CACHE = 256 << 20
 
 log = logging.getLogger("specdec.runtime.servicer")
 
@@ -76,7 +78,7 @@ def cache_limits(args, device, ranks_on_host: int = 1) -> CacheLimits:
     cap = resolve_kv_cap(args.max_kv_bytes, device, args.kv_memory_fraction, ranks_on_host)
     how = f"auto, {args.kv_memory_fraction:g} of the free memory" if args.max_kv_bytes == AUTO else "--max-kv-bytes"
     log.info("KV pool cap: %s (%s)", f"{cap / (1 << 30):.2f} GiB" if cap else "none", how)
-    return CacheLimits(args.max_sessions, args.max_session_kv_bytes, cap)
+    return CacheLimits(args.max_sessions, args.max_session_kv_bytes, cap, args.prefix_cache_bytes)
 
 
 def add_replica_arguments(p) -> None:
@@ -99,6 +101,14 @@ def add_replica_arguments(p) -> None:
         help="with --max-kv-bytes auto, the share of free memory the KV pool may take",
     )
     p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=parse_bytes,
+        default=DEFAULT_PREFIX_CACHE,
+        help="KV of computed prompts (and finished sessions) kept so a new session that starts the same way "
+        "copies it instead of computing it, outside the KV pool: a count like 256MiB, or 0 = off (default "
+        "256MiB; the CPU's layer kernel only, where a copy is the same bits; docs/batching.md)",
+    )
     p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")

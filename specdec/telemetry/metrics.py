@@ -121,6 +121,19 @@ VLLM_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # our
 
 LIVE_SESSIONS = Gauge("specdec_live_sessions", "Live sessions on this replica", registry=REGISTRY)
 KV_BYTES = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by this replica", registry=REGISTRY)
+PREFIX_CACHE_BYTES = Gauge(
+    "specdec_prefix_cache_bytes", "Bytes of KV the prefix cache holds (outside the KV pool)", registry=REGISTRY
+)
+PREFIX_CACHE_HIT_TOKENS = Gauge(
+    "specdec_prefix_cache_hit_tokens",
+    "Prompt positions copied from the prefix cache instead of computed, since start (only grows)",
+    registry=REGISTRY,
+)
+PREFIX_CACHE_QUERIED_TOKENS = Gauge(
+    "specdec_prefix_cache_queried_tokens",
+    "Prompt positions (whole blocks) looked up in the prefix cache, since start: hit / queried is its hit rate",
+    registry=REGISTRY,
+)
 # Seconds the replica's one model thread spent running engine calls: its rate is the busy
 # fraction in [0, 1], what deploy/ scales the draft pool on (docs/autoscaling.md).
 MODEL_BUSY = Counter("specdec_model_busy_seconds", "Seconds the model thread spent in engine calls", registry=REGISTRY)
@@ -193,6 +206,9 @@ def watch_engine(engine) -> None:
     """Live sessions and KV bytes, read from the engine at scrape time."""
     LIVE_SESSIONS.set_function(lambda: engine.stats()["live_sessions"])
     KV_BYTES.set_function(lambda: engine.stats()["kv_bytes"])
+    PREFIX_CACHE_BYTES.set_function(lambda: engine.stats().get("prefix_cache_bytes", 0))
+    PREFIX_CACHE_HIT_TOKENS.set_function(lambda: engine.stats().get("prefix_cache_hit_tokens", 0))
+    PREFIX_CACHE_QUERIED_TOKENS.set_function(lambda: engine.stats().get("prefix_cache_queried_tokens", 0))
 
 
 @contextmanager

@@ -1,0 +1,124 @@
+"""Prefix caching (specdec/engine/prefix.py): a session whose prompt starts like an earlier one
+copies those positions' KV, and what it computes from there is the same bits as without the copy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_fewrow import kernel_llama
+
+from specdec.engine.commits import Commit
+from specdec.engine.prefix import PrefixCache
+from specdec.engine.sessions import CacheLimits, PassRequest, SessionEngine, SessionStore, run_alone
+from specdec.exact.sampling import SamplingParams
+from specdec.modeling import fewrow
+
+PARAMS = SamplingParams(temperature=1.0, seed=3)
+KERNEL = pytest.mark.skipif(not fewrow.layers_available(), reason="the layer kernel does not run here")
+
+
+def kv(positions: int, fill: float = 0.0) -> torch.Tensor:
+    """[layers=2, kv_heads=1, positions, head_dim=4]: position p holds fill + p."""
+    return (fill + torch.arange(positions, dtype=torch.float32)).view(1, 1, positions, 1).expand(2, 1, positions, 4)
+
+
+def test_lookup_returns_whole_blocks_of_the_longest_kept_prefix_within_the_limit():
+    cache = PrefixCache(max_bytes=1 << 20, block=4)
+    tokens = list(range(10, 24))  # 14 tokens: 3 whole blocks
+    assert cache.insert(tokens, kv(14), kv(14)) == 3
+    assert cache.insert(tokens, kv(14), kv(14)) == 0  # kept already
+    chain = cache.lookup([*tokens[:9], 99, 98, 97], limit=12)
+    assert len(chain) == 2  # the third block differs at its second token
+    assert torch.equal(chain[1].keys[0, 0, :, 0], torch.tensor([4.0, 5, 6, 7]))
+    assert len(cache.lookup(tokens, limit=11)) == 2  # the limit cuts the third block
+    assert cache.lookup([11, *tokens[1:]], limit=14) == []  # a different first token: nothing
+    assert cache.lookup(tokens, limit=3) == []
+    stats = cache.stats()
+    assert stats["prefix_cache_blocks"] == 3 and stats["prefix_cache_hit_tokens"] == 16
+    assert stats["prefix_cache_queried_tokens"] == 12 + 8 + 12 + 0  # the whole blocks within each limit
+    assert stats["prefix_cache_bytes"] == 3 * 2 * (2 * 1 * 4 * 4) * 4
+
+
+def test_a_branching_prefix_shares_its_blocks_and_the_bound_evicts_the_least_recent_deepest_first():
+    one_block = 2 * (2 * 1 * 4 * 4) * 4  # keys and values of 4 positions
+    cache = PrefixCache(max_bytes=5 * one_block, block=4)
+    a = list(range(12))  # 3 blocks
+    b = [*a[:8], 50, 51, 52, 53]  # shares 2, adds 1
+    assert cache.insert(a, kv(12), kv(12)) == 3
+    assert cache.insert(b, kv(12, 100), kv(12, 100)) == 1
+    assert len(cache) == 4 and cache.nbytes == 4 * one_block
+    cache.lookup(a, limit=12)  # a's chain is now the most recent
+    c = [7] * 8  # unrelated: 2 blocks, one over the bound
+    assert cache.insert(c, kv(8), kv(8)) == 2
+    assert cache.nbytes <= cache.max_bytes and len(cache) == 5
+    assert len(cache.lookup(b, limit=12)) == 2  # b's own block went first (least recent, deepest)
+    assert len(cache.lookup(a, limit=12)) == 3
+    # evicting a root takes its descendants: nothing unreachable holds memory
+    d = [9] * 20  # 5 blocks: everything else must go
+    assert cache.insert(d, kv(20), kv(20)) == 5
+    assert len(cache) == 5 and cache.nbytes == 5 * one_block and cache.lookup(a, limit=12) == []
+    with pytest.raises(ValueError):
+        PrefixCache(max_bytes=0)
+
+
+def _prefill(store: SessionStore, session_id: str, prompt: list[int]):
+    run_alone(store, SessionEngine(store).prefill_work(session_id, prompt, PARAMS))
+    return store.get(session_id)
+
+
+def _steps(store: SessionStore, session, seed: int, steps: int) -> list[torch.Tensor]:
+    """Verify-shaped passes with rollbacks, as in test_batching: every pass's logits."""
+    rng, seen = random.Random(seed), []
+    for step in range(1, steps + 1):
+        proposals = [rng.randrange(store.vocab_size) for _ in range(rng.randrange(0, 5))]
+        seen.append(run_alone(store, _one(PassRequest(session, proposals, len(proposals) + 1)))[0])
+        accepted = proposals[: rng.randrange(len(proposals) + 1)]
+        store.commit(session, Commit(step, len(session.tokens), (*accepted, rng.randrange(store.vocab_size))))
+    return seen
+
+
+def _one(request):
+    return (yield request)
+
+
+@KERNEL
+def test_a_copied_prefix_gives_the_same_bits_as_computing_it():
+    model = kernel_llama(seed=5)
+    rng = random.Random(1)
+    shared = [rng.randrange(64) for _ in range(37)]
+    first = shared + [rng.randrange(64) for _ in range(5)]
+    second = shared + [rng.randrange(64) for _ in range(9)]
+    with_cache = SessionStore(model, CacheLimits(prefix_cache_bytes=1 << 24), name="target")
+    plain = SessionStore(model, name="target")
+    assert with_cache.prefixes is not None and plain.prefixes is None
+
+    _prefill(with_cache, "a", first)
+    copied = _prefill(with_cache, "b", second)
+    assert with_cache.prefixes.hit_tokens == 32  # the two whole blocks of the shared 37 tokens
+    computed = _prefill(plain, "b", second)
+    assert torch.equal(copied.cache.keys[:, :, : len(second) - 1], computed.cache.keys[:, :, : len(second) - 1])
+    assert torch.equal(copied.cache.values[:, :, : len(second) - 1], computed.cache.values[:, :, : len(second) - 1])
+    for got, want in zip(_steps(with_cache, copied, 7, 6), _steps(plain, computed, 7, 6), strict=True):
+        assert torch.equal(got, want)
+
+    # a session released keeps all it cached: the next turn of the chat copies beyond the prompt
+    turn = list(copied.tokens)
+    with_cache.release("b")
+    before = with_cache.prefixes.hit_tokens
+    again = _prefill(with_cache, "c", [*turn, 3, 4])
+    assert with_cache.prefixes.hit_tokens - before == (len(turn) + 1) // 16 * 16 > 32
+    reference = _prefill(plain, "c", [*turn, 3, 4])
+    assert torch.equal(_steps(with_cache, again, 9, 3)[-1], _steps(plain, reference, 9, 3)[-1])
+
+
+@KERNEL
+def test_a_session_that_wants_the_prompts_features_computes_them():
+    """A feature draft's pairing asks for the prompt's hidden states: a copy has none to give."""
+    model = kernel_llama(seed=5)
+    store = SessionStore(model, CacheLimits(prefix_cache_bytes=1 << 24), name="target")
+    prompt = list(range(1, 40))
+    _prefill(store, "a", prompt)
+    features = run_alone(store, SessionEngine(store).prefill_work("b", prompt, PARAMS, return_features=True))
+    assert features.shape[0] == len(prompt) - 1 and store.prefixes.hit_tokens == 0

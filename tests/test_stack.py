@@ -140,7 +140,13 @@ def test_exactness_through_the_stack(stack, models, case):
         request(list(case.prompt), k=case.k, method=method, seed=BASE_SEED + i, adaptive=adaptive, **sampling)
         for i in range(n)
     ]
+    copied = {s: scrape(stack.metrics_ports[s])["specdec_prefix_cache_hit_tokens"] for s in ("target", "draft")}
     replies = generate_many(stack.coordinator_address, requests)
+    if case.name == "long_prompt":  # the law below is then that of runs on copied positions
+        for service, before in copied.items():
+            hits = scrape(stack.metrics_ports[service])["specdec_prefix_cache_hit_tokens"] - before
+            # all but the first few (8 start at once, before any prefill has ended) copy 32 positions
+            assert hits >= 32 * (n - 8), (service, hits)
     observed = Counter(tuple(r.token_ids) for r in replies)
     proposed = sum(r.stats.proposed_tokens for r in replies)
     accepted = sum(r.stats.accepted_tokens for r in replies)

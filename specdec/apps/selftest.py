@@ -102,6 +102,13 @@ CASES: tuple[Case, ...] = (
         prompt=(4, 6, 4, 6, 4, 6, 4),
     ),
     Case(
+        "long_prompt",
+        "a 34-token prompt (two whole prefix-cache blocks): through the stack every run after the "
+        "first copies its first 32 positions on the target and the draft instead of computing them",
+        {"temperature": 1.0},
+        prompt=tuple((5 * i + 2) % 16 for i in range(34)),
+    ),
+    Case(
         "reduced_head",
         "draft with a reduced-vocabulary head (10 of 16 tokens, as distilled drafts ship): "
         "q = 0 outside it, the residual supplies the rest",

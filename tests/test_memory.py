@@ -78,3 +78,18 @@ def test_a_replica_started_without_a_cap_gets_one_below_the_memory_it_has():
     assert 0 < limits.max_total_kv_bytes <= meminfo * args.kv_memory_fraction * 1.05
     assert cache_limits(parser.parse_args(["--max-kv-bytes", "0"]), "cpu").max_total_kv_bytes == 0
     assert resolve_kv_cap(1 << 20, "cpu") == 1 << 20
+
+
+@pytest.mark.parametrize("flag", ["--prefix-cache-bytes", "--max-kv-bytes"])
+def test_a_bad_byte_count_flag_is_a_usage_error_that_says_what_it_takes(flag, capsys):
+    import argparse
+
+    from specdec.runtime.servicer import add_replica_arguments
+
+    parser = argparse.ArgumentParser(prog="specdec target")
+    add_replica_arguments(parser)
+    assert parser.parse_args([flag, "256MiB"]) is not None
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args([flag, "lots"])
+    assert info.value.code == 2
+    assert f"argument {flag}: expected" in capsys.readouterr().err

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from specdec.engine.memory import parse_bytes, parse_kv_bytes
+
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -24,3 +26,19 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def byte_count(text: str) -> int:
+    """A byte count with an optional unit (256MiB, 2G); 0 allowed."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kv_byte_count(text: str) -> int | str:
+    """``auto`` or a byte count."""
+    try:
+        return parse_kv_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -15,13 +15,13 @@ from typing import Any
 import grpc
 
 from specdec.engine.batching import BatchRunner, PassLoad
-from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, parse_bytes, parse_kv_bytes, resolve_kv_cap
+from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, resolve_kv_cap
 from specdec.engine.sessions import CacheLimits
 from specdec.errors import DrainingError
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security, wire
 from specdec.runtime.batcher import IterationLoop
-from specdec.runtime.flags import non_negative_float, non_negative_int, positive_int
+from specdec.runtime.flags import byte_count, kv_byte_count, non_negative_float, non_negative_int, positive_int
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
 from specdec.runtime.registry import Heartbeat, Registry, Replica
@@ -89,7 +89,7 @@ def add_replica_arguments(p) -> None:
     p.add_argument("--max-sessions", type=int, default=256)
     p.add_argument(
         "--max-kv-bytes",
-        type=parse_kv_bytes,
+        type=kv_byte_count,
         default=AUTO,
         help="cap on all sessions' KV bytes, allocated: auto (default: --kv-memory-fraction of the memory free "
         "once the model is loaded, within the container's limit), a count like 2GiB, or 0 = none",
@@ -103,7 +103,7 @@ def add_replica_arguments(p) -> None:
     p.add_argument("--max-session-kv-bytes", type=int, default=0, help="cap per session (0 = none)")
     p.add_argument(
         "--prefix-cache-bytes",
-        type=parse_bytes,
+        type=byte_count,
         default=DEFAULT_PREFIX_CACHE,
         help="KV of computed prompts (and finished sessions) kept so a new session that starts the same way "
         "copies it instead of computing it, outside the KV pool: a count like 256MiB, or 0 = off (default "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 
@@ -242,22 +243,29 @@ def test_each_scored_window_is_logged_at_debug(caplog):
     # 6 sessions commit 42 * 6 // 10 = 25 tokens a step: 250 in the window's second, 41.7 per session
     assert lines[0] == (
         "regime window 0: on at 5-8 sessions (up to 6 in 10 steps), 250 tokens in 1.00 s:"
-        " 41.7 tokens/s per session; measured [5-8:on=41.7]"
+        " 41.7 tokens/s per session; measured [5-8:on=41.7]; model's on/off []"
     )
     assert (
         lines[2].startswith("regime window 2: off (exploring) at 5-8 sessions") and "not scored (warm-up)" in lines[2]
     )
+    # the cost model's expected gain of "on" per bucket, as the requests last reported it
+    regime.speculating(6, model_gain=1.25)
+    regime.speculating(2, model_gain=0.8)
+    now[0] += 10
+    with caplog.at_level(logging.DEBUG, logger="specdec.loop.goodput"):
+        regime.speculating(6, model_gain=1.25)
+    assert caplog.records[-1].getMessage().endswith("; model's on/off [2:0.80, 5-8:1.25]")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="specdec.loop.goodput"):
         _run_windows(regime, now, 2, 6, {True: 42, False: 50})
     assert not caplog.records
 
 
-def test_a_loser_far_behind_is_explored_only_every_explore_max_windows():
+def test_a_loser_far_behind_is_explored_only_every_explore_far_windows():
     """A regime that loses by 30% or more is not about to win at a steady load: it is explored after
-    the longest gap at once rather than after the doubling ones (each exploration costs two
+    the far gap at once rather than after the doubling ones (each exploration costs two
     windows in it and a warm-up back); a change of load is still found, only later."""
-    regime, now = _regime_clock(explore_every=5, explore_max=20)
+    regime, now = _regime_clock(explore_every=5, explore_max=10, explore_far=20)
     truth = {True: 30, False: 50}
     seen = _run_windows(regime, now, 60, 8, truth)
     assert seen[:7] == [True, True, False, False, False, False, False]  # the first comparison as before
@@ -278,14 +286,14 @@ def test_only_the_buckets_at_the_boundary_explore():
         regime.rates.update(measured)
         return _run_windows(regime, now, n, sessions, truth)
 
-    settled = {(load_bucket(1), True): 60.0, (load_bucket(1), False): 30.0}
+    settled = {(load_bucket(1), True): 60.0, (load_bucket(1), False): 50.0}
     settled |= {(load_bucket(2), True): 40.0, (load_bucket(2), False): 50.0}
     for sessions in (3, 8, 32):
         assert not any(run(sessions, {True: 30, False: 50}, settled))  # off, never explored
         assert not any(run(sessions, {True: 90, False: 50}, settled))  # settled by the lighter load
     # the boundary explores, two windows at a time, in at most a quarter of the windows
     assert 4 <= run(2, {True: 40, False: 50}, settled).count(True) <= 15
-    assert 4 <= run(1, {True: 60, False: 30}, settled).count(False) <= 15
+    assert 4 <= run(1, {True: 60, False: 50}, settled).count(False) <= 15
     contradicting = settled | {(load_bucket(8), True): 55.0, (load_bucket(8), False): 50.0}
     assert any(run(8, {True: 30, False: 50}, contradicting))  # its own figures disagree: explores
     assert run(8, {True: 30, False: 50}, contradicting)[-10:].count(False) >= 8  # and finds off
@@ -301,8 +309,8 @@ def test_a_bucket_starts_in_what_the_model_or_the_measured_loads_imply():
         if measured:
             regime.rates.update(measured)
         seen = []
-        for sessions, hint in hints:
-            seen.append(regime.speculating(sessions, model_on=hint)[0])
+        for sessions, hint in hints:  # the model's gain of "on" over "off": 1.3 (pays) or 0.8
+            seen.append(regime.speculating(sessions, model_gain=1.3 if hint else 0.8)[0])
             now[0] += 10  # every call a window of its own
         return seen
 
@@ -404,6 +412,8 @@ def test_the_regime_counts_late_commits_per_session_and_skips_prefill_bursts():
         _regime_clock(explore_every=1)
     with pytest.raises(ValueError, match="explore_first"):
         _regime_clock(explore_first=0)
+    with pytest.raises(ValueError, match="explore_far"):
+        _regime_clock(explore_every=5, explore_max=20, explore_far=10)
 
 
 def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates():
@@ -425,7 +435,7 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
         def __init__(self, off_steps):
             self.left = off_steps
 
-        def speculating(self, sessions, model_on=True):
+        def speculating(self, sessions, model_gain=math.inf):
             self.left -= 1
             return self.left < 0, 0
 
@@ -479,9 +489,9 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
     seen: list[int] = []
 
     class Recording(Regime):
-        def speculating(self, sessions, model_on=True):
+        def speculating(self, sessions, model_gain=math.inf):
             seen.append(sessions)
-            return super().speculating(sessions, model_on)
+            return super().speculating(sessions, model_gain)
 
     for reported, first in ((0, 1), (1, 1), (9, 9)):
         seen.clear()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -239,12 +240,11 @@ class GoodputK:
     def next_k(self) -> int:
         if self.regime is not None:
             sessions = max(self.load.other_live, self.load.other_sessions) + 1
-            on, self.window = self.regime.speculating(sessions, model_on=self._best(self.load) > 0)
-            if not on:
-                return 0
-            # measured to pay on this replica now: the model chooses only how deep
             goodputs = step_goodputs(self.acceptance.expected_tokens(), self.load, self.costs)
-            return max(range(1, len(goodputs)), key=lambda k: (goodputs[k], -k))
+            deepest = max(range(1, len(goodputs)), key=lambda k: (goodputs[k], -k))
+            on, self.window = self.regime.speculating(sessions, model_gain=goodputs[deepest] / goodputs[0])
+            # measured to pay on this replica now: the model chooses only how deep
+            return deepest if on else 0
         best = self._best(self.load)
         if best > 0 or not self.idle >= self.probe_gap or self.pays_alone():
             return best
@@ -284,7 +284,8 @@ REGIME_EXPLORE_FIRST = 1  # windows: a bucket that measured one regime runs the 
 REGIME_EXPLORE_EVERY = 10  # ... and once both are measured, the losing one runs again after this many at first ...
 REGIME_EXPLORE_MAX = 20  # ... the gap doubling, up to this, while each exploration confirms the loser
 REGIME_RATE = 0.3  # EWMA weight of one window's figure
-REGIME_CLEAR_MARGIN = 0.3  # the better regime this far ahead: explore the other only every explore_max windows
+REGIME_CLEAR_MARGIN = 0.3  # the better regime this far ahead: explore the other only every explore_far windows
+REGIME_EXPLORE_FAR = 60  # windows between explorations of a loser that far behind
 
 
 def load_bucket(sessions: int) -> int:
@@ -347,8 +348,8 @@ class SpeculationRegime:
     (:meth:`_prior`: what the measured buckets imply, else the cost model's hint); a bucket the
     others settle does not explore (:meth:`_next_regime`); any other keeps the better measured
     regime, running the other after ``explore_every`` windows, that gap doubling (up to
-    ``explore_max``) while the explorations
-    confirm it. One object per target replica in a coordinator, shared by its requests;
+    ``explore_max``) while the explorations confirm it, or after ``explore_far`` at once where the
+    loser is far behind. One object per target replica in a coordinator, shared by its requests;
     ``clock`` injected for tests."""
 
     def __init__(
@@ -358,17 +359,22 @@ class SpeculationRegime:
         explore_max: int = REGIME_EXPLORE_MAX,
         clock=None,
         explore_first: int = REGIME_EXPLORE_FIRST,
+        explore_far: int = REGIME_EXPLORE_FAR,
     ):
         import time
 
-        if explore_every < 2 or explore_max < explore_every:
-            raise ValueError(f"need 2 <= explore_every <= explore_max, got {explore_every}, {explore_max}")
+        if explore_every < 2 or explore_max < explore_every or explore_far < explore_max:
+            raise ValueError(
+                "need 2 <= explore_every <= explore_max <= explore_far,"
+                f" got {explore_every}, {explore_max}, {explore_far}"
+            )
         if not 1 <= explore_first <= explore_every:
             raise ValueError(f"need 1 <= explore_first <= explore_every, got {explore_first}, {explore_every}")
         self.window_seconds = window_seconds
         self.explore_first = explore_first
         self.explore_every = explore_every
         self.explore_max = explore_max
+        self.explore_far = explore_far
         self.clock = clock or time.monotonic
         self.rates: dict[tuple[int, bool], float] = {}
         self._current = _Window(0, True, self.clock())
@@ -377,7 +383,7 @@ class SpeculationRegime:
         self._requests = 0  # load-aware requests of this coordinator on the replica, prefills included
         self._since_explore: dict[int, int] = {}
         self._gap: dict[int, int] = {}
-        self._hints: dict[int, bool] = {}  # per bucket: whether the cost model expects "on" to pay
+        self._gains: dict[int, float] = {}  # per bucket: the cost model's goodput of "on" over "off"
 
     @property
     def window(self) -> int:
@@ -411,7 +417,7 @@ class SpeculationRegime:
         buckets imply, else the cost model's expectation for this load (on where it has said
         nothing)."""
         implied = self._implied(bucket)
-        return self._hints.get(bucket, True) if implied is None else implied
+        return self._gains.get(bucket, math.inf) > 1.0 if implied is None else implied
 
     def _next_regime(self, bucket: int) -> tuple[bool, bool]:
         """The next window's regime, and whether it is an exploration. A bucket that the others'
@@ -440,12 +446,13 @@ class SpeculationRegime:
         return not best, True
 
     def _explore_gap(self, bucket: int, known: dict[bool, float]) -> int:
-        """Windows between explorations of a measured loser: the doubling gap, or at once the
-        longest where the loser is far behind -- a load that steady is not about to flip, and
-        each exploration costs two windows in the slow regime plus a warm-up back."""
+        """Windows between explorations of a measured loser: the doubling gap, or at once a far
+        longer one where the loser is far behind -- a load that steady is not about to flip, and
+        each exploration costs two windows in the slow regime plus a warm-up back, a loss of
+        about twice the margin over the gap."""
         slow, fast = sorted(known.values())
         if fast >= (1.0 + REGIME_CLEAR_MARGIN) * slow:
-            return self.explore_max
+            return self.explore_far
         return self._gap.get(bucket, self.explore_every)
 
     def _after_exploring(self, bucket: int, best_before: bool) -> None:
@@ -500,24 +507,25 @@ class SpeculationRegime:
         table = ", ".join(
             f"{load_bucket_label(b)}:{'on' if on else 'off'}={r:.1f}" for (b, on), r in sorted(self.rates.items())
         )
+        gains = ", ".join(f"{load_bucket_label(b)}:{g:.2f}" for b, g in sorted(self._gains.items()) if math.isfinite(g))
         return (
             f"regime window {closed.id}: {'on' if closed.on else 'off'}{' (exploring)' if closed.exploring else ''}"
             f" at {load_bucket_label(load_bucket(closed.max_sessions))} sessions (up to {closed.max_sessions} in"
             f" {closed.decisions} steps), {closed.tokens} tokens in {closed.end - closed.start:.2f} s: {figure};"
-            f" measured [{table}]"
+            f" measured [{table}]; model's on/off [{gains}]"
         )
 
     def _burst(self, sessions: int) -> bool:
         return self._prefilling > 0 and 4 * self._prefilling >= sessions
 
-    def speculating(self, sessions: int, model_on: bool = True) -> tuple[bool, int]:
+    def speculating(self, sessions: int, model_gain: float = math.inf) -> tuple[bool, int]:
         """The regime now, and the window it belongs to (a step reports its tokens with it).
-        ``model_on``: whether the request's cost model expects speculation to pay at this load
-        (a bucket's prior until it has measured)."""
+        ``model_gain``: the goodput the request's cost model expects of speculating at this load
+        over not (above 1: "on" pays; a bucket's prior until it has measured)."""
         # The replica's report lags a burst of arrivals (they report nothing before their first
         # step), while this coordinator's own requests on it are counted as they come.
         sessions = max(sessions, self._requests)
-        self._hints[load_bucket(sessions)] = model_on
+        self._gains[load_bucket(sessions)] = model_gain
         self._roll(sessions)
         if self._current.id == 0 and not self._current.decisions:  # the very first window
             self._current.on = self._prior(load_bucket(sessions))

@@ -93,6 +93,15 @@ SETTINGS = (
         "invariant_sampling",
         switch=True,
     ),
+    Setting(
+        "no_prefix_routing",
+        _boolean,
+        "start every session on the least-loaded replica (default: on the replica this coordinator last "
+        "sent the prompt's prefix to, which may still hold it in its prefix cache, unless that one is "
+        "busier by more than a few sessions; docs/batching.md, 'Prefix caching')",
+        "prefix_routing",
+        invert=True,
+    ),
     Setting("max_speculative_tokens", int, "largest k a request may ask for", "max_k"),
     Setting("default_max_new_tokens", int, "max_new_tokens of a request that does not say", "default_max_new_tokens"),
     Setting("max_new_tokens_limit", int, "largest max_new_tokens a request may ask for", "max_new_tokens_limit"),

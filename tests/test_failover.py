@@ -211,6 +211,21 @@ def test_scale_out_at_run_time_and_session_affinity(stack):
     assert len(grew) == 1
 
 
+def test_a_repeated_prompt_goes_back_to_the_replicas_that_hold_its_prefix(stack):
+    """Prefix-aware routing (specdec.runtime.affinity): the same long prompt, asked three times in
+    a row, starts all three sessions on one target and one draft replica -- the ones whose prefix
+    caches hold it -- where least-loaded routing alone would spread them (this coordinator's
+    recent picks count as load), each replica computing the prompt again."""
+    prompt = [(5 * i + 1) % 32 for i in range(48)]  # three whole blocks
+    started = {kind: {c.name: info(c).sessions_started for c in alive(stack, kind)} for kind in ("target", "draft")}
+    greedy = request(prompt, k=2, adaptive=False, temperature=0.0, max_new_tokens=6)
+    answers = [list(stub(stack.coordinator_address).Generate(greedy).token_ids) for _ in range(3)]
+    assert answers[0] == answers[1] == answers[2] and answers[0]
+    for kind in ("target", "draft"):
+        grew = {c.name: info(c).sessions_started - started[kind][c.name] for c in alive(stack, kind)}
+        assert sorted(grew.values())[-1] == 3 and sum(grew.values()) == 3, (kind, grew)
+
+
 # -- failover --------------------------------------------------------------------------------
 @LOADS
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded-sampling"])

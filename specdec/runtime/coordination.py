@@ -83,6 +83,9 @@ class CoordinatorConfig:
     default_method: str = "draft_model"
     output_ttl_s: float = 3600.0
     startup_timeout_s: float = 120.0
+    # a new session goes to the replica this coordinator last sent its prompt's prefix to, while
+    # that one is not much busier than the least loaded (specdec.runtime.affinity)
+    prefix_routing: bool = True
 
     def __post_init__(self):
         if not 0 <= self.max_k <= MAX_BLOCK:
@@ -188,6 +191,7 @@ class CoordinatorCore:
             [config.draft_address],
             config.draft_timeout_s,
             config.target_timeout_s,
+            config.prefix_routing,
         )
         self.log: OutputLog | None = None
         if config.redis_url:
@@ -607,7 +611,7 @@ class CoordinatorCore:
             self.active -= 1
 
     async def _run(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int]) -> SpeculativeRun:
-        routing = SessionRouting(self.pool)
+        routing = SessionRouting(self.pool, parsed.prompt_ids)
         target = await routing.first_target()
         draft: DraftPeer | None = None
         missing = False

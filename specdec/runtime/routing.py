@@ -8,10 +8,20 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from specdec.errors import PeerError
+from specdec.runtime.affinity import PrefixAffinity, choose_near_prefix, prefix_keys
 from specdec.runtime.peers import GrpcDraft, GrpcTarget
-from specdec.runtime.registry import HEARTBEAT_S, Registry, Replica, choose_draft, choose_target
+from specdec.runtime.registry import (
+    HEARTBEAT_S,
+    Registry,
+    Replica,
+    choose_target,
+    draft_candidates,
+    least_loaded,
+    target_candidates,
+)
 
 log = logging.getLogger("specdec.routing")
 
@@ -24,6 +34,7 @@ class PeerPool:
         static_drafts=(),
         draft_timeout: float = 5.0,
         target_timeout: float = 60.0,
+        prefix_routing: bool = True,
     ):
         self.registry = registry
         self.static_target_addresses = [a for a in static_targets if a]
@@ -33,6 +44,8 @@ class PeerPool:
         self._targets: dict[str, GrpcTarget] = {}
         self._drafts: dict[str, GrpcDraft] = {}
         self._recent: deque[tuple[float, str]] = deque()  # picks not yet visible in heartbeats
+        # where this coordinator sent each prompt prefix, per replica kind (None: least-loaded only)
+        self.affinity = {"target": PrefixAffinity(), "draft": PrefixAffinity()} if prefix_routing else None
         self.context_length = 0
 
     # -- peers (one channel per address, shared by all sessions) -------------------------------
@@ -97,11 +110,25 @@ class PeerPool:
             self._recent.append((time.monotonic(), replica.replica_id))
         return replica
 
-    async def pick_target(self, exclude=()) -> Replica | None:
-        return self._picked(choose_target(await self.replicas("target"), exclude, self._pending()))
+    def _pick(self, kind: str, candidates: list[Replica], prompt: Sequence[int]) -> Replica | None:
+        """The least-loaded candidate, or the one this coordinator last sent the prompt's prefix
+        to while that one is not much busier (specdec.runtime.affinity)."""
+        if self.affinity is None or not prompt:
+            return self._picked(least_loaded(candidates, self._pending()))
+        keys = prefix_keys(prompt)
+        memory = self.affinity[kind]
+        replica, shared = choose_near_prefix(candidates, memory.holders(keys), len(prompt), self._pending())
+        if replica is not None:
+            if shared:
+                log.debug("%s %s holds %d of %d prompt tokens: sent there", kind, replica.address, shared, len(prompt))
+            memory.remember(keys, replica.replica_id)
+        return self._picked(replica)
 
-    async def pick_draft(self, target: Replica, exclude=()) -> Replica | None:
-        return self._picked(choose_draft(await self.replicas("draft"), target, exclude, self._pending()))
+    async def pick_target(self, exclude=(), prompt: Sequence[int] = ()) -> Replica | None:
+        return self._pick("target", target_candidates(await self.replicas("target"), exclude), prompt)
+
+    async def pick_draft(self, target: Replica, exclude=(), prompt: Sequence[int] = ()) -> Replica | None:
+        return self._pick("draft", draft_candidates(await self.replicas("draft"), target, exclude), prompt)
 
     async def wait_for_target(self, timeout: float) -> Replica:
         deadline = time.monotonic() + timeout
@@ -127,14 +154,15 @@ class SessionRouting:
     """The replicas of one session: chosen at start, kept for its life (affinity), replaced
     only when one fails (the loop's Failover)."""
 
-    def __init__(self, pool: PeerPool):
+    def __init__(self, pool: PeerPool, prompt: Sequence[int] = ()):
         self.pool = pool
+        self.prompt = prompt  # the request's prompt: replicas that hold its prefix are preferred
         self.target: Replica | None = None
         self.tried_targets: set[str] = set()
         self.tried_drafts: set[str] = set()
 
     async def first_target(self) -> GrpcTarget:
-        self.target = await self.pool.pick_target()
+        self.target = await self.pool.pick_target(prompt=self.prompt)
         if self.target is None:
             raise PeerError("UNAVAILABLE", "no target replica is available")
         self.tried_targets.add(self.target.replica_id)
@@ -143,7 +171,7 @@ class SessionRouting:
     async def first_draft(self) -> GrpcDraft | None:
         if self.target is None:
             raise RuntimeError("a session's draft is chosen for its target: call first_target() first")
-        draft = await self.pool.pick_draft(self.target, self.tried_drafts)
+        draft = await self.pool.pick_draft(self.target, self.tried_drafts, self.prompt)
         if draft is None:
             return None
         self.tried_drafts.add(draft.replica_id)
@@ -153,7 +181,7 @@ class SessionRouting:
         return await self.first_draft()
 
     async def replace_target(self, failed) -> GrpcTarget | None:
-        replacement = await self.pool.pick_target(self.tried_targets)
+        replacement = await self.pool.pick_target(self.tried_targets, self.prompt)
         if replacement is None:
             return None
         self.target = replacement

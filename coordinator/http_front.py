@@ -323,12 +323,16 @@ class _Response:
     def _envelope(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         # n choices of one prompt share it: OpenAI counts the prompt once per prompt, not per choice
         prompts: dict[int, int] = {}
+        cached: dict[int, int] = {}  # per prompt, from its first finished choice
         for c in self.choices:
             prompts.setdefault(c.index // self.parsed.n, c.prompt_tokens)
-        return schema.usage(sum(prompts.values()), sum(c.tokens for c in self.choices))
+            if c.stats is not None:
+                cached.setdefault(c.index // self.parsed.n, c.stats.cached_prompt_tokens)
+        known = sum(cached.values()) if len(cached) == len(prompts) else None  # every prompt finished
+        return schema.usage(sum(prompts.values()), sum(c.tokens for c in self.choices), known)
 
     def _stats(self) -> dict[str, Any]:
         return {"choices": [schema.speculation_stats(c.stats) if c.stats else None for c in self.choices]}

@@ -261,12 +261,17 @@ def finish_reason(ours: str) -> str:
     return FINISH_REASONS.get(ours, ours)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` (prompt tokens the target copied from its prefix
+    cache, known once the generations finished) as OpenAI reports prompt caching."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def speculation_stats(stats: coordinator_pb2.SpeculationStats) -> dict[str, Any]:
@@ -283,6 +288,7 @@ def speculation_stats(stats: coordinator_pb2.SpeculationStats) -> dict[str, Any]
         "draft_fallbacks": stats.draft_fallbacks,
         "draft_failovers": stats.draft_failovers,
         "target_failovers": stats.target_failovers,
+        "cached_prompt_tokens": stats.cached_prompt_tokens,
     }
 
 

@@ -219,8 +219,11 @@ def test_a_repeated_prompt_goes_back_to_the_replicas_that_hold_its_prefix(stack)
     prompt = [(5 * i + 1) % 32 for i in range(48)]  # three whole blocks
     started = {kind: {c.name: info(c).sessions_started for c in alive(stack, kind)} for kind in ("target", "draft")}
     greedy = request(prompt, k=2, adaptive=False, temperature=0.0, max_new_tokens=6)
-    answers = [list(stub(stack.coordinator_address).Generate(greedy).token_ids) for _ in range(3)]
+    replies = [stub(stack.coordinator_address).Generate(greedy) for _ in range(3)]
+    answers = [list(r.token_ids) for r in replies]
     assert answers[0] == answers[1] == answers[2] and answers[0]
+    # the second and third copy the prompt's whole blocks (47 positions prefilled: 2 blocks)
+    assert [r.stats.cached_prompt_tokens for r in replies] == [0, 32, 32]
     for kind in ("target", "draft"):
         grew = {c.name: info(c).sessions_started - started[kind][c.name] for c in alive(stack, kind)}
         assert sorted(grew.values())[-1] == 3 and sum(grew.values()) == 3, (kind, grew)

@@ -82,6 +82,29 @@ def test_models_and_health(stack, client):
         assert r.status == 200 and json.load(r)["status"] == "ok"
 
 
+def test_usage_reports_the_prompt_tokens_copied_from_the_prefix_cache(stack, client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: the prompt positions the target copied
+    from its prefix cache (whole blocks of 16) -- none the first time a prompt is seen, its whole
+    blocks the next time, streamed (in the usage chunk) or not."""
+    from specdec.apps.selftest import VOCAB
+
+    prompt = " ".join(f"w{(11 * i + 5) % VOCAB}" for i in range(40))
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    whole_blocks = 16 * ((again.usage.prompt_tokens - 1) // 16)  # the last position is fed by the first step
+    assert whole_blocks == 32
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == whole_blocks
+    assert again.model_extra["specdec"]["choices"][0]["cached_prompt_tokens"] == whole_blocks
+    usage = {"include_usage": True}
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0, stream=True, stream_options=usage
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole_blocks
+
+
 def test_greedy_completion_equals_the_grpc_api_streamed_or_not(stack, client):
     want = grpc_tokens(stack, prompt="w5 w6 w7", temperature=0.0, max_new_tokens=12, ignore_eos=True)
     got = client.completions.create(

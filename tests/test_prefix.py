@@ -97,6 +97,9 @@ def test_a_copied_prefix_gives_the_same_bits_as_computing_it():
     _prefill(with_cache, "a", first)
     copied = _prefill(with_cache, "b", second)
     assert with_cache.prefixes.hit_tokens == 32  # the two whole blocks of the shared 37 tokens
+    # what the replica tells the client, per session
+    assert with_cache.copied_positions("b") == 32 and with_cache.copied_positions("a") == 0
+    assert with_cache.copied_positions("nobody") == 0
     computed = _prefill(plain, "b", second)
     assert torch.equal(copied.cache.keys[:, :, : len(second) - 1], computed.cache.keys[:, :, : len(second) - 1])
     assert torch.equal(copied.cache.values[:, :, : len(second) - 1], computed.cache.values[:, :, : len(second) - 1])

@@ -561,6 +561,8 @@ def test_a_repeated_prompt_is_copied_from_the_prefix_cache_and_gives_the_same_to
     before = {s: scrape(stack.metrics_ports[s])[hits] for s in ("target", "draft")}
     again = stub(stack.coordinator_address).Generate(same)
     assert list(again.token_ids) == list(first.token_ids) and len(first.token_ids) == 12
+    # and the client is told (the target's count, in the request's stats)
+    assert first.stats.cached_prompt_tokens == 0 and again.stats.cached_prompt_tokens == 32
     for service in ("target", "draft"):
         scraped = scrape(stack.metrics_ports[service])
         assert scraped[hits] - before[service] == 32, service

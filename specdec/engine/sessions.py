@@ -62,6 +62,7 @@ class Session:
     counts: torch.Tensor  # token counts of the generated tokens, ``tokens[prompt_len:]`` (penalty history)
     prompt_seen: torch.Tensor  # bool [V]: the prompt's tokens (the repetition penalty's history too)
     cached: list[int] = field(default_factory=list)
+    copied: int = 0  # prompt positions its start copied from the prefix cache (what a client is told)
     kv_bytes: int = 0
     # feature drafts only: the target's feature before each committed token from ``features_from`` on
     features: torch.Tensor | None = None
@@ -260,7 +261,13 @@ class SessionStore:
             cache.values[:, :, index * size : (index + 1) * size] = block.values
         cache.length = length
         session.cached = list(session.tokens[:length])
+        session.copied = length
         return length
+
+    def copied_positions(self, session_id: str) -> int:
+        """How many positions the session's start copied from the prefix cache (0: none, or gone)."""
+        session = self._sessions.get(session_id)
+        return session.copied if session is not None else 0
 
     def keep_prefix(self, session: Session) -> None:
         """Keep the whole blocks of what the session has cached (its positions agree with its

@@ -228,6 +228,10 @@ class SpeculativeRun:
         features = await self._start_on(target, call)
         if self.wants_features:
             self.features = features
+        take = getattr(target, "take_cached_tokens", None)
+        cached = take(self.session_id) if take is not None else 0
+        if not self.stats.target_passes:  # the run's first start (not a failover's re-prefill)
+            self.stats.cached_prompt_tokens = min(cached, len(self.prompt))
 
     async def _start_draft(self, draft: DraftPeer) -> None:
         if getattr(draft, "wants_features", False):

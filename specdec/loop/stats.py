@@ -24,6 +24,7 @@ class StepStats:
     drafts: int = 0
     policy: str = "fixed"  # fixed / adaptive / load_aware: how each step's k was chosen
     steps_by_k: list[int] = field(default_factory=list)  # [k] = steps whose policy chose k
+    cached_prompt_tokens: int = 0  # prompt positions the target copied from its prefix cache
 
     def record_choice(self, k: int) -> None:
         if len(self.steps_by_k) <= k:

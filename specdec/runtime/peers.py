@@ -73,6 +73,7 @@ class _LoadReports:
 
     def _init_reports(self) -> None:
         self._loads: dict[str, PassLoad] = {}
+        self._cached: dict[str, int] = {}  # per session: prompt positions its start copied (until taken)
         self._releasing: set[asyncio.Future] = set()  # releases in flight, first tries and retries
 
     async def release(self, session_id: str) -> None:
@@ -80,6 +81,7 @@ class _LoadReports:
         retryable failure is retried in the background, and close() waits for what is in flight:
         a session is never left behind for the TTL when it can be freed now."""
         self._loads.pop(session_id, None)
+        self._cached.pop(session_id, None)
         first = self._track(asyncio.ensure_future(self._release_call(session_id)))
         try:
             await asyncio.shield(first)
@@ -235,7 +237,13 @@ class GrpcTarget(_LoadReports):
             )
         except grpc.aio.AioRpcError as exc:
             raise _peer_error(f"target {self.address}", exc) from None
+        if reply.cached_tokens:  # taken by the loop right after this returns
+            self._cached[session_id] = reply.cached_tokens
         return wire.features_from_proto(reply.features) if reply.HasField("features") else None
+
+    def take_cached_tokens(self, session_id: str) -> int:
+        """The prompt positions the session's start copied from the replica's prefix cache."""
+        return self._cached.pop(session_id, 0)
 
     async def verify(
         self, session_id: str, step: int, proposal: DraftProposal, commit: Commit | None, return_features: bool = False

@@ -208,7 +208,15 @@ class SessionServicer:
                 *extra,
                 admit_tokens=len(request.prompt_token_ids),
             )
-        return engine_pb2.StartSessionResponse(features=wire.features_to_proto(features))
+            copied = self.copied_positions(request.session_id)
+            span.set_attribute("specdec.cached_tokens", copied)
+        return engine_pb2.StartSessionResponse(features=wire.features_to_proto(features), cached_tokens=copied)
+
+    def copied_positions(self, session_id: str) -> int:
+        """Positions the session's start copied from the engine's prefix cache (0 where it has none)."""
+        store = getattr(self.engine, "store", None)
+        copied = getattr(store, "copied_positions", None)
+        return copied(session_id) if copied is not None else 0
 
     def prefill_arguments(self, request) -> tuple:
         """What ``engine.prefill`` takes after (session, prompt, params), read from the request."""

@@ -60,10 +60,12 @@ class StartSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_coordinator_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., return_features: _Optional[bool] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., prompt_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
-    __slots__ = ("features",)
+    __slots__ = ("features", "cached_tokens")
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     features: Features
-    def __init__(self, features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, features: _Optional[_Union[Features, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session_id", "commit")

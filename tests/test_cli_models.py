@@ -217,3 +217,14 @@ def test_a_command_imports_only_its_own_module():
 
     args = build_parser().parse_args(["target", "--port", "5"])
     assert args.port == 5 and args.func.__module__ == "target_service.server"
+
+
+def test_the_summary_line_says_how_much_of_the_prompt_came_from_the_prefix_cache():
+    from specdec.apps.client import StreamedAnswer, summary
+    from specdec.v1 import coordinator_pb2 as pb
+
+    answer = StreamedAnswer(token_ids=[1, 2], seconds=1.0, first_token_seconds=0.1)
+    answer.stats = pb.SpeculationStats(target_passes=2, cached_prompt_tokens=48)
+    assert "time to first token 0.10s (48 prompt tokens from the prefix cache)" in summary(answer)
+    answer.stats = pb.SpeculationStats(target_passes=2)
+    assert "prefix cache" not in summary(answer)

@@ -84,8 +84,10 @@ def summary(answer: StreamedAnswer) -> str:
         else "no speculation (target only)"
     )
     paused = f" ({passes - drafts} without a draft block)" if drafts and passes > drafts else ""
+    cached = s.cached_prompt_tokens if s else 0
+    copied = f" ({cached} prompt tokens from the prefix cache)" if cached else ""
     return (
         f"[{len(answer.token_ids)} tokens, finish={answer.finish_reason}, seed={answer.seed}]\n"
         f"{speculation}, {rate:.1f} tokens/s, {passes} target passes{paused}, "
-        f"time to first token {answer.first_token_seconds or 0:.2f}s"
+        f"time to first token {answer.first_token_seconds or 0:.2f}s{copied}"
     )

@@ -37,6 +37,7 @@ class SpeculationOptions(_Strict):
     num_speculative_tokens: StrictInt | None = None
     method: Literal["draft_model", "ngram", "none"] | None = None
     adaptive: StrictBool | None = None
+    replayable: StrictBool | None = None  # k from the request's own past only (None: the server's choice)
 
 
 class StreamOptions(_Strict):
@@ -164,6 +165,8 @@ def _speculation(req: _Common, out: coordinator_pb2.GenerateRequest) -> None:
         out.speculation.method = spec.method
     if spec.adaptive is not None:
         out.speculation.adaptive = spec.adaptive
+    if spec.replayable is not None:
+        out.speculation.replayable = spec.replayable
 
 
 def _choice_seed(seed: int, index: int) -> int:

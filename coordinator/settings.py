@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from specdec.loop.policy import StepCost
+from specdec.loop.reproducible import SEEDED_SAMPLING
 from specdec.runtime.coordination import METHODS, CoordinatorConfig
 
 
@@ -34,6 +35,12 @@ def _boolean(value: Any) -> bool:
 def _method(value: Any) -> str:
     if str(value) not in METHODS:
         raise ValueError(f"must be one of {', '.join(METHODS)}, got {value!r}")
+    return str(value)
+
+
+def _seeded_sampling(value: Any) -> str:
+    if str(value) not in SEEDED_SAMPLING:
+        raise ValueError(f"must be one of {', '.join(SEEDED_SAMPLING)}, got {value!r}")
     return str(value)
 
 
@@ -79,17 +86,27 @@ SETTINGS = (
     Setting(
         "replayable_schedule",
         _boolean,
-        "adaptive requests choose k from their own past only, not from the load: seeded sampled output "
-        "then reproduces under any load and after a takeover, at the cost of speculating under load "
-        "where it does not pay (default: load-aware, docs/goodput.md)",
+        "adaptive requests that do not sample invariantly choose k from their own past only, not from the "
+        "load, seeded or not (default: only seeded sampled ones under --seeded-sampling replayable; "
+        "otherwise load-aware, docs/goodput.md)",
         "replayable_schedule",
         switch=True,
     ),
     Setting(
+        "seeded_sampling",
+        _seeded_sampling,
+        "how a request that sends a seed and samples (temperature > 0) gets the same tokens every time "
+        "when it does not say: 'invariant' sampling (its tokens a function of the seed alone, whatever the "
+        "load, k, draft or replica; some acceptance lost) or rejection sampling on a 'replayable' schedule "
+        "(k from its own past only: speculating under load where it does not pay). docs/exactness.md, "
+        "'What a seed fixes'",
+        "seeded_sampling",
+    ),
+    Setting(
         "invariant_sampling",
         _boolean,
-        "requests that do not say sample invariantly: a seed then fixes the output whatever the draft, k, "
-        "load or replica, at some cost in acceptance (docs/exactness.md, 'Invariant sampling')",
+        "every request that does not say samples invariantly, seeded or not (default: only seeded sampled "
+        "ones, see --seeded-sampling; docs/exactness.md, 'Invariant sampling')",
         "invariant_sampling",
         switch=True,
     ),

@@ -374,13 +374,3 @@ def test_invariant_output_through_the_loop_over_the_engines_is_the_target_only_o
             assert result.stats.draft_fallbacks == 0
             accepted += result.stats.accepted_tokens
     assert accepted > 0
-
-
-def test_only_requests_whose_tokens_no_schedule_changes_follow_the_load_under_a_replayable_schedule():
-    from specdec.runtime.coordination import schedule_may_follow_load
-
-    standard, invariant = SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, invariant=True)
-    assert schedule_may_follow_load(standard, replayable_schedule=False)
-    assert schedule_may_follow_load(invariant, replayable_schedule=False)
-    assert not schedule_may_follow_load(standard, replayable_schedule=True)
-    assert schedule_may_follow_load(invariant, replayable_schedule=True)

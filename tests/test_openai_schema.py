@@ -49,11 +49,12 @@ def test_chat_messages_and_speculation_extension():
         ],
         "max_completion_tokens": 5,
         "max_tokens": 50,
-        "speculation": {"num_speculative_tokens": 3, "method": "ngram", "adaptive": False},
+        "speculation": {"num_speculative_tokens": 3, "method": "ngram", "adaptive": False, "replayable": True},
         "invariant": True,
     }
     (req,) = schema.chat_requests(schema.parse(schema.ChatCompletionRequest, body), "chatcmpl-x")
     assert req.sampling.HasField("invariant") and req.sampling.invariant  # the extension reaches gRPC
+    assert req.speculation.HasField("replayable") and req.speculation.replayable
     assert [(m.role, m.content) for m in req.messages] == [("system", "be brief"), ("user", "hi")]
     assert req.sampling.max_new_tokens == 5  # max_completion_tokens wins over the deprecated max_tokens
     assert (req.speculation.num_speculative_tokens, req.speculation.method, req.speculation.adaptive) == (

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.apps.cli import SERVE_DEFAULT_K
+from specdec.loop.reproducible import SEEDED_SAMPLING
 from specdec.runtime.grpc_server import client_channel
 from specdec.training.prompts import BENCH_PROMPTS, load_prompts
 
@@ -272,7 +273,8 @@ def run(args) -> dict:
         args.draft_model if draft_is_model else "ngram",
         num_speculative_tokens=args.default_k,
         extra_coordinator=["--max-speculative-tokens", str(largest)]
-        + (["--invariant-sampling"] if args.invariant else []),
+        + (["--invariant-sampling"] if args.invariant else [])
+        + (["--seeded-sampling", args.seeded_sampling] if getattr(args, "seeded_sampling", None) else []),
         log_dir=Path(args.log_dir) if args.log_dir else None,
     ) as stack:
 
@@ -547,6 +549,7 @@ def report(summaries: list[dict], sweep: list[dict], args) -> dict:
             "temperatures": args.temperatures,
             "max_new_tokens": args.max_new_tokens,
             "invariant": getattr(args, "invariant", False),
+            "seeded_sampling": getattr(args, "seeded_sampling", None) or "invariant",
             "sustained": getattr(args, "sustained", 0),
             "repeats": args.repeats,
             "prompts": args.prompts,
@@ -695,6 +698,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--invariant",
         action="store_true",
         help="every request samples invariantly (the coordinator's --invariant-sampling; docs/exactness.md)",
+    )
+    p.add_argument(
+        "--seeded-sampling",
+        choices=SEEDED_SAMPLING,
+        default=None,
+        help="how the stack makes seeded sampled requests (every request here is seeded) reproducible: the "
+        "coordinator's --seeded-sampling (default: its default, invariant)",
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--concurrency", default="1,4,16", help="concurrency sweep ('' = skip)")

@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 
+from specdec.loop.reproducible import SEEDED_SAMPLING
 from specdec.runtime.flags import non_negative_int, positive_int
 
 # `specdec serve` / `run`'s default k: the best k of the held-out CPU bench with the shipped draft
@@ -224,6 +225,7 @@ def _device_flags(args, role: str = "") -> list[str]:
 
 def _policy_flags(args) -> list[str]:
     flags = ["--fixed-k"] if args.fixed_k else []
+    flags += ["--seeded-sampling", args.seeded_sampling] if args.seeded_sampling else []
     return flags + (["--replayable-schedule"] if args.replayable_schedule else [])
 
 
@@ -249,11 +251,19 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
         "load and the request's acceptance; docs/goodput.md)",
     )
     p.add_argument(
+        "--seeded-sampling",
+        choices=SEEDED_SAMPLING,
+        default=None,
+        help="how a seeded sampled request gets the same tokens every time: 'invariant' sampling (default: "
+        "its tokens depend on the seed alone, at any load) or a 'replayable' schedule (k from its own past "
+        "only); docs/exactness.md, 'What a seed fixes'",
+    )
+    p.add_argument(
         "--replayable-schedule",
         action="store_true",
-        help="adaptive requests choose k from their own past only, never the load: seeded sampled output "
-        "then reproduces under any load and through a takeover (invariant-sampling requests, whose tokens "
-        "no schedule changes, still follow the load; docs/goodput.md)",
+        help="every adaptive request that does not sample invariantly, seeded or not, chooses k from its own "
+        "past only, never the load (invariant-sampling requests, whose tokens no schedule changes, still "
+        "follow the load; docs/goodput.md)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")

@@ -14,7 +14,7 @@ import secrets
 import socket
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specdec.engine.ngram import NgramDraft
@@ -31,6 +31,7 @@ from specdec.exact.rng import new_seed
 from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
 from specdec.loop.policy import StepCost
+from specdec.loop.reproducible import SEEDED_SAMPLING, resolve_reproducibility
 from specdec.modeling.loading import encode_chat, encode_prompt, longest_token_chars, try_load_tokenizer
 from specdec.runtime import wire
 from specdec.runtime.output_log import OutputLog
@@ -53,13 +54,6 @@ MAX_REQUEST_ID_CHARS = 256  # a client's request_id: a Redis key and a log field
 MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the context)
 
 
-def schedule_may_follow_load(params: SamplingParams, replayable_schedule: bool) -> bool:
-    """Whether a request's k may follow the load (the load-aware policy). Under
-    ``--replayable-schedule`` only where the schedule cannot change a token: an invariant
-    request's tokens are a function of its seed alone (docs/exactness.md)."""
-    return params.invariant or not replayable_schedule
-
-
 @dataclass(frozen=True)
 class CoordinatorConfig:
     target_address: str | None = None  # static replicas (optional when a registry is used)
@@ -78,6 +72,9 @@ class CoordinatorConfig:
     max_concurrent_requests: int = 64
     max_resume_readers: int = 64  # resumed streams reading the log at once (past it: RESOURCE_EXHAUSTED)
     invariant_sampling: bool = False  # requests that do not say sample invariantly (docs/exactness.md)
+    # how a request that sends a seed and samples gets its reproducible tokens when it does not say:
+    # "invariant" sampling, or rejection sampling on a "replayable" schedule (resolve_reproducibility)
+    seeded_sampling: str = "invariant"
     draft_timeout_s: float = 5.0
     target_timeout_s: float = 60.0
     default_method: str = "draft_model"
@@ -90,6 +87,8 @@ class CoordinatorConfig:
     def __post_init__(self):
         if not 0 <= self.max_k <= MAX_BLOCK:
             raise ValueError(f"max_k must be in [0, {MAX_BLOCK}] (the longest block a replica takes), got {self.max_k}")
+        if self.seeded_sampling not in SEEDED_SAMPLING:
+            raise ValueError(f"seeded_sampling must be one of {SEEDED_SAMPLING}, got {self.seeded_sampling!r}")
         if isinstance(self.step_cost, dict):  # back from dataclasses.asdict (how it travels to a Ray actor)
             object.__setattr__(self, "step_cost", StepCost(**self.step_cost))
 
@@ -102,16 +101,19 @@ class ParsedRequest:
     k: int
     method: str
     adaptive: bool
+    replayable: bool = False  # k from its own past only (else the load-aware policy may choose it)
 
     def resolved(self) -> coordinator_pb2.GenerateRequest:
-        """The server defaults this request was given (seed, k, method, adaptive), as request fields."""
+        """The server defaults this request was given (seed, invariant, k, method, adaptive,
+        replayable), as request fields."""
         out = coordinator_pb2.GenerateRequest()
         assert self.params.seed is not None  # parse() resolves it
         out.sampling.seed = self.params.seed
+        out.sampling.invariant = self.params.invariant
         out.speculation.num_speculative_tokens = self.k
         out.speculation.method = self.method
         out.speculation.adaptive = self.adaptive
-        out.sampling.invariant = self.params.invariant  # the server default it got, recorded for a resume
+        out.speculation.replayable = self.replayable
         return out
 
 
@@ -119,21 +121,23 @@ def canonical(
     request: coordinator_pb2.GenerateRequest, request_id: str, defaults: coordinator_pb2.GenerateRequest
 ) -> bytes:
     """The request as stored in the session log: id filled in, resume index cleared, and every
-    field the client left to the server (seed, k, method, adaptive) taken from ``defaults``, so
-    that a coordinator taking over (whatever its own defaults) runs exactly the same request."""
+    field the client left to the server (seed, invariant, k, method, adaptive, replayable) taken
+    from ``defaults``, so that a coordinator taking over (whatever its own defaults) runs exactly
+    the same request, with the same tokens."""
     copy = coordinator_pb2.GenerateRequest()
     copy.CopyFrom(request)
     copy.request_id = request_id
     copy.resume_from_index = 0
-    if not copy.sampling.HasField("seed"):
-        copy.sampling.seed = defaults.sampling.seed
+    sampling, default_sampling = copy.sampling, defaults.sampling
+    for name in ("seed", "invariant"):
+        if not sampling.HasField(name):
+            setattr(sampling, name, getattr(default_sampling, name))
     spec, default_spec = copy.speculation, defaults.speculation
-    if not spec.HasField("num_speculative_tokens"):
-        spec.num_speculative_tokens = default_spec.num_speculative_tokens
+    for name in ("num_speculative_tokens", "adaptive", "replayable"):
+        if not spec.HasField(name):
+            setattr(spec, name, getattr(default_spec, name))
     if not spec.method:
         spec.method = default_spec.method
-    if not spec.HasField("adaptive"):
-        spec.adaptive = default_spec.adaptive
     return copy.SerializeToString(deterministic=True)
 
 
@@ -316,16 +320,24 @@ class CoordinatorCore:
                 "sampling.max_new_tokens",
                 f"{request.sampling.max_new_tokens} exceeds this server's limit of {cfg.max_new_tokens_limit}",
             )
-        params = wire.sampling_from_proto(
-            request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT), cfg.invariant_sampling
+        params = wire.sampling_from_proto(request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT))
+        spec = request.speculation
+        invariant, replayable = resolve_reproducibility(
+            seeded=request.sampling.HasField("seed"),
+            sampled=params.temperature > 0,
+            invariant=request.sampling.invariant if request.sampling.HasField("invariant") else None,
+            replayable=spec.replayable if spec.HasField("replayable") else None,
+            seeded_sampling=cfg.seeded_sampling,
+            invariant_default=cfg.invariant_sampling,
+            replayable_default=cfg.replayable_schedule,
         )
+        params = replace(params, invariant=invariant)
         try:
             params.validate_for_vocab(self.vocab_size)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("sampling.stop", "this server has no tokenizer to match stop strings")
-        spec = request.speculation
         method = spec.method or cfg.default_method
         if method not in METHODS:
             raise InvalidArgumentError("speculation.method", f"unknown method {spec.method!r}; use one of {METHODS}")
@@ -339,7 +351,7 @@ class CoordinatorCore:
         adaptive = spec.adaptive if spec.HasField("adaptive") else cfg.default_adaptive and method == "draft_model"
         if params.seed is None:
             params = params.with_seed(new_seed())
-        return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive)
+        return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive, replayable)
 
     def _encode_messages(self, messages) -> list[int]:
         """A conversation through the model's chat template, the assistant's turn to follow."""
@@ -638,7 +650,7 @@ class CoordinatorCore:
             committed_steps=committed_steps,
             adaptive=parsed.adaptive,
             step_cost=self.config.step_cost,
-            load_aware=schedule_may_follow_load(parsed.params, self.config.replayable_schedule),
+            load_aware=not parsed.replayable,
         )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)

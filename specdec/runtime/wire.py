@@ -23,9 +23,7 @@ from specdec.v1 import coordinator_pb2, draft_pb2, engine_pb2, target_pb2
 
 
 # -- sampling params -------------------------------------------------------------------------
-def sampling_from_proto(
-    msg: coordinator_pb2.SamplingParams, default_max_new_tokens: int = 64, default_invariant: bool = False
-) -> SamplingParams:
+def sampling_from_proto(msg: coordinator_pb2.SamplingParams, default_max_new_tokens: int = 64) -> SamplingParams:
     """Public-API params -> validated SamplingParams (unset optionals take their defaults)."""
     if msg.max_new_tokens < 0:
         raise InvalidArgumentError("sampling.max_new_tokens", "must be >= 0 (0 = server default)")
@@ -50,7 +48,7 @@ def sampling_from_proto(
             stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
             min_tokens=int(msg.min_tokens),
             logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
-            invariant=bool(msg.invariant) if msg.HasField("invariant") else default_invariant,
+            invariant=bool(msg.invariant),  # unset: the coordinator resolves it (resolve_reproducibility)
         )
     except InvalidArgumentError as exc:  # name the field as the client spells it
         raise InvalidArgumentError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None

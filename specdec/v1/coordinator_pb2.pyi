@@ -50,14 +50,16 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., invariant: _Optional[bool] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_speculative_tokens", "method", "adaptive")
+    __slots__ = ("num_speculative_tokens", "method", "adaptive", "replayable")
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    REPLAYABLE_FIELD_NUMBER: _ClassVar[int]
     num_speculative_tokens: int
     method: str
     adaptive: bool
-    def __init__(self, num_speculative_tokens: _Optional[int] = ..., method: _Optional[str] = ..., adaptive: _Optional[bool] = ...) -> None: ...
+    replayable: bool
+    def __init__(self, num_speculative_tokens: _Optional[int] = ..., method: _Optional[str] = ..., adaptive: _Optional[bool] = ..., replayable: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -85,6 +85,14 @@ class LeaseLostError(SpecdecError):
     code = "ABORTED"
 
 
+class ReplicaFaultError(SpecdecError):
+    """The replica itself failed while running a work (its batched pass, its admission, its
+    bookkeeping), not the request: the work's session is released and the caller may retry on
+    any replica (the coordinator fails over, as for a lost replica)."""
+
+    code = "UNAVAILABLE"
+
+
 class DrainingError(SpecdecError):
     """The replica is shutting down: it finishes its live sessions but takes no new ones."""
 

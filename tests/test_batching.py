@@ -314,3 +314,146 @@ def test_a_pass_waits_for_every_session_stepping_not_only_the_last_passes():
     assert runner.stepping() == 2  # "idle" sent nothing: not waited for
     store.release("b")
     assert runner.stepping() == 1 and runner.stepping(within=0.0) == 0
+
+
+# -- the loop survives its own failures (issue 42, item 2) ----------------------------------------
+def one_pass_work(session, passes: int = 1):
+    for _ in range(passes):
+        yield PassRequest(session, [], 1)
+    return session.session_id
+
+
+def test_a_failed_pass_fails_its_works_with_unavailable_releases_their_sessions_and_the_next_pass_runs():
+    from specdec.errors import ReplicaFaultError
+
+    store = SessionStore(kernel_llama(seed=5), name="target")
+    runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8)
+    sessions = {sid: store.create(sid, [1, 2, 3], PARAMS) for sid in ("a", "b")}
+    jobs = [runner.add(one_pass_work(sessions[sid]), sid) for sid in ("a", "b")]
+    real = store.run_requests
+    store.run_requests = lambda requests: (_ for _ in ()).throw(MemoryError("no room for the pass"))
+    runner.iterate()
+    for job in jobs:
+        assert isinstance(job.error, ReplicaFaultError) and job.error.code == "UNAVAILABLE"
+        assert "the batched pass failed (MemoryError)" in str(job.error)
+    assert set(store) == set() and not runner.busy  # half-stepped sessions are not kept
+    store.run_requests = real
+    fresh = store.create("c", [4, 5], PARAMS)
+    job = runner.add(one_pass_work(fresh, 2), "c")
+    while runner.busy:
+        runner.iterate()
+    assert job.result == "c" and job.error is None
+
+
+def test_a_failed_admission_check_fails_that_start_alone():
+    from specdec.errors import ReplicaFaultError
+
+    store = SessionStore(kernel_llama(seed=5), name="target")
+    runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8)
+    calls = {"n": 0}
+    real = store.has_room
+
+    def flaky_room(tokens):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("accounting broke")
+        return real(tokens)
+
+    store.has_room = flaky_room
+
+    def start(sid):
+        yield PassRequest(store.create(sid, [1, 2], PARAMS), [], 1)
+        return sid
+
+    doomed, fine = runner.add(start("x"), "x", admit_tokens=2), runner.add(start("y"), "y", admit_tokens=2)
+    while runner.busy:
+        runner.iterate()
+    assert isinstance(doomed.error, ReplicaFaultError) and "admission failed" in str(doomed.error)
+    assert fine.result == "y"
+
+
+def test_a_cancelled_prefill_whose_release_raises_still_frees_its_session_and_the_loop_goes_on():
+    """The case the issue found: a cancelled prefill's release copies its prompt into the prefix
+    cache; when that copy fails (an allocation), the session is released all the same and no
+    exception leaves the iteration."""
+    from specdec.engine.sessions import SessionEngine
+
+    store = SessionStore(kernel_llama(seed=3), name="target")
+    runner = BatchRunner(store, max_batch_tokens=4, max_batch_sessions=8)
+    engine = SessionEngine(store)
+    store.keep_prefix = lambda session: (_ for _ in ()).throw(MemoryError("prefix cache allocation"))
+    job = runner.add(engine.prefill_work("p", list(range(1, 30)), PARAMS), "p")
+    if store.batches:
+        runner.iterate()
+    job.cancelled = True
+    runner.iterate()  # raises nothing
+    assert job.finished and "p" not in list(store) and not runner.busy
+    other = runner.add(one_pass_work(store.create("q", [1, 2], PARAMS)), "q")
+    while runner.busy:
+        runner.iterate()
+    assert other.result == "q"
+
+
+def test_a_completion_callback_that_raises_does_not_stop_the_others():
+    store = SessionStore(kernel_llama(seed=5), name="target")
+    runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8)
+    told = []
+
+    def boom(job):
+        raise RuntimeError("callback bug")
+
+    a = runner.add(one_pass_work(store.create("a", [1], PARAMS)), "a", on_done=boom)
+    b = runner.add(one_pass_work(store.create("b", [2], PARAMS)), "b", on_done=told.append)
+    while runner.busy:
+        runner.iterate()
+    assert a.result == "a" and told == [b]
+
+
+def test_the_iteration_loop_outlives_failed_iterations_and_says_not_serving_while_they_last():
+    """Any exception out of a whole iteration (here: the scheduler's) fails the works in flight
+    with UNAVAILABLE -- the loop task does not end and later calls do not hang --, and after
+    UNHEALTHY_AFTER_FAILURES in a row the replica reports NOT_SERVING until an iteration runs."""
+    import asyncio
+
+    from specdec.errors import ReplicaFaultError
+    from specdec.runtime.batcher import UNHEALTHY_AFTER_FAILURES, IterationLoop
+
+    store = SessionStore(kernel_llama(seed=6), name="target")
+    runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8)
+    health: list[bool] = []
+    broken = {"left": UNHEALTHY_AFTER_FAILURES}
+    real = runner.schedule
+
+    def schedule():
+        if broken["left"]:
+            broken["left"] -= 1
+            raise RuntimeError("scheduler bug")
+        return real()
+
+    runner.schedule = schedule
+
+    async def on_health(serving, reason):
+        health.append(serving)
+
+    async def main():
+        loop = IterationLoop(runner, on_health=on_health)
+        outcomes = []
+        for i in range(UNHEALTHY_AFTER_FAILURES):
+            session = store.create(f"s{i}", [1, 2], PARAMS)
+            try:
+                await asyncio.wait_for(loop.run(one_pass_work(session), session.session_id), 10)
+            except ReplicaFaultError as exc:
+                outcomes.append(exc.code)
+        assert health == [False] and not loop.serving
+        session = store.create("ok", [3, 4], PARAMS)
+        result = await asyncio.wait_for(loop.run(one_pass_work(session), "ok"), 10)
+        for _ in range(100):  # the result may reach us before the loop has noted its iteration
+            if loop.serving:
+                break
+            await asyncio.sleep(0.01)
+        await loop.stop()
+        return outcomes, result
+
+    outcomes, result = asyncio.run(main())
+    assert outcomes == ["UNAVAILABLE"] * UNHEALTHY_AFTER_FAILURES
+    assert result == "ok" and health == [False, True]

@@ -17,6 +17,7 @@ get its rows this iteration keeps its place for the next.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.engine.sessions import PassRequest, SessionStore, Work
-from specdec.errors import ResourceExhaustedError
+from specdec.errors import ReplicaFaultError, ResourceExhaustedError
 
+log = logging.getLogger("specdec.batching")
 STEPPING_SECONDS = 0.5  # a session that sent a work this recently is expected to send the next soon
 
 
@@ -174,10 +176,37 @@ class BatchRunner:
 
     def _start(self, job: Job, finished: list[Job]) -> None:
         if job.on_start is not None:
-            job.on_start()
+            _quietly(job.on_start, "a work's start callback")
         if not job.cancelled:
             job._advance(first=True)
         self._settle(job, finished)
+
+    def _fail(self, job: Job, stage: str, exc: BaseException, finished: list[Job]) -> None:
+        """The replica failed at ``stage`` while ``job`` was in it: the job ends with an error
+        that says so (UNAVAILABLE: the caller retries elsewhere) and its session, whose state
+        that stage may have left half-written, is released."""
+        if job.finished:
+            return
+        log.error("%s: %s failed for session %s: %r", self.store.name, stage, job.session_id, exc)
+        job.finished, job.request = True, None
+        job.error = ReplicaFaultError(
+            f"{self.store.name}: {stage} failed ({type(exc).__name__}); the session was released, retry"
+        )
+        _quietly(job.work.close, "closing a failed work")
+        _quietly(lambda: self.store.release(job.session_id), "releasing a failed work's session")
+        self._settle(job, finished)
+
+    def fail_all(self, stage: str, exc: BaseException) -> list[Job]:
+        """Every work in flight or queued ends with a ReplicaFaultError (the loop could not run
+        an iteration at all); returns them."""
+        with self._lock:
+            new, self._new = self._new, []
+        finished: list[Job] = []
+        for job in [*new, *self._admitting, *self._jobs]:
+            self._fail(job, stage, exc, finished)
+        self._admitting.clear()
+        self._jobs.clear()
+        return finished
 
     def _admit(self, new: list[Job], finished: list[Job]) -> None:
         """Start every new work that starts no session, and the session starts the store has
@@ -193,7 +222,12 @@ class BatchRunner:
             self._settle(job, finished)
         while self._admitting:
             tokens = self._admitting[0].admit_tokens or 0
-            if not (self.store.has_room(tokens) or not self.store.could_ever_fit(tokens)):
+            try:
+                fits = self.store.has_room(tokens) or not self.store.could_ever_fit(tokens)
+            except Exception as exc:  # noqa: BLE001 - the pool's accounting failed: this start fails
+                self._fail(self._admitting.pop(0), "admission", exc, finished)
+                continue
+            if not fits:
                 break
             self._start(self._admitting.pop(0), finished)
         while len(self._admitting) > self.max_waiting:
@@ -203,7 +237,7 @@ class BatchRunner:
                 f"{self.store.name}: no KV room for a new session and {self.max_waiting} already wait for it "
                 f"({len(self.store)} live sessions, {self.store.total_kv_bytes} KV bytes allocated)"
             )
-            job.work.close()
+            _quietly(job.work.close, "closing a refused work")
             self._settle(job, finished)
 
     def iterate(self) -> Iteration:
@@ -218,7 +252,12 @@ class BatchRunner:
         rows = sum(sizes)
         prefill_rows = sum(size for (job, _), size in zip(chosen, sizes, strict=True) if job.pending.prefill)
         started = time.perf_counter()
-        results = self.store.run_requests([(job.pending, chunk) for job, chunk in chosen]) if chosen else []
+        try:
+            results = self.store.run_requests([(job.pending, chunk) for job, chunk in chosen]) if chosen else []
+        except Exception as exc:  # noqa: BLE001 - the pass failed (e.g. an allocation): its works fail, the loop goes on
+            for job, _ in chosen:
+                self._fail(job, "the batched pass", exc, finished)
+            chosen, results = [], []
         for (job, _), result in zip(chosen, results, strict=True):
             job._advance(value=result)
         # the iteration's cost: its pass and what the works computed from it (sampling math)
@@ -235,14 +274,17 @@ class BatchRunner:
 
     def _settle(self, job: Job, finished: list[Job]) -> None:
         if job.cancelled and not job.finished:
-            job.work.close()
             job.finished = True
+            # A cancelled prefill releases its session here (copying it into the prefix cache):
+            # whatever that raises is the replica's to log, never the loop's end.
+            _quietly(job.work.close, "closing a cancelled work")
         if job.finished:
             if job in self._jobs:
                 self._jobs.remove(job)
             finished.append(job)
             if job.on_done is not None:
-                job.on_done(job)
+                on_done = job.on_done
+                _quietly(lambda: on_done(job), "a work's completion callback")
         elif job not in self._jobs:
             self._jobs.append(job)
 
@@ -284,3 +326,11 @@ class BatchRunner:
             sessions.add(job.session_id)
             budget -= chunk
         return chosen
+
+
+def _quietly(action: Callable[[], Any], what: str) -> None:
+    """Run ``action``; log what it raises (bookkeeping around a work must not end the loop)."""
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - logged; the caller carries on
+        log.error("%s raised %r", what, exc)

@@ -10,6 +10,7 @@ commit is refused, never applied.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -30,6 +31,8 @@ from specdec.exact.sampling import SamplingParams, token_counts
 from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import context_length, kv_bytes_per_token
 from specdec.modeling.lean_llama import Pass, lean_runner
+
+log = logging.getLogger("specdec.sessions")
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -229,7 +232,10 @@ class SessionStore:
         if session is None:
             return False
         with session.lock:
-            self.keep_prefix(session)  # a next turn of the chat starts with all of it
+            try:
+                self.keep_prefix(session)  # a next turn of the chat starts with all of it
+            except Exception as exc:  # noqa: BLE001 - an optimization: the release must happen anyway
+                log.error("%s: keeping session %s in the prefix cache failed: %r", self.name, session_id, exc)
             session.cache = None
             session.cached = []
             session.features = None

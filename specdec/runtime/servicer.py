@@ -153,6 +153,7 @@ class SessionServicer:
 
     kind = "engine"
     draining = False  # set on SIGTERM: live sessions finish, new ones are refused
+    unhealthy = ""  # why the iteration loop cannot run (empty: it can): new sessions are refused meanwhile
     engine: Any
     model_spec: str
     batching: IterationLoop | None = None  # set where the engine's calls are batched
@@ -188,6 +189,11 @@ class SessionServicer:
     async def StartSession(self, request, context):
         if self.draining:
             raise DrainingError(f"{self.model_spec}: this {self.kind} replica is draining; start the session elsewhere")
+        if self.unhealthy:
+            raise DrainingError(
+                f"{self.model_spec}: this {self.kind} replica cannot run its passes ({self.unhealthy}); "
+                "start the session elsewhere"
+            )
         params = replace(
             wire.sampling_from_proto(request.sampling),
             prompt_length=request.prompt_length,
@@ -262,7 +268,12 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
     if bound == 0:
         raise SystemExit(f"specdec {spec.name}: cannot listen on {address}")
     if spec.batch is not None:
-        spec.servicer.batching = IterationLoop(spec.batch, spec.batch_gather_ms / 1000)
+
+        async def loop_health(serving: bool, reason: str) -> None:
+            spec.servicer.unhealthy = "" if serving else reason
+            await srv.set_serving(health, [spec.full_service_name], serving)
+
+        spec.servicer.batching = IterationLoop(spec.batch, spec.batch_gather_ms / 1000, on_health=loop_health)
     await server.start()
     metrics.watch_engine(spec.engine)
     metrics.serve_metrics(spec.metrics_port)
@@ -278,7 +289,10 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
         describe = spec.describe
         advertise = spec.advertise or f"{'127.0.0.1' if spec.host in ('0.0.0.0', '::', '[::]') else spec.host}:{bound}"
         registry = Registry(spec.redis_url)
-        heartbeat = Heartbeat(registry, lambda: describe(advertise, spec.servicer.draining))
+        # an unhealthy replica is listed as draining: coordinators start no new session on it
+        heartbeat = Heartbeat(
+            registry, lambda: describe(advertise, spec.servicer.draining or bool(spec.servicer.unhealthy))
+        )
         heartbeat.start()
         print(
             f"[specdec] {spec.name} registered in {security.redacted(spec.redis_url)} as {advertise}",

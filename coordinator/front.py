@@ -37,7 +37,7 @@ class Backend(Protocol):
 
     async def start(self) -> None: ...
     def generate(
-        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str]
+        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str], durable: bool = True
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]: ...
     async def stop(self) -> None: ...
     async def cost_model(self) -> list: ...
@@ -55,9 +55,9 @@ class LocalBackend:
         await self.core.setup()
 
     async def generate(
-        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str]
+        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str], durable: bool = True
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
-        async for chunk in self.core.generate(request, carrier):
+        async for chunk in self.core.generate(request, carrier, durable):
             yield chunk
 
     async def stop(self) -> None:
@@ -135,15 +135,20 @@ class CoordinatorFront:
                 log.debug("cost model poll failed: %s", exc)
 
     async def stream(
-        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], method: str = "GenerateStream"
+        self,
+        request: coordinator_pb2.GenerateRequest,
+        caller: Mapping[str, str],
+        method: str = "GenerateStream",
+        durable: bool = True,
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
-        """The request's chunks. ``caller``: the caller's W3C trace headers (may be empty)."""
+        """The request's chunks. ``caller``: the caller's W3C trace headers (may be empty).
+        ``durable``: False for a caller that cannot resume (the HTTP API): nothing is logged."""
         recorder = metrics.RequestRecorder(self.model_name)
         span = tracing.start_span(f"coordinator.{method}", caller, {"rpc.method": method})
         try:
             with tracing.span_as_current(span):
                 carrier = tracing.inject_context()
-            async for chunk in self.backend.generate(request, carrier):
+            async for chunk in self.backend.generate(request, carrier, durable):
                 recorder.chunk(chunk)
                 if chunk.finish_reason:
                     span.set_attribute("specdec.request_id", chunk.request_id)

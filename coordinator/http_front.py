@@ -141,6 +141,20 @@ async def _primed(stream: AsyncIterator[coordinator_pb2.GenerateChunk]):
         return None
 
 
+async def _first_chunks(streams: list) -> list:
+    """Every stream's first chunk; when one fails (a refusal: 429, 400) the others are stopped
+    before the error is raised -- a choice still starting must not run on, unread, after its
+    request was answered with an error."""
+    primers = [asyncio.ensure_future(_primed(s)) for s in streams]
+    try:
+        return await asyncio.gather(*primers)
+    except BaseException:
+        for task in primers:
+            task.cancel()
+        await asyncio.gather(*primers, return_exceptions=True)
+        raise
+
+
 async def merged(
     streams: list[AsyncIterator[coordinator_pb2.GenerateChunk]],
     firsts: list[coordinator_pb2.GenerateChunk | None],
@@ -255,8 +269,9 @@ class OpenAIApp:
             prefix = "chatcmpl" if chat else "cmpl"
             request_id = f"{prefix}-{uuid.uuid4().hex}"
             grpc_requests = to_grpc(parsed, request_id)
-            streams = [self.front.stream(r, caller) for r in grpc_requests]
-            firsts = await asyncio.gather(*(_primed(s) for s in streams))
+            # not durable: an OpenAI client cannot resume, so nothing of it goes to the session log
+            streams = [self.front.stream(r, caller, durable=False) for r in grpc_requests]
+            firsts = await _first_chunks(streams)
         except Exception as exc:
             for s in streams:
                 with contextlib.suppress(Exception):

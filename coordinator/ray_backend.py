@@ -45,11 +45,11 @@ class CoordinatorActor:
             self.ready = True
         return True
 
-    async def generate(self, request_bytes: bytes, carrier: dict):
+    async def generate(self, request_bytes: bytes, carrier: dict, durable: bool = True):
         if not self.ready:
             await self.setup()
         request = coordinator_pb2.GenerateRequest.FromString(request_bytes)
-        async for chunk in self.core.generate(request, carrier):
+        async for chunk in self.core.generate(request, carrier, durable):
             yield chunk.SerializeToString()
 
     async def cost_model(self) -> list:
@@ -116,11 +116,13 @@ class RayBackend:
     def _pick(self) -> int:
         return min(range(len(self.actors)), key=lambda i: self.in_flight[i])
 
-    async def generate(self, request, carrier):
+    async def generate(self, request, carrier, durable: bool = True):
         index = self._pick()
         self.in_flight[index] += 1
         stream = (
-            self.actors[index].generate.options(num_returns="streaming").remote(request.SerializeToString(), carrier)
+            self.actors[index]
+            .generate.options(num_returns="streaming")
+            .remote(request.SerializeToString(), carrier, durable)
         )
         finished = False
         try:

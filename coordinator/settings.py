@@ -126,7 +126,13 @@ SETTINGS = (
     Setting("max_resume_readers", int, "resumed streams reading the session log at once", "max_resume_readers"),
     Setting("draft_timeout", float, "seconds before a draft call is abandoned", "draft_timeout_s"),
     Setting("default_method", _method, "speculation method of a request that does not say", "default_method"),
-    Setting("output_ttl", float, "seconds a request's output stays resumable", "output_ttl_s"),
+    Setting("output_ttl", float, "seconds a request's output stays resumable after its last token", "output_ttl_s"),
+    Setting(
+        "max_output_bytes",
+        int,
+        "bytes of output the session log keeps per request (past it the request ends RESOURCE_EXHAUSTED)",
+        "max_output_bytes",
+    ),
     Setting("metrics_port", int, "serve Prometheus /metrics on this port (0 = off)"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}

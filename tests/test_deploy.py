@@ -378,3 +378,18 @@ def test_the_rayservice_pod_templates_validate_as_kubernetes_pod_templates(objec
         assert all(isinstance(v, str) for v in group["rayStartParams"].values())  # KubeRay: map[string]string
     assert cluster["authOptions"]["mode"] in ("disabled", "token")
     assert isinstance(rs["spec"]["serveConfigV2"], str)
+
+
+def test_redis_has_a_maxmemory_under_its_limit_and_never_evicts(objects):
+    """The session log is bounded (issue 42, item 1): Redis refuses writes past maxmemory rather
+    than evicting a lease or a heartbeat, and maxmemory leaves the container room to rewrite its
+    append-only file."""
+    _, objs = objects
+    redis_set = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "specdec-redis")
+    (server,) = [c for c in containers(redis_set["spec"]["template"], init=False) if c["name"] == "redis"]
+    args = server["args"]
+    option = {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
+    assert option["--maxmemory-policy"] == "noeviction"
+    maxmemory = int(option["--maxmemory"].removesuffix("mb")) << 20
+    limit = server["resources"]["limits"]["memory"]
+    assert limit.endswith("Mi") and maxmemory <= 0.8 * (int(limit.removesuffix("Mi")) << 20)

@@ -113,3 +113,57 @@ def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis
             await core.close()
 
     asyncio.run(scenario())
+
+
+# -- bounds (issue 42, item 1) ------------------------------------------------------------------
+def test_a_requests_log_stops_at_its_byte_bound_and_writes_nothing_past_it(redis_url):
+    from specdec.errors import ResourceExhaustedError
+
+    async def scenario():
+        log = OutputLog(redis_url, max_request_bytes=100)
+        try:
+            assert await log.create("big", b"req", owner="A")
+            assert await log.append("big", 0, chunk(*range(20)), "A")  # ~30 bytes
+            with pytest.raises(ResourceExhaustedError, match="bound of 100 bytes per request"):
+                await log.append("big", 20, chunk(*range(1000, 1100)), "A")  # ~200 bytes
+            assert [e.start for e in await log.entries("big")] == [0]
+            assert int((await log.meta("big"))["bytes"]) < 100
+        finally:
+            await log.close()
+
+    asyncio.run(scenario())
+
+
+def test_new_requests_are_refused_past_the_share_of_maxmemory_and_a_full_redis_refuses_clearly():
+    """With Redis near its maxmemory (noeviction) a coordinator admits nothing new, naming the
+    session log; what does not fit at all is RESOURCE_EXHAUSTED, not a Redis traceback, and a
+    refused create leaves no key behind."""
+    import redis.exceptions
+
+    from specdec.errors import ResourceExhaustedError
+    from specdec.runtime import output_log
+
+    async def scenario(url):
+        log = OutputLog(url)
+        try:
+            await log.check_room()  # room: nothing raised
+            assert await log.create("running", b"req", owner="A")
+            used, limit = await log.memory()
+            assert limit == 4 << 20 and used < limit
+            filler = b"x" * 4096
+            with pytest.raises(redis.exceptions.OutOfMemoryError):  # fill Redis to its bound (outside the log)
+                for i in range(2000):
+                    await log.redis.set(f"fill:{i}", filler)
+            log._room_looked = -output_log.ROOM_CHECK_S  # look again now
+            with pytest.raises(ResourceExhaustedError, match=r"session log .* maxmemory"):
+                await log.check_room()
+            with pytest.raises(ResourceExhaustedError, match="full"):
+                await log.create("late", b"r" * 65536, owner="A")
+            assert await log.meta("late") is None
+            with pytest.raises(ResourceExhaustedError, match="full; the tokens sent so far stand"):
+                await log.append("running", 0, chunk(*range(5000)), "A")
+        finally:
+            await log.close()
+
+    with EmbeddedRedis(maxmemory="4mb") as server:
+        asyncio.run(scenario(server.url))

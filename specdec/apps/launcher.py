@@ -220,13 +220,15 @@ def local_stack(
     target_replicas: int = 1,
     redis_url: str | None = None,
     http_port: int | None = None,
+    redis_maxmemory: str | None = None,
 ) -> Iterator[Stack]:
     """Bring the stack up (yields it once the coordinator is SERVING); always tear it down.
 
     ``http_port``: the coordinator's OpenAI-compatible HTTP API (None: a free port; 0: off).
 
-    Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here."""
-    from specdec.runtime.redis_embedded import EmbeddedRedis
+    Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here, bounded by
+    ``redis_maxmemory`` (default DEFAULT_MAXMEMORY)."""
+    from specdec.runtime.redis_embedded import DEFAULT_MAXMEMORY, EmbeddedRedis
 
     if draft_model == "auto":
         draft_model = default_draft_for(target_model)
@@ -239,7 +241,7 @@ def local_stack(
     try:
         redis_url = redis_url or os.environ.get("REDIS_URL")
         if not redis_url:
-            embedded = EmbeddedRedis().start()
+            embedded = EmbeddedRedis(maxmemory=redis_maxmemory or DEFAULT_MAXMEMORY).start()
             redis_url = embedded.url
             _say(f"started an embedded redis-server at {security.redacted(redis_url)}")
         stack.redis_url, stack.embedded_redis = redis_url, embedded

@@ -78,7 +78,8 @@ class CoordinatorConfig:
     draft_timeout_s: float = 5.0
     target_timeout_s: float = 60.0
     default_method: str = "draft_model"
-    output_ttl_s: float = 3600.0
+    output_ttl_s: float = 600.0  # a request's session log lives this long after its last write
+    max_output_bytes: int = 4 << 20  # ... and holds at most this many bytes of chunks
     startup_timeout_s: float = 120.0
     # a new session goes to the replica this coordinator last sent its prompt's prefix to, while
     # that one is not much busier than the least loaded (specdec.runtime.affinity)
@@ -199,7 +200,7 @@ class CoordinatorCore:
         )
         self.log: OutputLog | None = None
         if config.redis_url:
-            self.log = OutputLog(config.redis_url, config.output_ttl_s)
+            self.log = OutputLog(config.redis_url, config.output_ttl_s, config.max_output_bytes)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tokenizer: Any = None
         self.vocab_size = 0
@@ -371,12 +372,32 @@ class CoordinatorCore:
         return prompt_ids
 
     # -- the public entry point ----------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _admitted(self, logged: bool) -> AsyncIterator[None]:
+        """A slot among ``max_concurrent_requests`` for one generation, taken before anything is
+        written for it (a refused request leaves nothing in Redis); ``logged``: it will write the
+        session log, which must have room for it (OutputLog.check_room)."""
+        if self.active >= self.config.max_concurrent_requests:
+            raise ResourceExhaustedError(
+                f"{self.active} requests in flight, the limit is {self.config.max_concurrent_requests}"
+            )
+        self.active += 1  # taken before the room check's await: concurrent calls see it
+        try:
+            if logged:
+                await self._session_log.check_room()
+            yield
+        finally:
+            self.active -= 1
+
     async def generate(
-        self, request: coordinator_pb2.GenerateRequest, trace_carrier: dict | None = None
+        self, request: coordinator_pb2.GenerateRequest, trace_carrier: dict | None = None, durable: bool = True
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """Chunks of committed tokens; the last one carries finish_reason, seed and stats.
 
-        ``trace_carrier``: W3C headers of the caller's span (the public gRPC call, across Ray)."""
+        ``trace_carrier``: W3C headers of the caller's span (the public gRPC call, across Ray).
+        ``durable``: keep the request in the session log (resumable, taken over when its
+        coordinator dies). The HTTP API passes False: an OpenAI client has no way to resume, so
+        its requests write nothing to Redis."""
         if request.resume_from_index < 0:
             raise InvalidArgumentError("resume_from_index", "must be >= 0")
         if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
@@ -386,17 +407,19 @@ class CoordinatorCore:
             )
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            if self.log is None:
+            if self.log is None or not durable:
                 if request.resume_from_index:
-                    raise InvalidArgumentError("resume_from_index", "resuming needs the session log (set REDIS_URL)")
+                    why = "set REDIS_URL" if self.log is None else "this API's requests are not logged"
+                    raise InvalidArgumentError("resume_from_index", f"resuming needs the session log ({why})")
                 if request.request_id:  # without the log, the ids in flight here (checked and taken at once)
                     if request_id in self.live_ids:
                         raise SessionExistsError(f"request_id {request_id!r} is in flight; use another")
                     self.live_ids.add(request_id)
                 try:
                     parsed = self.parse(request, request_id, await self.encode(request))
-                    async for chunk in self._generate(parsed, [], [], trace_carrier):
-                        yield chunk
+                    async with self._admitted(logged=False):
+                        async for chunk in self._generate(parsed, [], [], trace_carrier):
+                            yield chunk
                 finally:
                     if request.request_id:
                         self.live_ids.discard(request_id)
@@ -406,10 +429,11 @@ class CoordinatorCore:
                 if request.resume_from_index:
                     raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
                 parsed = self.parse(request, request_id, await self.encode(request))
-                if await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner):
-                    async for chunk in self._owned(parsed, [], [], 0, trace_carrier):
-                        yield chunk
-                    return
+                async with self._admitted(logged=True):
+                    if await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner):
+                        async for chunk in self._owned(parsed, [], [], 0, trace_carrier):
+                            yield chunk
+                        return
                 meta = await self.log.meta(request_id)  # created concurrently by another call
                 if meta is None:  # ... and already expired or deleted
                     raise SessionNotFoundError(f"request_id {request_id!r}: created and gone meanwhile; retry")
@@ -506,8 +530,13 @@ class CoordinatorCore:
                         return
                 log.info("request %s: taking over after %d committed tokens", request_id, len(tokens))
                 parsed = self.parse(stored, request_id, await self.encode(stored))
-                async for chunk in self._owned(parsed, tokens, steps, from_index, trace_carrier):
-                    yield chunk
+                try:
+                    async with self._admitted(logged=True):
+                        async for chunk in self._owned(parsed, tokens, steps, from_index, trace_carrier):
+                            yield chunk
+                except ResourceExhaustedError:  # no room to take it over here: it stays resumable
+                    await session_log.release_lease(request_id, self.owner)
+                    raise
                 return
 
     def _absorb(self, entry, from_index: int, tokens: list[int], steps: list[int]):
@@ -549,11 +578,6 @@ class CoordinatorCore:
     async def _generate(
         self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int], trace_carrier
     ) -> AsyncGenerator[coordinator_pb2.GenerateChunk, None]:
-        if self.active >= self.config.max_concurrent_requests:
-            raise ResourceExhaustedError(
-                f"{self.active} requests in flight, the limit is {self.config.max_concurrent_requests}"
-            )
-        self.active += 1
         span = tracing.start_span(
             "specdec.request",
             trace_carrier,
@@ -620,7 +644,6 @@ class CoordinatorCore:
             if steps is not None:
                 await steps.aclose()  # idempotent; on cancellation this frees the sessions
             span.end()
-            self.active -= 1
 
     async def _run(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int]) -> SpeculativeRun:
         routing = SessionRouting(self.pool, parsed.prompt_ids)

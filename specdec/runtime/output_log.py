@@ -2,7 +2,7 @@
 
 Keys (all with a TTL, refreshed on every write):
 - ``specdec:req:<id>:meta``  hash: the canonical request (serialized, resolved seed included),
-  status (running / done), created-at;
+  status (running / done), the bytes of its chunks so far;
 - ``specdec:req:<id>:out``   stream: one entry per committed chunk: ``start`` (index of its first
   token), ``chunk`` (a serialized GenerateChunk; the last one carries finish_reason/seed/stats);
 - ``specdec:req:<id>:lease`` the coordinator currently generating it (TTL LEASE_S, refreshed
@@ -14,22 +14,36 @@ entry at an explicit stream id derived from the chunk's first token index (``sta
 lease is a fence (a coordinator whose lease lapsed -- a paused process, a slow fsync -- cannot
 write after the one that took over), and an append retried after a lost reply finds its entry
 already there and writes nothing (exactly once, not at least once).
+
+Bounds: a request's chunks at most ``max_request_bytes``; every key a TTL (``ttl_s`` after the
+last write); and Redis's own maxmemory, which the coordinator keeps new requests under
+(:meth:`OutputLog.check_room`) so that what runs never meets it. Only requests that can be
+resumed are logged: the HTTP API's are not (docs/protocol.md, "Durable output").
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
-from specdec.errors import LeaseLostError
+from specdec.errors import LeaseLostError, ResourceExhaustedError
 from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger("specdec.output_log")
 
 LEASE_S = 3.0
 LEASE_REFRESH_S = 1.0
-DEFAULT_TTL_S = 3600.0
+DEFAULT_TTL_S = 600.0
+# One request's log holds at most this many bytes of chunks: the largest a request the default
+# limits allow writes (4096 tokens with 20 logprobs each) is about a third of it.
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+# A new request is admitted while Redis uses less than this share of its maxmemory: the rest is
+# headroom for the requests already running, their leases and the replicas' heartbeats, which
+# Redis (maxmemory-policy noeviction) refuses rather than evicting anything.
+ROOM_FRACTION = 0.85
+ROOM_CHECK_S = 0.5  # how long one look at Redis's memory stands for the requests that follow
 
 # Extend the lease only if we still hold it (never steal a lease another replica took over).
 _REFRESH = """
@@ -39,7 +53,8 @@ end
 return 0
 """
 # KEYS: out, meta, lease. ARGV: owner, stream id's time part (start + 1), start, chunk, ttl ms,
-# done (1 for the last chunk). -1: the caller does not hold the lease (nothing written); 0: an
+# done (1 for the last chunk), the request's byte bound. -1: the caller does not hold the lease
+# (nothing written); -2: the chunk would take the request past its bound (nothing written); 0: an
 # entry at or past this id exists (a retried append: nothing written); 1: appended.
 _APPEND = """
 if redis.call('GET', KEYS[3]) ~= ARGV[1] then
@@ -49,6 +64,11 @@ local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if #top > 0 and tonumber(string.match(top[1][1], '^(%d+)')) >= tonumber(ARGV[2]) then
   return 0
 end
+local bytes = tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0') + string.len(ARGV[4])
+if bytes > tonumber(ARGV[7]) then
+  return -2
+end
+redis.call('HSET', KEYS[2], 'bytes', bytes)
 redis.call('XADD', KEYS[1], ARGV[2] .. '-0', 'start', ARGV[3], 'chunk', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 if ARGV[6] == '1' then
@@ -76,15 +96,50 @@ class Entry:
         return self.start + len(self.chunk.token_ids)
 
 
+def _full(exc: Exception) -> bool:
+    """Whether Redis refused a write for want of memory (maxmemory, noeviction): an OOM reply,
+    which redis-py raises as OutOfMemoryError (inside a script, as the script's error)."""
+    import redis.exceptions
+
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or "maxmemory" in str(exc)
+
+
 class OutputLog:
-    def __init__(self, url: str, ttl_s: float = DEFAULT_TTL_S):
+    def __init__(self, url: str, ttl_s: float = DEFAULT_TTL_S, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         from specdec.runtime.redis_client import connect
 
+        if ttl_s <= 0 or max_request_bytes <= 0:
+            raise ValueError("the session log's TTL and per-request bytes must be > 0")
         self.redis = connect(url)
         self.ttl_ms = int(ttl_s * 1000)
+        self.max_request_bytes = max_request_bytes
         self._refresh = self.redis.register_script(_REFRESH)
         self._release = self.redis.register_script(_RELEASE)
         self._append = self.redis.register_script(_APPEND)
+        self._room_looked = -ROOM_CHECK_S  # when Redis's memory was last read
+        self._no_room = ""  # why new requests are refused (empty: they are not)
+
+    async def memory(self) -> tuple[int, int]:
+        """(used bytes, maxmemory) of Redis; maxmemory 0 = no bound configured."""
+        info = await self.redis.info("memory")
+        return int(info["used_memory"]), int(info.get("maxmemory", 0))
+
+    async def check_room(self) -> None:
+        """Refuse a new request (RESOURCE_EXHAUSTED) while Redis is past ROOM_FRACTION of its
+        maxmemory: what runs keeps the rest. Without a maxmemory only the TTLs bound the log."""
+        now = time.monotonic()
+        if now - self._room_looked >= ROOM_CHECK_S:
+            used, limit = await self.memory()
+            self._room_looked = now
+            full = limit and used >= ROOM_FRACTION * limit
+            self._no_room = (
+                f"the session log (Redis) holds {used} bytes of its {limit}-byte maxmemory; retry in a while "
+                "(finished outputs expire)"
+                if full
+                else ""
+            )
+        if self._no_room:
+            raise ResourceExhaustedError(self._no_room)
 
     @staticmethod
     def keys(request_id: str) -> tuple[str, str, str]:
@@ -93,14 +148,22 @@ class OutputLog:
 
     async def create(self, request_id: str, canonical: bytes, owner: str) -> bool:
         """Record a new request and take its lease; False if the request id already exists."""
+        import redis.exceptions
+
         meta, _, lease = self.keys(request_id)
-        if not await self.redis.hsetnx(meta, "request", canonical):
-            return False
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(meta, "status", "running")
-            pipe.pexpire(meta, self.ttl_ms)
-            pipe.set(lease, owner, px=int(LEASE_S * 1000))
-            await pipe.execute()
+        try:
+            if not await self.redis.hsetnx(meta, "request", canonical):
+                return False
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(meta, "status", "running")
+                pipe.pexpire(meta, self.ttl_ms)
+                pipe.set(lease, owner, px=int(LEASE_S * 1000))
+                await pipe.execute()
+        except redis.exceptions.ResponseError as exc:
+            if _full(exc):
+                await self.redis.delete(meta)  # deleting frees memory: allowed when full
+                raise ResourceExhaustedError(f"the session log (Redis) is full: {exc}") from None
+            raise
         return True
 
     async def meta(self, request_id: str) -> dict[str, bytes] | None:
@@ -110,13 +173,27 @@ class OutputLog:
     async def append(self, request_id: str, start: int, chunk: coordinator_pb2.GenerateChunk, owner: str) -> bool:
         """Append the chunk whose first token is token ``start``, if ``owner`` still holds the
         lease (else LeaseLostError); False when it was already appended (a retry)."""
+        import redis.exceptions
+
         meta, out, lease = self.keys(request_id)
         done = "1" if chunk.finish_reason else "0"
-        args = [owner, start + 1, start, chunk.SerializeToString(), self.ttl_ms, done]
-        written = int(await self._append(keys=[out, meta, lease], args=args))
-        if written < 0:
+        args = [owner, start + 1, start, chunk.SerializeToString(), self.ttl_ms, done, self.max_request_bytes]
+        try:
+            written = int(await self._append(keys=[out, meta, lease], args=args))
+        except redis.exceptions.ResponseError as exc:
+            if _full(exc):
+                raise ResourceExhaustedError(
+                    f"request {request_id!r}: the session log (Redis) is full; the tokens sent so far stand"
+                ) from None
+            raise
+        if written == -1:
             raise LeaseLostError(
                 f"request {request_id!r}: another coordinator took it over; resume with resume_from_index"
+            )
+        if written == -2:
+            raise ResourceExhaustedError(
+                f"request {request_id!r}: its output passed the session log's bound of {self.max_request_bytes} "
+                "bytes per request"
             )
         return written == 1
 

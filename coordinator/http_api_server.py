@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import sys
 
 import uvicorn
 
 from coordinator.front import CoordinatorFront
 from coordinator.http_front import OpenAIApp
+from specdec.runtime.security import Security
 from specdec.telemetry import metrics
 
 
@@ -25,11 +27,23 @@ class HttpServer:
         self.server, self.task = server, task
 
     @classmethod
-    async def start(cls, front: CoordinatorFront, model_name: str, host: str, port: int) -> HttpServer:
+    async def start(
+        cls, front: CoordinatorFront, model_name: str, host: str, port: int, tls: Security | None = None
+    ) -> HttpServer:
+        """Serve the API on ``host``:``port``: HTTPS when ``tls`` has a certificate (the same
+        SPECDEC_TLS_* files as the gRPC port, a CA then requiring client certificates), else
+        plain HTTP -- never plain HTTP beside a TLS gRPC port."""
         from prometheus_client import generate_latest
 
         app = OpenAIApp(front, model_name, lambda: generate_latest(metrics.REGISTRY)).app
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+        options: dict = {}
+        if tls is not None and tls.server_tls:
+            options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+            if tls.ca:
+                options.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, lifespan="off", **options
+        )
         server = _Server(config)
         task = asyncio.ensure_future(server.serve())
         while not server.started:
@@ -37,8 +51,9 @@ class HttpServer:
                 task.result()
                 raise SystemExit(f"specdec coordinator: the HTTP API cannot listen on {host}:{port}")
             await asyncio.sleep(0.05)
+        scheme = "https" if options else "http"
         print(
-            f"[specdec] OpenAI-compatible HTTP API on http://{host}:{port}/v1 (model {model_name!r})",
+            f"[specdec] OpenAI-compatible HTTP API on {scheme}://{host}:{port}/v1 (model {model_name!r})",
             file=sys.stderr,
             flush=True,
         )

@@ -39,6 +39,7 @@ HTTP_STATUS = {  # gRPC status -> HTTP status, with OpenAI's error type
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "OUT_OF_RANGE": (400, "invalid_request_error"),
     "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
     "NOT_FOUND": (404, "not_found_error"),
     "ALREADY_EXISTS": (409, "conflict_error"),
     "ABORTED": (409, "conflict_error"),
@@ -225,13 +226,16 @@ class OpenAIApp:
         proxy hands ``__call__`` each request) serves this same API."""
         routes: dict[tuple[str, str], Callable[..., Any]] = {
             ("GET", "/health"): self.health,
-            ("GET", "/v1/models"): self.models,
             ("GET", "/metrics"): self.metrics,
         }
-        posts = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions}
+        with_request = {
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("GET", "/v1/models"): self.models,
+        }
         path = "/" + request.url.path.strip("/")
-        if request.method == "POST" and path in posts:
-            return await posts[path](request)
+        if (request.method, path) in with_request:
+            return await with_request[(request.method, path)](request)
         if (request.method, path) in routes:
             return await routes[(request.method, path)]()
         return error_response(HttpError(404, "not_found_error", f"no route {request.method} {path}"))
@@ -241,7 +245,11 @@ class OpenAIApp:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "reason": self.front.not_serving_because}, status_code=503)
 
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
+        try:
+            self.front.keys.authenticate(request.headers.get("authorization"))
+        except SpecdecError as exc:
+            return error_response(exc)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec"}
         return JSONResponse({"object": "list", "data": [model]})
 
@@ -270,7 +278,8 @@ class OpenAIApp:
             request_id = f"{prefix}-{uuid.uuid4().hex}"
             grpc_requests = to_grpc(parsed, request_id)
             # not durable: an OpenAI client cannot resume, so nothing of it goes to the session log
-            streams = [self.front.stream(r, caller, durable=False) for r in grpc_requests]
+            key = request.headers.get("authorization")
+            streams = [self.front.stream(r, caller, durable=False, authorization=key) for r in grpc_requests]
             firsts = await _first_chunks(streams)
         except Exception as exc:
             for s in streams:

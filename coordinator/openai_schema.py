@@ -66,6 +66,7 @@ class _Common(_Strict):
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     ignore_eos: StrictBool = False
     invariant: StrictBool | None = None  # our extension: invariant sampling (None: the server's default)
+    cache_salt: Annotated[str, Field(max_length=256)] | None = None  # vLLM's: the prefix cache's scope
     user: str | None = None  # accepted and ignored, as by vLLM
     speculation: SpeculationOptions | None = None
 
@@ -156,6 +157,7 @@ def _sampling(req: _Common, max_tokens: int | None) -> coordinator_pb2.SamplingP
 
 
 def _speculation(req: _Common, out: coordinator_pb2.GenerateRequest) -> None:
+    out.cache_salt = req.cache_salt or ""  # (with the rest of what is not sampling)
     spec = req.speculation
     if spec is None:
         return

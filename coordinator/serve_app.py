@@ -33,8 +33,8 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 from ray import serve
 
-from coordinator import settings
-from coordinator.front import CoordinatorFront, LocalBackend, trace_headers
+from coordinator import api_keys, settings
+from coordinator.front import CoordinatorFront, LocalBackend, authorization_of, trace_headers
 from specdec.runtime.grpc_server import failure_status
 from specdec.telemetry import metrics, tracing
 
@@ -60,7 +60,10 @@ class CoordinatorDeployment:
     def __init__(self, values: dict[str, Any]):
         tracing.init_tracing("specdec-coordinator")
         port = {**settings.values_from_env(), **values}.get("metrics_port", 0)  # SPECDEC_METRICS_PORT too
-        self.front = CoordinatorFront(LocalBackend(serve_config(values)), port)
+        # in a Serve pod the metrics are scraped over the pod network (deploy/'s NetworkPolicy bounds who)
+        self.front = CoordinatorFront(
+            LocalBackend(serve_config(values)), port, keys=api_keys.from_env(), metrics_host="0.0.0.0"
+        )
         self._starting: asyncio.Future | None = None
         self._http: Any = None  # the OpenAI-compatible HTTP API, made on the first HTTP request
 
@@ -75,7 +78,8 @@ class CoordinatorDeployment:
         try:
             with metrics.rpc_timer("Generate"):
                 await self._start()
-                return await self.front.unary(request, trace_headers(grpc_context.invocation_metadata()))
+                metadata = grpc_context.invocation_metadata()
+                return await self.front.unary(request, trace_headers(metadata), authorization_of(metadata))
         except Exception as exc:
             _fail(grpc_context, exc, "Generate")
             raise
@@ -84,7 +88,9 @@ class CoordinatorDeployment:
         try:
             with metrics.rpc_timer("GenerateStream"):
                 await self._start()
-                async for chunk in self.front.stream(request, trace_headers(grpc_context.invocation_metadata())):
+                metadata = grpc_context.invocation_metadata()
+                stream = self.front.stream(request, trace_headers(metadata), authorization=authorization_of(metadata))
+                async for chunk in stream:
                     yield chunk
         except Exception as exc:
             _fail(grpc_context, exc, "GenerateStream")

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from pathlib import Path
 
-from coordinator import settings
+from coordinator import api_keys, settings
 from coordinator.front import SERVICE, Backend, CoordinatorFront, CoordinatorServicer, LocalBackend
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security
@@ -40,6 +42,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest request message the public gRPC port accepts (larger: RESOURCE_EXHAUSTED)",
     )
     p.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"file of API keys the public APIs require, one 'KEY [NAME [MAX_CONCURRENT]]' per line "
+        f"(env {api_keys.API_KEY_FILE_ENV}; default: no key needed)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"one API key the public APIs require (env {api_keys.API_KEY_ENV}; a file or the environment "
+        "keeps it out of the process list)",
+    )
+    p.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        default=api_keys.DEFAULT_MAX_CONCURRENT_PER_KEY,
+        help="requests in flight per API key at this coordinator, for keys whose line sets none",
+    )
+    p.add_argument(
         "--served-model-name",
         default=None,
         help="the model name the HTTP API lists and accepts (default: the target's model as it reports it)",
@@ -62,7 +82,17 @@ async def serve(args: argparse.Namespace) -> None:
         from coordinator.ray_backend import RayBackend
 
         backend = RayBackend(config, replicas=args.replicas, address=args.ray_address)
-    front = CoordinatorFront(backend, metrics_port=args.metrics_port or 0, model_name=args.served_model_name)
+    try:
+        keys = api_keys.from_env(default_max_concurrent=args.max_concurrent_per_key)
+    except ValueError as exc:
+        raise SystemExit(f"specdec coordinator: {exc}") from None
+    front = CoordinatorFront(
+        backend,
+        metrics_port=args.metrics_port or 0,
+        model_name=args.served_model_name,
+        keys=keys,
+        metrics_host=args.host,
+    )
     print("[specdec] coordinator: connecting to the target and draft...", file=sys.stderr, flush=True)
     await front.start()
     server = srv.create_server(max_receive_bytes=args.max_request_bytes)
@@ -75,11 +105,13 @@ async def serve(args: argparse.Namespace) -> None:
     if args.http_port:
         from coordinator.http_api_server import HttpServer
 
-        http = await HttpServer.start(front, front.model_name, args.host, args.http_port)
+        http = await HttpServer.start(front, front.model_name, args.host, args.http_port, security.current())
     await server.start()
     await srv.set_serving(health, [SERVICE], front.serving)
     front.on_health_change.append(lambda serving: srv.set_serving(health, [SERVICE], serving))
-    print(f"[specdec] coordinator service SERVING on {args.host}:{bound}", file=sys.stderr, flush=True)
+    how = "TLS" if security.current().server_tls else "plaintext"
+    how += f", {len(keys.keys)} API key(s)" if keys.enabled else ", no API key needed"
+    print(f"[specdec] coordinator service SERVING on {args.host}:{bound} ({how})", file=sys.stderr, flush=True)
 
     async def stop() -> None:
         if http is not None:
@@ -92,6 +124,10 @@ async def serve(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     logs.configure("coordinator")
     security.apply_arguments(args)  # before Ray starts: its actors inherit the environment
+    if args.api_key_file:
+        os.environ[api_keys.API_KEY_FILE_ENV] = str(Path(args.api_key_file).resolve())
+    if args.api_key:
+        os.environ[api_keys.API_KEY_ENV] = args.api_key
     tracing.init_tracing("specdec-coordinator")
     asyncio.run(serve(args))
     return 0

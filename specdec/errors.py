@@ -85,6 +85,12 @@ class LeaseLostError(SpecdecError):
     code = "ABORTED"
 
 
+class UnauthenticatedError(SpecdecError):
+    """A call to a public API without a valid API key (where keys are configured)."""
+
+    code = "UNAUTHENTICATED"
+
+
 class ReplicaFaultError(SpecdecError):
     """The replica itself failed while running a work (its batched pass, its admission, its
     bookkeeping), not the request: the work's session is released and the caller may retry on

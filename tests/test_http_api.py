@@ -103,6 +103,21 @@ def test_usage_reports_the_prompt_tokens_copied_from_the_prefix_cache(stack, cli
         )
     )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole_blocks
+    # cache_salt (vLLM's field) scopes the prefix cache: another salt sees none of it, even the
+    # exact prompt -- no client can learn from cached_tokens what another client sent -- and
+    # requests of the same salt share their own copy (issue 42, item 6)
+    salted = [
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-x"}
+        )
+        for _ in range(2)
+    ]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in salted] == [0, whole_blocks]
+    other = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-y"}
+    )
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert ids(other.choices[0].text) == ids(first.choices[0].text)  # the scope changes nothing else
 
 
 def test_greedy_completion_equals_the_grpc_api_streamed_or_not(stack, client):

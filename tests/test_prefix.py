@@ -125,3 +125,37 @@ def test_a_session_that_wants_the_prompts_features_computes_them():
     _prefill(store, "a", prompt)
     features = run_alone(store, SessionEngine(store).prefill_work("b", prompt, PARAMS, return_features=True))
     assert features.shape[0] == len(prompt) - 1 and store.prefixes.hit_tokens == 0
+
+
+def test_blocks_kept_under_one_salt_are_never_found_under_another():
+    """The prefix cache's scope (issue 42, item 6): a chain kept under a tenant's salt is found
+    under that salt only; the shared scope ("") neither sees nor is seen by a salted one. Salts
+    also keep apart chains of the same tokens, each with its own blocks and eviction."""
+    cache = PrefixCache(max_bytes=1 << 20, block=4)
+    tokens = list(range(10, 22))  # 3 whole blocks
+    assert cache.insert(tokens, kv(12), kv(12), salt="tenant-a") == 3
+    assert len(cache.lookup(tokens, limit=12, salt="tenant-a")) == 3
+    assert cache.lookup(tokens, limit=12, salt="tenant-b") == []
+    assert cache.lookup(tokens, limit=12) == []
+    assert cache.insert(tokens, kv(12, 100), kv(12, 100)) == 3  # the shared scope keeps its own copy
+    (first, *_) = cache.lookup(tokens, limit=12)
+    assert torch.equal(first.keys[0, 0, :, 0], torch.tensor([100.0, 101, 102, 103]))
+    assert len(cache) == 6
+    # eviction still walks each chain: a salted root takes its descendants with it
+    while len(cache):
+        cache._evict(next(iter(cache._by_id.values())))
+    assert cache.nbytes == 0
+
+
+@KERNEL
+def test_a_session_reuses_only_what_was_kept_in_its_own_scope():
+    store = SessionStore(kernel_llama(seed=5), name="target", limits=CacheLimits(prefix_cache_bytes=1 << 24))
+    prompt = list(range(1, 40))  # 2 whole blocks of 16 within its first 38 positions
+    salted = lambda salt: SamplingParams(temperature=1.0, seed=3, cache_salt=salt)  # noqa: E731
+    engine = SessionEngine(store)
+    run_alone(store, engine.prefill_work("a1", prompt, salted("a")))
+    store.release("a1")
+    for sid, salt, copied in (("b1", "b", 0), ("a2", "a", 32), ("shared", "", 0)):
+        run_alone(store, engine.prefill_work(sid, prompt, salted(salt)))
+        assert store.copied_positions(sid) == copied, sid
+        store.release(sid)

@@ -19,7 +19,7 @@ def redis_url():
 
 
 def draft(rid, load=0, fp="fp-A", kind="model", vocab=100, draining=False, capacity=10):
-    return Replica("draft", rid, f"h:{rid}", "d", fp, kind, vocab, load, capacity, draining)
+    return Replica("draft", rid, f"{rid}:1", "d", fp, kind, vocab, load, capacity, draining)
 
 
 def test_publish_list_and_ttl_expiry(redis_url):
@@ -78,3 +78,72 @@ def test_tokenizer_mismatch_is_never_a_draft():
     assert not compatible_draft(draft("x", fp=""), TARGET)  # unknown tokenizer: not trusted
     assert compatible_draft(draft("x", fp="", kind="ngram", vocab=0), TARGET)  # n-gram works on token ids
     assert compatible_draft(draft("x"), TARGET)
+
+
+# -- records are validated, and a coordinator keeps to its model (issue 42, items 3 and 7) -------
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"load": -1_000_000}, "load"),
+        ({"capacity": -1}, "capacity"),
+        ({"load": 1 << 40}, "load"),
+        ({"address": "nowhere"}, "address"),
+        ({"address": "h:99999"}, "address"),
+        ({"kind": "draft"}, "kind"),
+        ({"vocab_size": -5}, "vocab_size"),
+        ({"draft_kind": "magic"}, "draft_kind"),
+        ({"model_id": "m" * 5000}, "model_id"),
+    ],
+)
+def test_a_record_out_of_bounds_is_named_and_a_sane_one_passes(change, problem):
+    from specdec.runtime.registry import record_problem
+
+    assert record_problem(TARGET, "target") is None
+    bad = Replica(**{**TARGET.__dict__, **change})
+    reason = record_problem(bad, "target")
+    assert reason is not None and problem in reason
+
+
+def test_the_registry_ignores_forged_records_that_would_win_every_session(redis_url):
+    """A record anyone wrote into Redis with a negative load used to receive every new session
+    (least loaded); now it is ignored, as are unreadable ones, and the real replica is listed."""
+
+    async def go():
+        registry = Registry(redis_url)
+        real = Replica(**{**TARGET.__dict__, "replica_id": "real"})
+        await registry.publish(real, ttl=30)
+        forged = {**real.to_hash(), "replica_id": "forged", "load": "-1000000"}
+        await registry.redis.hset("specdec:replica:target:forged", mapping=forged)
+        await registry.redis.hset("specdec:replica:target:junk", mapping={"load": "lots", "kind": "target"})
+        await registry.redis.hset(
+            "specdec:replica:target:draft-in-disguise", mapping={**real.to_hash(), "kind": "draft", "replica_id": "x"}
+        )
+        listed = [r.replica_id for r in await registry.replicas("target")]
+        assert "real" in listed and not {"forged", "junk", "x"} & set(listed)
+        for key in ("real", "forged", "junk", "draft-in-disguise"):
+            await registry.redis.delete(f"specdec:replica:target:{key}")
+        await registry.close()
+
+    asyncio.run(go())
+
+
+def test_a_coordinator_routes_only_to_targets_of_the_model_it_pinned(redis_url):
+    from specdec.runtime.routing import PeerPool
+
+    async def go():
+        registry = Registry(redis_url)
+        ours = Replica(**{**TARGET.__dict__, "replica_id": "ours", "load": 5})
+        theirs = Replica(**{**TARGET.__dict__, "replica_id": "theirs", "model_id": "other-model"})
+        retokenized = Replica(**{**TARGET.__dict__, "replica_id": "retok", "fingerprint": "fp-B"})
+        for r in (ours, theirs, retokenized):
+            await registry.publish(r, ttl=30)
+        pool = PeerPool(registry, prefix_routing=False)
+        assert (await pool.pick_target()).replica_id != "ours"  # nothing pinned: least loaded
+        pool.expected = ours
+        picks = {(await pool.pick_target()).replica_id for _ in range(4)}
+        assert picks == {"ours"}  # the idle foreign targets are never chosen
+        for r in (ours, theirs, retokenized):
+            await registry.remove(r)
+        await registry.close()
+
+    asyncio.run(go())

@@ -171,11 +171,13 @@ def test_a_stack_over_mutual_tls_with_a_token_generates_and_a_plaintext_client_i
     from specdec.v1 import coordinator_pb2_grpc, engine_pb2, target_pb2_grpc
 
     target, draft = save_tiny_pair(tmp_path, 32, seed=3, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    (tmp_path / "api-keys").write_text(f"{ALPHA} alpha 1\n{BRAVO} bravo\n")
     env = {
         security.CERT_ENV: str(certs / "server.pem"),
         security.KEY_ENV: str(certs / "server.key"),
         security.CA_ENV: str(certs / "ca.pem"),
         security.TOKEN_ENV: "stack-t0ken",
+        "SPECDEC_API_KEY_FILE": str(tmp_path / "api-keys"),
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -183,11 +185,17 @@ def test_a_stack_over_mutual_tls_with_a_token_generates_and_a_plaintext_client_i
         with local_stack(target, draft, log_dir=tmp_path / "logs") as stack:
             req = request([1, 2, 3], k=2, temperature=0.0, max_new_tokens=12, ignore_eos=True)
             with sync_channel(stack.coordinator_address) as channel:
-                reply = coordinator_pb2_grpc.CoordinatorStub(channel).Generate(req, timeout=120)
-            assert len(reply.token_ids) == 12
+                coordinator = coordinator_pb2_grpc.CoordinatorStub(channel)
+                reply = coordinator.Generate(req, timeout=120, metadata=[("authorization", f"Bearer {ALPHA}")])
+                assert len(reply.token_ids) == 12
+                for metadata in ([], [("authorization", "Bearer sk-not-a-key-0123456789")]):
+                    with pytest.raises(grpc.RpcError) as info:
+                        coordinator.Generate(req, timeout=10, metadata=metadata)
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with grpc.insecure_channel(stack.coordinator_address) as channel, pytest.raises(grpc.RpcError) as info:
                 coordinator_pb2_grpc.CoordinatorStub(channel).Generate(req, timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            check_the_https_api(stack.http_url, certs)
             del os.environ[security.TOKEN_ENV]  # TLS alone, without the token: the target refuses
             target_address = next(c.address for c in stack.children if c.name == "target-0")
             with sync_channel(target_address) as channel, pytest.raises(grpc.RpcError) as info:
@@ -199,6 +207,41 @@ def test_a_stack_over_mutual_tls_with_a_token_generates_and_a_plaintext_client_i
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+ALPHA, BRAVO = "sk-alpha-0123456789abcdef", "sk-bravo-0123456789abcdef"
+
+
+def check_the_https_api(http_url: str, certs) -> None:
+    """The HTTP API of a coordinator with TLS and API keys: HTTPS only (with the client
+    certificate its CA requires), the key required as OpenAI's bearer token, each key's limit
+    of requests in flight (an n=2 request is two), and health open to probes."""
+    import ssl
+
+    import httpx
+    import openai
+
+    https = http_url.replace("http://", "https://")
+    tls = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    tls.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+
+    def client(key: str) -> openai.OpenAI:
+        transport = httpx.Client(verify=tls, timeout=60)
+        return openai.OpenAI(base_url=f"{https}/v1", api_key=key, max_retries=0, http_client=transport)
+
+    (model,) = [m.id for m in client(BRAVO).models.list().data]
+    done = client(ALPHA).completions.create(model=model, prompt=[1, 2, 3], max_tokens=5, temperature=0)
+    assert done.usage.completion_tokens == 5
+    with pytest.raises(openai.AuthenticationError):
+        client("sk-not-a-key-0123456789").completions.create(model=model, prompt=[1, 2, 3], max_tokens=5)
+    with pytest.raises(openai.AuthenticationError):
+        client("sk-not-a-key-0123456789").models.list()
+    with pytest.raises(openai.RateLimitError, match="'alpha' has 1 requests in flight, its limit is 1"):
+        client(ALPHA).completions.create(model=model, prompt=[1, 2, 3], max_tokens=5, n=2)
+    assert len(client(BRAVO).completions.create(model=model, prompt=[1, 2, 3], max_tokens=5, n=2).choices) == 2
+    with pytest.raises(httpx.HTTPError):  # no plain HTTP beside a TLS port
+        httpx.get(f"{http_url}/health", timeout=10)
+    assert httpx.get(f"{https}/health", verify=tls, timeout=10).status_code == 200  # no key needed
 
 
 def test_services_listen_on_loopback_unless_told_otherwise():

@@ -9,13 +9,17 @@ only sessions of the lean pass with the layer kernel (``SessionStore`` decides).
 
 Blocks of ``block`` tokens form chains: a block is keyed by its parent (the block before it, by
 id) and its own tokens, so a lookup walks the prompt block by block and a hit is always a whole
-prefix. Bounded in bytes; the least recently used blocks go first, deepest first (a block is
-touched after its descendants on every use, so a parent outlives its children), and a block that
-goes takes its descendants with it (nothing could reach them).
+prefix. A chain starts from its scope (``salt``: a tenant's, or a request's cache_salt), so a
+session never finds the blocks of another scope -- the number of positions it reuses would
+otherwise tell one client whether another sent a prompt. Bounded in bytes; the least recently
+used blocks go first, deepest first (a block is touched after its descendants on every use, so a
+parent outlives its children), and a block that goes takes its descendants with it (nothing could
+reach them).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,10 +30,19 @@ import torch
 DEFAULT_BLOCK = 16  # tokens per block: what a hit is counted in
 
 
+def salt_root(salt: str) -> int:
+    """The parent a chain's first block hangs from: 0 for the shared scope, else a negative
+    number derived from the salt (block ids are positive), so chains of different salts never
+    meet and a lookup under one salt can never find another's blocks."""
+    if not salt:
+        return 0
+    return -1 - int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "big")
+
+
 @dataclass
 class Block:
     id: int
-    key: tuple[int, tuple[int, ...]]  # (parent id, 0 for the root; this block's tokens)
+    key: tuple[int, tuple[int, ...]]  # (parent id, or salt_root for a first block; this block's tokens)
     keys: torch.Tensor  # [layers, kv_heads, block, head_dim]
     values: torch.Tensor
     children: set[int] = field(default_factory=set)
@@ -58,9 +71,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def _chain(self, tokens: Sequence[int], limit: int) -> list[Block]:
+    def _chain(self, tokens: Sequence[int], limit: int, salt: str = "") -> list[Block]:
         chain: list[Block] = []
-        parent, size = 0, self.block
+        parent, size = salt_root(salt), self.block
         for start in range(0, limit - size + 1, size):
             found = self._by_key.get((parent, tuple(tokens[start : start + size])))
             if found is None:
@@ -73,24 +86,26 @@ class PrefixCache:
         for found in reversed(chain):  # the root last: most recent, so it goes after its descendants
             self._by_id.move_to_end(found.id)
 
-    def lookup(self, tokens: Sequence[int], limit: int) -> list[Block]:
-        """The longest chain of blocks that spells whole blocks of ``tokens[:limit]``."""
+    def lookup(self, tokens: Sequence[int], limit: int, salt: str = "") -> list[Block]:
+        """The longest chain of blocks that spells whole blocks of ``tokens[:limit]``, among
+        those kept under ``salt``."""
         with self._lock:
-            chain = self._chain(tokens, limit)
+            chain = self._chain(tokens, limit, salt)
             self._touch(chain)
             self.looked_up_tokens += limit // self.block * self.block
             self.hit_tokens += len(chain) * self.block
             return chain
 
-    def insert(self, tokens: Sequence[int], keys: torch.Tensor, values: torch.Tensor) -> int:
+    def insert(self, tokens: Sequence[int], keys: torch.Tensor, values: torch.Tensor, salt: str = "") -> int:
         """Keep the whole blocks of ``tokens`` (whose positions ``keys`` / ``values``
-        [layers, kv_heads, >= len(tokens), head_dim] hold) that are not kept yet, copied; returns
-        how many blocks were added. Nothing is added that would not fit ``max_bytes``."""
+        [layers, kv_heads, >= len(tokens), head_dim] hold) that are not kept yet, copied, under
+        ``salt``; returns how many blocks were added. Nothing is added that would not fit
+        ``max_bytes``."""
         size = self.block
         with self._lock:
-            chain = self._chain(tokens, len(tokens))
+            chain = self._chain(tokens, len(tokens), salt)
             self._touch(chain)  # the chain a new block hangs from is the last to go
-            parent = chain[-1].id if chain else 0
+            parent = chain[-1].id if chain else salt_root(salt)
             added = 0
             for start in range(len(chain) * size, len(tokens) - size + 1, size):
                 block_keys = keys[:, :, start : start + size].clone()
@@ -99,13 +114,13 @@ class PrefixCache:
                 if block_bytes > self.max_bytes:
                     break
                 self._make_room(block_bytes, keep=parent)
-                if parent and parent not in self._by_id:  # evicted to make room: the chain ends here
+                if parent > 0 and parent not in self._by_id:  # evicted to make room: the chain ends here
                     break
                 new = Block(self._next_id, (parent, tuple(tokens[start : start + size])), block_keys, block_values)
                 self._next_id += 1
                 self._by_key[new.key] = new
                 self._by_id[new.id] = new
-                if parent:
+                if parent > 0:
                     self._by_id[parent].children.add(new.id)
                 self.nbytes += new.nbytes
                 chain.append(new)

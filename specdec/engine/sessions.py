@@ -256,7 +256,7 @@ class SessionStore:
         cached nothing yet; returns how many positions it now holds."""
         if self.prefixes is None or session.cached or not isinstance(session.cache, LeanCache):
             return 0
-        chain = self.prefixes.lookup(session.tokens, upto)
+        chain = self.prefixes.lookup(session.tokens, upto, session.params.cache_salt)
         if not chain:
             return 0
         cache, size = session.cache, self.prefixes.block
@@ -281,7 +281,7 @@ class SessionStore:
         if self.prefixes is None or not isinstance(session.cache, LeanCache) or not session.cached:
             return
         cache = session.cache
-        self.prefixes.insert(session.cached[: cache.length], cache.keys, cache.values)
+        self.prefixes.insert(session.cached[: cache.length], cache.keys, cache.values, session.params.cache_salt)
 
     def _new_cache(self) -> Any:
         if self._make_cache is not None:

@@ -50,6 +50,7 @@ MAX_NEW_TOKENS_LIMIT = 1 << 20
 UINT64_MAX = (1 << 64) - 1
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 16, 512, 64
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+MAX_CACHE_SALT_CHARS = 512  # a session's prefix-cache scope (the tenant's part and the request's)
 # Ranges that keep every transform finite in float32 (a tiny temperature or repetition penalty,
 # or a huge bias, divides or shifts logits to inf and the softmax to NaN): below GREEDY_BELOW a
 # temperature is greedy (vLLM's rule), a bias is OpenAI's [-100, 100].
@@ -87,6 +88,10 @@ class SamplingParams:
     # Gumbel-max with noise keyed by (seed, position, token): the output depends on the seed alone,
     # whatever the draft, k or schedule (specdec.exact.gumbel)
     invariant: bool = False
+    # The prefix cache's scope: a session reuses kept positions only from sessions of the same
+    # salt (the tenant and the request's cache_salt; "" = shared). Not sampling, but per session,
+    # and it travels with the rest of what a session starts with.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         # Normalise containers so the object is hashable-ish and immutable in spirit.
@@ -163,6 +168,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise InvalidArgumentError("logprobs", f"must be an integer in [0, 20] (the top-n), got {self.logprobs!r}")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidArgumentError("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters")
         if len(self.eos_token_ids) > MAX_STOP_TOKEN_IDS or any(
             not isinstance(t, int) or t < 0 for t in self.eos_token_ids
         ):

@@ -32,11 +32,12 @@ AFFINITY_MIN_SHARE = 0.5  # of the prompt: a shorter shared prefix is not worth 
 AFFINITY_MAX_EXTRA_SESSIONS = 4  # the holder's sessions beyond the least-loaded candidate's
 
 
-def prefix_keys(tokens: Sequence[int], block: int = AFFINITY_BLOCK) -> list[int]:
+def prefix_keys(tokens: Sequence[int], block: int = AFFINITY_BLOCK, salt: str = "") -> list[int]:
     """One key per whole block of ``tokens``, each naming the whole prefix up to its block's end
-    (a chain: a block's key hashes its parent's key with its own tokens)."""
+    (a chain: a block's key hashes its parent's key with its own tokens), within the prefix
+    cache's scope ``salt`` (the replicas keep each scope apart, so routing does too)."""
     keys: list[int] = []
-    key = 0
+    key = hash(("salt", salt)) if salt else 0
     for start in range(0, len(tokens) - block + 1, block):
         key = hash((key, tuple(int(t) for t in tokens[start : start + block])))
         keys.append(key)

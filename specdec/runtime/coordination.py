@@ -35,7 +35,7 @@ from specdec.loop.reproducible import SEEDED_SAMPLING, resolve_reproducibility
 from specdec.modeling.loading import encode_chat, encode_prompt, longest_token_chars, try_load_tokenizer
 from specdec.runtime import wire
 from specdec.runtime.output_log import OutputLog
-from specdec.runtime.registry import Registry
+from specdec.runtime.registry import Registry, Replica
 from specdec.runtime.routing import PeerPool, SessionRouting
 from specdec.telemetry import tracing
 from specdec.v1 import coordinator_pb2
@@ -52,6 +52,7 @@ LOG_POLL_S = 0.05  # a resumed stream's wait for new log entries
 LEASE_CHECK_POLLS = 20  # ... and how many waits between looks at the lease
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id: a Redis key and a log field, so bounded
 MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the context)
+MAX_CACHE_SALT_CHARS = 256  # a client's cache_salt (the front may prefix its tenant's)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,11 @@ class CoordinatorCore:
             peer.context_length = info.context_length
         self.eos_token_ids = list(info.eos_token_ids)
         self.model_id = info.model_id
+        # every later session goes to a target of this same model (another deployment's targets
+        # in a shared Redis are ignored)
+        self.pool.expected = Replica(
+            "target", target.replica_id, target.address, info.model_id, info.tokenizer_fingerprint, "", info.vocab_size
+        )
         spec = self.config.tokenizer or info.model_id
         self.tokenizer = await asyncio.to_thread(try_load_tokenizer, spec) if spec else None
         if self.tokenizer is None:
@@ -332,7 +338,9 @@ class CoordinatorCore:
             invariant_default=cfg.invariant_sampling,
             replayable_default=cfg.replayable_schedule,
         )
-        params = replace(params, invariant=invariant)
+        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidArgumentError("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters")
+        params = replace(params, invariant=invariant, cache_salt=request.cache_salt)
         try:
             params.validate_for_vocab(self.vocab_size)
         except InvalidArgumentError as exc:
@@ -646,7 +654,7 @@ class CoordinatorCore:
             span.end()
 
     async def _run(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int]) -> SpeculativeRun:
-        routing = SessionRouting(self.pool, parsed.prompt_ids)
+        routing = SessionRouting(self.pool, parsed.prompt_ids, parsed.params.cache_salt)
         target = await routing.first_target()
         draft: DraftPeer | None = None
         missing = False

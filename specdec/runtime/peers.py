@@ -53,6 +53,7 @@ def _start_request(session_id: str, prompt: Sequence[int], params: SamplingParam
         sampling=wire.sampling_to_proto(params),
         prompt_length=params.prompt_length,
         eos_token_ids=list(params.eos_token_ids),
+        cache_salt=params.cache_salt,
         **extra,
     )
 

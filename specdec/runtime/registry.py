@@ -22,6 +22,13 @@ log = logging.getLogger("specdec.runtime.registry")
 PREFIX = "specdec:replica"
 HEARTBEAT_S = 1.0
 REPLICA_TTL_S = 3.0
+# A record's bounds: anything can write Redis (a bug, another deployment, an intruder), and a
+# record past these -- a negative load would win every least-loaded choice -- is ignored.
+MAX_RECORD_SESSIONS = 1 << 20
+MAX_RECORD_VOCAB = 1 << 24
+MAX_RECORD_TEXT = 1024
+KINDS = ("draft", "target")
+DRAFT_KINDS = ("", "model", "ngram", "feature")
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,40 @@ class Replica:
                     bool(int(raw)) if f.type in ("bool", bool) else int(raw) if f.type in ("int", int) else raw
                 )
         return cls(**kwargs)
+
+
+def record_problem(replica: Replica, key_kind: str | None = None) -> str | None:
+    """Why a registry record must not be routed to (None: it may). ``key_kind``: the kind its
+    key names, which the record must repeat."""
+    if replica.kind not in KINDS or (key_kind is not None and replica.kind != key_kind):
+        return f"kind {replica.kind!r} (key: {key_kind!r})"
+    host, _, port = replica.address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"address {replica.address[:64]!r} is not HOST:PORT"
+    for name in ("replica_id", "address", "model_id", "fingerprint"):
+        if len(getattr(replica, name)) > MAX_RECORD_TEXT:
+            return f"{name} longer than {MAX_RECORD_TEXT} characters"
+    if replica.draft_kind not in DRAFT_KINDS:
+        return f"draft_kind {replica.draft_kind!r}"
+    for name, top in (("load", MAX_RECORD_SESSIONS), ("capacity", MAX_RECORD_SESSIONS)):
+        if not 0 <= getattr(replica, name) <= top:
+            return f"{name} {getattr(replica, name)} outside [0, {top}]"
+    for name in ("vocab_size", "feature_size"):
+        if not 0 <= getattr(replica, name) <= MAX_RECORD_VOCAB:
+            return f"{name} {getattr(replica, name)} outside [0, {MAX_RECORD_VOCAB}]"
+    return None
+
+
+def same_model(replica: Replica, expected: Replica | None) -> bool:
+    """Whether ``replica`` serves the model a coordinator pinned at start (its target's model id,
+    tokenizer fingerprint and vocabulary): two deployments sharing one Redis must not mix."""
+    if expected is None:
+        return True
+    return (replica.model_id, replica.fingerprint, replica.vocab_size) == (
+        expected.model_id,
+        expected.fingerprint,
+        expected.vocab_size,
+    )
 
 
 def new_replica_id() -> str:
@@ -127,6 +168,7 @@ class Registry:
 
         self.url = url
         self.redis = connect(url)
+        self._refused: set[str] = set()  # keys whose bad records were already logged
 
     async def publish(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -145,7 +187,25 @@ class Registry:
             for key in keys:
                 pipe.hgetall(key)
             rows = await pipe.execute()
-        return sorted((Replica.from_hash(row) for row in rows if row), key=lambda r: r.replica_id)
+        found = []
+        for key, row in zip(keys, rows, strict=True):
+            if not row:
+                continue
+            name = key.decode() if isinstance(key, bytes) else key
+            try:
+                replica = Replica.from_hash(row)
+                problem = record_problem(replica, kind)
+            except (ValueError, TypeError) as exc:
+                problem = f"unreadable ({exc})"
+            if problem is not None:
+                if len(self._refused) > MAX_RECORD_SESSIONS:  # bounded: forget, and log again
+                    self._refused.clear()
+                if name not in self._refused:
+                    self._refused.add(name)
+                    log.warning("ignoring registry record %s: %s", name[:200], problem)
+                continue
+            found.append(replica)
+        return sorted(found, key=lambda r: r.replica_id)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -20,6 +20,7 @@ from specdec.runtime.registry import (
     choose_target,
     draft_candidates,
     least_loaded,
+    same_model,
     target_candidates,
 )
 
@@ -47,6 +48,9 @@ class PeerPool:
         # where this coordinator sent each prompt prefix, per replica kind (None: least-loaded only)
         self.affinity = {"target": PrefixAffinity(), "draft": PrefixAffinity()} if prefix_routing else None
         self.context_length = 0
+        # the model every target must serve (pinned by the coordinator at start: see same_model)
+        self.expected: Replica | None = None
+        self._foreign: set[str] = set()  # targets of another model already logged
 
     # -- peers (one channel per address, shared by all sessions) -------------------------------
     def target_peer(self, address: str) -> GrpcTarget:
@@ -93,6 +97,21 @@ class PeerPool:
             except Exception as exc:  # noqa: BLE001 - Redis down: fall back to static replicas
                 log.warning("registry unavailable (%s)", exc)
         found += [r for r in self.static.values() if r.kind == kind]
+        if kind == "target" and self.expected is not None:
+            foreign = [r for r in found if not same_model(r, self.expected)]
+            for r in foreign:
+                if r.replica_id not in self._foreign and len(self._foreign) < 10_000:
+                    self._foreign.add(r.replica_id)
+                    log.warning(
+                        "ignoring target %s at %s: it serves %r (tokenizer %s, vocab %d), this coordinator %r",
+                        r.replica_id,
+                        r.address,
+                        r.model_id,
+                        r.fingerprint[:12],
+                        r.vocab_size,
+                        self.expected.model_id,
+                    )
+            found = [r for r in found if same_model(r, self.expected)]
         return found
 
     def _pending(self) -> dict[str, int]:
@@ -110,12 +129,13 @@ class PeerPool:
             self._recent.append((time.monotonic(), replica.replica_id))
         return replica
 
-    def _pick(self, kind: str, candidates: list[Replica], prompt: Sequence[int]) -> Replica | None:
+    def _pick(self, kind: str, candidates: list[Replica], prompt: Sequence[int], salt: str = "") -> Replica | None:
         """The least-loaded candidate, or the one this coordinator last sent the prompt's prefix
-        to while that one is not much busier (specdec.runtime.affinity)."""
+        (in the prefix cache's scope ``salt``) to while that one is not much busier
+        (specdec.runtime.affinity)."""
         if self.affinity is None or not prompt:
             return self._picked(least_loaded(candidates, self._pending()))
-        keys = prefix_keys(prompt)
+        keys = prefix_keys(prompt, salt=salt)
         memory = self.affinity[kind]
         replica, shared = choose_near_prefix(candidates, memory.holders(keys), len(prompt), self._pending())
         if replica is not None:
@@ -124,11 +144,13 @@ class PeerPool:
             memory.remember(keys, replica.replica_id)
         return self._picked(replica)
 
-    async def pick_target(self, exclude=(), prompt: Sequence[int] = ()) -> Replica | None:
-        return self._pick("target", target_candidates(await self.replicas("target"), exclude), prompt)
+    async def pick_target(self, exclude=(), prompt: Sequence[int] = (), salt: str = "") -> Replica | None:
+        return self._pick("target", target_candidates(await self.replicas("target"), exclude), prompt, salt)
 
-    async def pick_draft(self, target: Replica, exclude=(), prompt: Sequence[int] = ()) -> Replica | None:
-        return self._pick("draft", draft_candidates(await self.replicas("draft"), target, exclude), prompt)
+    async def pick_draft(
+        self, target: Replica, exclude=(), prompt: Sequence[int] = (), salt: str = ""
+    ) -> Replica | None:
+        return self._pick("draft", draft_candidates(await self.replicas("draft"), target, exclude), prompt, salt)
 
     async def wait_for_target(self, timeout: float) -> Replica:
         deadline = time.monotonic() + timeout
@@ -154,15 +176,16 @@ class SessionRouting:
     """The replicas of one session: chosen at start, kept for its life (affinity), replaced
     only when one fails (the loop's Failover)."""
 
-    def __init__(self, pool: PeerPool, prompt: Sequence[int] = ()):
+    def __init__(self, pool: PeerPool, prompt: Sequence[int] = (), salt: str = ""):
         self.pool = pool
         self.prompt = prompt  # the request's prompt: replicas that hold its prefix are preferred
+        self.salt = salt  # ... in its prefix-cache scope
         self.target: Replica | None = None
         self.tried_targets: set[str] = set()
         self.tried_drafts: set[str] = set()
 
     async def first_target(self) -> GrpcTarget:
-        self.target = await self.pool.pick_target(prompt=self.prompt)
+        self.target = await self.pool.pick_target(prompt=self.prompt, salt=self.salt)
         if self.target is None:
             raise PeerError("UNAVAILABLE", "no target replica is available")
         self.tried_targets.add(self.target.replica_id)
@@ -171,7 +194,7 @@ class SessionRouting:
     async def first_draft(self) -> GrpcDraft | None:
         if self.target is None:
             raise RuntimeError("a session's draft is chosen for its target: call first_target() first")
-        draft = await self.pool.pick_draft(self.target, self.tried_drafts, self.prompt)
+        draft = await self.pool.pick_draft(self.target, self.tried_drafts, self.prompt, self.salt)
         if draft is None:
             return None
         self.tried_drafts.add(draft.replica_id)
@@ -181,7 +204,7 @@ class SessionRouting:
         return await self.first_draft()
 
     async def replace_target(self, failed) -> GrpcTarget | None:
-        replacement = await self.pool.pick_target(self.tried_targets, self.prompt)
+        replacement = await self.pool.pick_target(self.tried_targets, self.prompt, self.salt)
         if replacement is None:
             return None
         self.target = replacement

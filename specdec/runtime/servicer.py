@@ -198,6 +198,7 @@ class SessionServicer:
             wire.sampling_from_proto(request.sampling),
             prompt_length=request.prompt_length,
             eos_token_ids=tuple(request.eos_token_ids),
+            cache_salt=request.cache_salt,
         )
         extra = self.prefill_arguments(request)
         with tracing.tracer().start_as_current_span(f"{self.kind}.start_session") as span:
@@ -276,7 +277,7 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
         spec.servicer.batching = IterationLoop(spec.batch, spec.batch_gather_ms / 1000, on_health=loop_health)
     await server.start()
     metrics.watch_engine(spec.engine)
-    metrics.serve_metrics(spec.metrics_port)
+    metrics.serve_metrics(spec.metrics_port, spec.host)
     await srv.set_serving(health, [spec.full_service_name], True)
     how = ("mutual TLS" if settings.ca else "TLS") if settings.server_tls else "plaintext"
     how += ", token required" if settings.token else ""

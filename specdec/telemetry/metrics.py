@@ -196,10 +196,11 @@ def record_iteration(sessions: int, rows: int, prefill_rows: int) -> None:
         PREFILL_ROWS.inc(prefill_rows)
 
 
-def serve_metrics(port: int) -> None:
-    """Expose /metrics on ``port`` (0 = off)."""
+def serve_metrics(port: int, host: str) -> None:
+    """Expose /metrics on ``host``:``port`` (0 = off): the process's own interface, so a service
+    told to listen on loopback does not publish its metrics on every interface."""
     if port:
-        start_http_server(port, registry=REGISTRY)
+        start_http_server(port, addr=host, registry=REGISTRY)
 
 
 def watch_engine(engine) -> None:

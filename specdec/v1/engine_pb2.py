@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import coordinator_pb2 as specdec_dot_v1_dot_coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/engine.proto\x12\nspecdec.v1\x1a\x1cspecdec/v1/coordinator.proto\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"B\n\x08\x46\x65\x61tures\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"`\n\x06\x43ommit\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12&\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x14.specdec.v1.Features\"\xf5\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12&\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x14.specdec.v1.Features\x12\x15\n\rprompt_length\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\"U\n\x14StartSessionResponse\x12&\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x14.specdec.v1.Features\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\"G\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Commit\"\x10\n\x0e\x43ommitResponse\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xa9\x03\n\nEngineInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x15\n\rlive_sessions\x18\x07 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x03\x12\x12\n\ndraft_kind\x18\n \x01(\t\x12\x18\n\x10sessions_started\x18\x0b \x01(\x03\x12\x12\n\nreplica_id\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x0f\n\x07tp_size\x18\x0e \x01(\x05\x12\x18\n\x10rank_param_bytes\x18\x0f \x03(\x03\x12\x15\n\rrank_kv_bytes\x18\x10 \x03(\x03\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x11 \x01(\x05\x12\x12\n\ncost_sizes\x18\x12 \x03(\x05\x12\x14\n\x0c\x63ost_seconds\x18\x13 \x03(\x01\"R\n\x08PassLoad\x12\x0c\n\x04size\x18\x01 \x01(\x05\x12\x10\n\x08sessions\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x15\n\rlive_sessions\x18\x04 \x01(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/engine.proto\x12\nspecdec.v1\x1a\x1cspecdec/v1/coordinator.proto\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"B\n\x08\x46\x65\x61tures\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"`\n\x06\x43ommit\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12&\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x14.specdec.v1.Features\"\x89\x02\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12&\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x14.specdec.v1.Features\x12\x15\n\rprompt_length\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x12\n\ncache_salt\x18\t \x01(\t\"U\n\x14StartSessionResponse\x12&\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x14.specdec.v1.Features\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\"G\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Commit\"\x10\n\x0e\x43ommitResponse\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xa9\x03\n\nEngineInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x15\n\rlive_sessions\x18\x07 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x03\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x03\x12\x12\n\ndraft_kind\x18\n \x01(\t\x12\x18\n\x10sessions_started\x18\x0b \x01(\x03\x12\x12\n\nreplica_id\x18\x0c \x01(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x0f\n\x07tp_size\x18\x0e \x01(\x05\x12\x18\n\x10rank_param_bytes\x18\x0f \x03(\x03\x12\x15\n\rrank_kv_bytes\x18\x10 \x03(\x03\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x11 \x01(\x05\x12\x12\n\ncost_sizes\x18\x12 \x03(\x05\x12\x14\n\x0c\x63ost_seconds\x18\x13 \x03(\x01\"R\n\x08PassLoad\x12\x0c\n\x04size\x18\x01 \x01(\x05\x12\x10\n\x08sessions\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x15\n\rlive_sessions\x18\x04 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,21 +39,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMIT']._serialized_start=193
   _globals['_COMMIT']._serialized_end=289
   _globals['_STARTSESSIONREQUEST']._serialized_start=292
-  _globals['_STARTSESSIONREQUEST']._serialized_end=537
-  _globals['_STARTSESSIONRESPONSE']._serialized_start=539
-  _globals['_STARTSESSIONRESPONSE']._serialized_end=624
-  _globals['_COMMITREQUEST']._serialized_start=626
-  _globals['_COMMITREQUEST']._serialized_end=697
-  _globals['_COMMITRESPONSE']._serialized_start=699
-  _globals['_COMMITRESPONSE']._serialized_end=715
-  _globals['_RELEASEREQUEST']._serialized_start=717
-  _globals['_RELEASEREQUEST']._serialized_end=753
-  _globals['_RELEASERESPONSE']._serialized_start=755
-  _globals['_RELEASERESPONSE']._serialized_end=790
-  _globals['_INFOREQUEST']._serialized_start=792
-  _globals['_INFOREQUEST']._serialized_end=805
-  _globals['_ENGINEINFO']._serialized_start=808
-  _globals['_ENGINEINFO']._serialized_end=1233
-  _globals['_PASSLOAD']._serialized_start=1235
-  _globals['_PASSLOAD']._serialized_end=1317
+  _globals['_STARTSESSIONREQUEST']._serialized_end=557
+  _globals['_STARTSESSIONRESPONSE']._serialized_start=559
+  _globals['_STARTSESSIONRESPONSE']._serialized_end=644
+  _globals['_COMMITREQUEST']._serialized_start=646
+  _globals['_COMMITREQUEST']._serialized_end=717
+  _globals['_COMMITRESPONSE']._serialized_start=719
+  _globals['_COMMITRESPONSE']._serialized_end=735
+  _globals['_RELEASEREQUEST']._serialized_start=737
+  _globals['_RELEASEREQUEST']._serialized_end=773
+  _globals['_RELEASERESPONSE']._serialized_start=775
+  _globals['_RELEASERESPONSE']._serialized_end=810
+  _globals['_INFOREQUEST']._serialized_start=812
+  _globals['_INFOREQUEST']._serialized_end=825
+  _globals['_ENGINEINFO']._serialized_start=828
+  _globals['_ENGINEINFO']._serialized_end=1253
+  _globals['_PASSLOAD']._serialized_start=1255
+  _globals['_PASSLOAD']._serialized_end=1337
 # @@protoc_insertion_point(module_scope)

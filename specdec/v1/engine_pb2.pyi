@@ -40,7 +40,7 @@ class Commit(_message.Message):
     def __init__(self, step: _Optional[int] = ..., base_len: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "traceparent", "return_features", "features", "prompt_length", "eos_token_ids")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "traceparent", "return_features", "features", "prompt_length", "eos_token_ids", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class StartSessionRequest(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _coordinator_pb2.SamplingParams
@@ -57,7 +58,8 @@ class StartSessionRequest(_message.Message):
     features: Features
     prompt_length: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_coordinator_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., return_features: _Optional[bool] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., prompt_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_coordinator_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., return_features: _Optional[bool] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., prompt_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ("features", "cached_tokens")

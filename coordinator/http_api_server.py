@@ -11,7 +11,7 @@ import sys
 import uvicorn
 
 from coordinator.front import CoordinatorFront
-from coordinator.http_front import OpenAIApp
+from coordinator.http_front import STALL_TIMEOUT_S, OpenAIApp
 from specdec.runtime.security import Security
 from specdec.telemetry import metrics
 
@@ -28,14 +28,20 @@ class HttpServer:
 
     @classmethod
     async def start(
-        cls, front: CoordinatorFront, model_name: str, host: str, port: int, tls: Security | None = None
+        cls,
+        front: CoordinatorFront,
+        model_name: str,
+        host: str,
+        port: int,
+        tls: Security | None = None,
+        stall_timeout: float = STALL_TIMEOUT_S,
     ) -> HttpServer:
         """Serve the API on ``host``:``port``: HTTPS when ``tls`` has a certificate (the same
         SPECDEC_TLS_* files as the gRPC port, a CA then requiring client certificates), else
         plain HTTP -- never plain HTTP beside a TLS gRPC port."""
         from prometheus_client import generate_latest
 
-        app = OpenAIApp(front, model_name, lambda: generate_latest(metrics.REGISTRY)).app
+        app = OpenAIApp(front, model_name, lambda: generate_latest(metrics.REGISTRY), stall_timeout).app
         options: dict = {}
         if tls is not None and tls.server_tls:
             options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}

@@ -34,6 +34,11 @@ from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger("specdec.coordinator.http")
 MAX_BODY_BYTES = 4 << 20  # a request body (prompts are bounded further by the schema)
+BUFFERED_CHUNKS = 16  # per stream, chunks produced and not yet taken by the client
+STALL_TIMEOUT_S = 60.0  # a streaming client that reads nothing this long has its generations stopped
+# A whole (non-streamed) answer is rendered in a worker thread; past this many tokens and logprob
+# entries in all (n x max_tokens x (1 + top logprobs)) it is refused: such an answer is streamed.
+MAX_WHOLE_ANSWER_ENTRIES = 1 << 20
 
 HTTP_STATUS = {  # gRPC status -> HTTP status, with OpenAI's error type
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
@@ -101,6 +106,8 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> Any:
         return json.loads(body)
     except ValueError as exc:
         raise HttpError(400, "invalid_request_error", f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser goes
+        raise HttpError(400, "invalid_request_error", "the body's JSON is nested too deeply") from None
 
 
 async def until_disconnected(request: Request) -> None:
@@ -113,20 +120,30 @@ async def until_disconnected(request: Request) -> None:
 
 @dataclass
 class Choice:
-    """One generation of a request (one GenerateRequest), as it accumulates."""
+    """One generation of a request (one GenerateRequest), as it accumulates. ``keep``: keep its
+    text and logprobs for a whole (non-streamed) answer; a streamed one counts them only, so a
+    long stream holds no more than its chunks in flight."""
 
     index: int
-    text: str = ""
+    keep: bool = True
+    chars: int = 0  # characters of its text so far
     tokens: int = 0
     prompt_tokens: int = 0
     finish_reason: str | None = None
     stats: coordinator_pb2.SpeculationStats | None = None
     seed: int = 0
+    pieces: list[str] = field(default_factory=list)  # its text, as it came (joined once: linear)
     logprobs: list[coordinator_pb2.TokenLogprobs] = field(default_factory=list)
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
     def add(self, chunk: coordinator_pb2.GenerateChunk) -> None:
-        self.logprobs.extend(chunk.logprobs)
-        self.text += chunk.text
+        if self.keep:
+            self.logprobs.extend(chunk.logprobs)
+            self.pieces.append(chunk.text)
+        self.chars += len(chunk.text)
         self.tokens += len(chunk.token_ids)
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
         if chunk.finish_reason:
@@ -156,38 +173,70 @@ async def _first_chunks(streams: list) -> list:
         raise
 
 
+class _Stalled(Exception):
+    """The reader of a stream took nothing for the stall timeout."""
+
+
 async def merged(
     streams: list[AsyncIterator[coordinator_pb2.GenerateChunk]],
     firsts: list[coordinator_pb2.GenerateChunk | None],
     gone: asyncio.Future,
+    stall_timeout: float = STALL_TIMEOUT_S,
 ) -> AsyncIterator[tuple[int, coordinator_pb2.GenerateChunk]]:
     """(choice index, chunk) from every stream as they come; stops (closing every stream) when
-    ``gone`` completes -- the client disconnected -- or on the first error, which it raises."""
-    queue: asyncio.Queue = asyncio.Queue()
+    ``gone`` completes -- the client disconnected -- or on the first error, which it raises.
+
+    At most BUFFERED_CHUNKS chunks per stream wait for the reader: a client that stops reading
+    stalls its own generations (their producers wait; nobody else's do), and one that reads
+    nothing for ``stall_timeout`` seconds has them stopped -- their sessions freed -- and, if it
+    ever reads again, gets an error once the chunks already buffered are out."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=BUFFERED_CHUNKS * max(1, len(streams)))
     done = object()
+    stalled = asyncio.Event()
+
+    async def put(item) -> None:
+        try:
+            await asyncio.wait_for(queue.put(item), stall_timeout)
+        except asyncio.TimeoutError:
+            raise _Stalled from None
 
     async def pump(index: int) -> None:
         try:
             if firsts[index] is not None:
-                await queue.put((index, firsts[index]))
+                await put((index, firsts[index]))
             async for chunk in streams[index]:
-                await queue.put((index, chunk))
-            await queue.put((index, done))
+                await put((index, chunk))
+            await put((index, done))
+        except _Stalled:
+            log.warning("a client read nothing for %.0f s: its generation is stopped", stall_timeout)
+            stalled.set()
+            with contextlib.suppress(Exception):
+                await streams[index].aclose()  # type: ignore[attr-defined]  # cancels it, frees its sessions
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put((index, exc))
+            with contextlib.suppress(_Stalled):
+                await put((index, exc))
 
     pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
     # The client may go while nobody iterates this (a streaming response stalled on a dead
     # socket): the disconnect itself cancels the generations.
     gone.add_done_callback(lambda _: [task.cancel() for task in pumps])
+    waiting_stall = asyncio.ensure_future(stalled.wait())
     left = len(streams)
     try:
         while left:
+            if stalled.is_set() and queue.empty():
+                raise HttpError(
+                    408,
+                    "timeout_error",
+                    f"the client read nothing for {stall_timeout:.0f} s: the generation was stopped",
+                )
             getter = asyncio.ensure_future(queue.get())
-            await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({getter, gone, waiting_stall}, return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
                 getter.cancel()
-                return  # the client is gone
+                if gone.done():
+                    return  # the client is gone
+                continue  # stalled: the buffered chunks first, then the error
             index, item = getter.result()
             if item is done:
                 left -= 1
@@ -196,6 +245,7 @@ async def merged(
             else:
                 yield index, item
     finally:
+        waiting_stall.cancel()
         for task in pumps:
             task.cancel()
         for stream in streams:
@@ -203,17 +253,37 @@ async def merged(
                 await stream.aclose()  # type: ignore[attr-defined]  # cancels the generation, frees its sessions
 
 
+def _check_whole_answer(requests: list[coordinator_pb2.GenerateRequest]) -> None:
+    """Refuse a non-streamed request whose answer could pass MAX_WHOLE_ANSWER_ENTRIES (its
+    choices' max_tokens with their logprobs): held and rendered at once, it is a stream's job."""
+    entries = sum(r.sampling.max_new_tokens * (1 + max(0, r.sampling.logprobs)) for r in requests)
+    if entries > MAX_WHOLE_ANSWER_ENTRIES:
+        raise InvalidArgumentError(
+            "stream",
+            f"a whole answer of {len(requests)} choices x max_tokens x logprobs ({entries} entries) passes the "
+            f"limit of {MAX_WHOLE_ANSWER_ENTRIES}: send stream: true, or ask for fewer",
+        )
+
+
 def sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
 class OpenAIApp:
-    """The routes, over one front. ``model_name``: what ``/v1/models`` lists and requests may name."""
+    """The routes, over one front. ``model_name``: what ``/v1/models`` lists and requests may name.
+    ``stall_timeout``: seconds a streaming client may read nothing before its generation stops."""
 
-    def __init__(self, front: CoordinatorFront, model_name: str, metrics_text: Callable[[], bytes]):
+    def __init__(
+        self,
+        front: CoordinatorFront,
+        model_name: str,
+        metrics_text: Callable[[], bytes],
+        stall_timeout: float = STALL_TIMEOUT_S,
+    ):
         self.front = front
         self.model_name = model_name
         self.metrics_text = metrics_text
+        self.stall_timeout = stall_timeout
         self.app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_api_route("/health", self.health, methods=["GET"])
         self.app.add_api_route("/v1/models", self.models, methods=["GET"])
@@ -280,7 +350,9 @@ class OpenAIApp:
             # not durable: an OpenAI client cannot resume, so nothing of it goes to the session log
             key = request.headers.get("authorization")
             streams = [self.front.stream(r, caller, durable=False, authorization=key) for r in grpc_requests]
-            firsts = await _first_chunks(streams)
+            firsts = await _first_chunks(streams)  # every choice validated and started
+            if not parsed.stream:
+                _check_whole_answer(grpc_requests)
         except Exception as exc:
             for s in streams:
                 with contextlib.suppress(Exception):
@@ -290,7 +362,7 @@ class OpenAIApp:
             return error_response(exc)
         response = _Response(request_id, self.model_name, chat, parsed, len(streams))
         gone = asyncio.ensure_future(until_disconnected(request))
-        chunks = merged(streams, list(firsts), gone)
+        chunks = merged(streams, list(firsts), gone, self.stall_timeout)
         if parsed.stream:
             return StreamingResponse(
                 self._events(response, chunks, gone),
@@ -302,7 +374,9 @@ class OpenAIApp:
                 response.choices[index].add(chunk)
             if gone.done():
                 return Response(status_code=499)  # nobody to answer; the generations are cancelled
-            return JSONResponse(response.whole())
+            # built and encoded in a worker thread: a large answer must not stall every other stream
+            body = await asyncio.to_thread(lambda: json.dumps(response.whole(), separators=(",", ":")).encode())
+            return Response(body, media_type="application/json")
         except Exception as exc:  # noqa: BLE001
             return error_response(exc)
         finally:
@@ -333,7 +407,7 @@ class _Response:
     def __init__(self, request_id: str, model: str, chat: bool, parsed, n_streams: int):
         self.id, self.model, self.chat, self.parsed = request_id, model, chat, parsed
         self.created = int(time.time())
-        self.choices = [Choice(i) for i in range(n_streams)]
+        self.choices = [Choice(i, keep=not parsed.stream) for i in range(n_streams)]
         self.echo = "" if chat or not parsed.echo else parsed.prompt
         self.wants_logprobs = bool(parsed.logprobs) if chat else parsed.logprobs is not None
 
@@ -408,7 +482,7 @@ class _Response:
 
     def events(self, index: int, chunk: coordinator_pb2.GenerateChunk) -> list[dict[str, Any]]:
         choice = self.choices[index]
-        offset = len(self.echo) + len(choice.text)
+        offset = len(self.echo) + choice.chars
         choice.add(chunk)
         out = []
         if chunk.text or (self.wants_logprobs and chunk.logprobs):  # text may lag its tokens (a held stop)

@@ -27,6 +27,11 @@ NEG_INF_LOGPROB = -9999.0  # JSON has no -inf: what vLLM sends for a token the t
 FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}  # ours -> OpenAI's
 
 
+# Integers bound for the gRPC fields they become (int32): a larger one is a 400 naming the field,
+# not a protobuf ValueError (HTTP 500).
+Int32 = Annotated[StrictInt, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
 
@@ -34,7 +39,7 @@ class _Strict(BaseModel):
 class SpeculationOptions(_Strict):
     """Our extension: speculation per request (the server's default when absent)."""
 
-    num_speculative_tokens: StrictInt | None = None
+    num_speculative_tokens: Int32 | None = None
     method: Literal["draft_model", "ngram", "none"] | None = None
     adaptive: StrictBool | None = None
     replayable: StrictBool | None = None  # k from the request's own past only (None: the server's choice)
@@ -54,7 +59,7 @@ class _Common(_Strict):
     n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: StrictInt | None = None  # vLLM: -1 or 0 = off
+    top_k: Int32 | None = None  # vLLM: -1 or 0 = off
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -62,8 +67,8 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    stop_token_ids: list[Int32] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=(1 << 31) - 1)] = 0
     ignore_eos: StrictBool = False
     invariant: StrictBool | None = None  # our extension: invariant sampling (None: the server's default)
     cache_salt: Annotated[str, Field(max_length=256)] | None = None  # vLLM's: the prefix cache's scope
@@ -79,11 +84,11 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16  # OpenAI's default
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=(1 << 31) - 1)] | None = 16  # OpenAI's default
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
+    logprobs: Int32 | None = None
+    best_of: Int32 | None = None
     suffix: str | None = None
 
 
@@ -95,10 +100,10 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=(1 << 31) - 1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=(1 << 31) - 1)] | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int32 | None = None
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:
@@ -106,11 +111,20 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "body"
+        errors = exc.errors()
+        # a field of several accepted shapes fails once per shape: a bound broken says more
+        # than "should be a valid string" of a shape the client did not mean
+        error = next((e for e in errors if not str(e["type"]).endswith("_type")), errors[0])
+        where = ".".join(str(part) for part in error["loc"] if not _shape_name(part)) or "body"
         if error["type"] == "extra_forbidden":
             raise InvalidArgumentError(where, "unknown or unsupported field") from None
         raise InvalidArgumentError(where, error["msg"]) from None
+
+
+def _shape_name(part) -> bool:
+    """Whether a part of pydantic's error location names a union member ('str', 'list[int]'),
+    not a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part)
 
 
 def _unsupported(field: str, why: str) -> InvalidArgumentError:

@@ -28,6 +28,7 @@ from specdec.telemetry import logs, tracing
 from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger("specdec.coordinator")
+STREAM_BACKPRESSURE_CHUNKS = 16
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -119,9 +120,11 @@ class RayBackend:
     async def generate(self, request, carrier, durable: bool = True):
         index = self._pick()
         self.in_flight[index] += 1
+        # backpressure: the actor pauses a request's generation while this many of its chunks
+        # wait for the front (a client that stops reading holds its own request, nobody else's)
         stream = (
             self.actors[index]
-            .generate.options(num_returns="streaming")
+            .generate.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE_CHUNKS)
             .remote(request.SerializeToString(), carrier, durable)
         )
         finished = False

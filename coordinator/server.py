@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(0 = off; `specdec serve` turns it on at 8000)",
     )
     p.add_argument(
+        "--http-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streaming HTTP client may read nothing before its generation is stopped",
+    )
+    p.add_argument(
         "--max-request-bytes",
         type=int,
         default=4 << 20,
@@ -105,7 +111,9 @@ async def serve(args: argparse.Namespace) -> None:
     if args.http_port:
         from coordinator.http_api_server import HttpServer
 
-        http = await HttpServer.start(front, front.model_name, args.host, args.http_port, security.current())
+        http = await HttpServer.start(
+            front, front.model_name, args.host, args.http_port, security.current(), args.http_stall_timeout
+        )
     await server.start()
     await srv.set_serving(health, [SERVICE], front.serving)
     front.on_health_change.append(lambda serving: srv.set_serving(health, [SERVICE], serving))

@@ -5,6 +5,7 @@ are, and however its prompt is split into prefill chunks -- through rollbacks an
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -259,15 +260,21 @@ def test_the_pool_accounts_allocated_bytes_and_growth_stops_at_the_cap():
 
     model = kernel_llama(seed=4)
     per_token = SessionStore(model).bytes_per_token
-    store = SessionStore(model, CacheLimits(max_session_kv_bytes=12 * per_token), name="target")
+    from specdec.modeling.cache import GROWTH_MIN
+
+    cap = 2 * GROWTH_MIN
+    store = SessionStore(model, CacheLimits(max_session_kv_bytes=cap * per_token), name="target")
     session = store.create("s", [1, 2, 3, 4, 5], PARAMS)
     store.warm(session)
-    assert session.kv_bytes == 5 * per_token  # reserved for the prompt
-    store.forward(session, [6, 7, 8], rows=4)  # 8 positions: doubling gives 10
-    assert session.kv_bytes == 10 * per_token == session.cache.nbytes()
-    store.forward(session, [6, 7, 8, 9, 10, 11], rows=7)  # 11 positions: doubling would give 20; the cap allows 12
-    assert session.kv_bytes == 12 * per_token
-    assert store.total_kv_bytes == 12 * per_token
+    assert session.kv_bytes == 5 * per_token  # reserved for the prompt, exactly
+    store.forward(session, [6, 7, 8], rows=4)  # 8 positions: grown by at least GROWTH_MIN
+    assert session.kv_bytes == (5 + GROWTH_MIN) * per_token == session.cache.nbytes()
+    proposals = [
+        1 + i % 60 for i in range(GROWTH_MIN + 3)
+    ]  # past it: growth would give 2 * GROWTH_MIN + 5, the cap allows less
+    store.forward(session, proposals, rows=len(proposals) + 1)
+    assert session.kv_bytes == cap * per_token
+    assert store.total_kv_bytes == cap * per_token
 
 
 def test_a_pass_waits_for_every_session_stepping_not_only_the_last_passes():
@@ -457,3 +464,98 @@ def test_the_iteration_loop_outlives_failed_iterations_and_says_not_serving_whil
     outcomes, result = asyncio.run(main())
     assert outcomes == ["UNAVAILABLE"] * UNHEALTHY_AFTER_FAILURES
     assert result == "ok" and health == [False, True]
+
+
+# -- admission and the prefill share (issue 42, item 5) -------------------------------------------
+def _pool_of(tokens: int, **runner_options):
+    from specdec.engine.sessions import CacheLimits, SessionEngine
+
+    model = kernel_llama(seed=4)
+    per_token = SessionStore(model).bytes_per_token
+    store = SessionStore(model, CacheLimits(max_sessions=8, max_total_kv_bytes=tokens * per_token), name="target")
+    runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8, **runner_options)
+    engine = SessionEngine(store)
+
+    def start(sid, n):
+        return runner.add(engine.prefill_work(sid, list(range(1, n + 1)), PARAMS), sid, admit_tokens=n)
+
+    return store, runner, start
+
+
+def test_a_start_too_big_for_now_lets_smaller_ones_pass_only_within_the_bypass_window():
+    store, runner, start = _pool_of(20, bypass_seconds=30.0)
+    start("running", 8)
+    runner.iterate()
+    big = start("big", 16)  # needs 16, 12 are free: waits for "running" to end
+    small = start("small", 4)  # fits now: starts at once instead of waiting behind "big"
+    runner.iterate()
+    assert not big.finished and small.finished and small.error is None
+    store.release("small")
+
+    store, runner, start = _pool_of(20, bypass_seconds=0.0)  # no bypass: strict order behind the big one
+    start("running", 8)
+    runner.iterate()
+    big, small = start("big", 16), start("small", 4)
+    runner.iterate()
+    assert not big.finished and not small.finished
+    store.release("running")  # room: the oldest first, then the next
+    runner.iterate()
+    assert big.finished and big.error is None and small.finished and small.error is None
+
+
+def test_a_start_that_waits_past_the_bound_is_refused_saying_how_long():
+    from specdec.errors import ResourceExhaustedError
+
+    _store, runner, start = _pool_of(20, bypass_seconds=0.0, max_wait_seconds=0.2)
+    start("running", 8)
+    runner.iterate()
+    big = start("big", 16)
+    runner.iterate()
+    assert not big.finished
+    time.sleep(0.3)
+    runner.iterate()
+    assert isinstance(big.error, ResourceExhaustedError) and "waited 0 s for KV room" in str(big.error)
+    assert runner.waiting() == 0
+
+
+@pytest.mark.skipif(not BATCHED_KERNEL, reason="prefill is split only with the batched kernel")
+def test_prefills_get_their_share_of_a_pass_beside_long_verify_blocks():
+    store = SessionStore(kernel_llama(seed=1), name="target")
+    runner = BatchRunner(store, max_batch_tokens=16, max_batch_sessions=8)
+    verifiers = [store.create(f"v{i}", [1, 2], PARAMS) for i in range(3)]
+    for session in verifiers:
+        store.warm(session)
+
+    def verify_forever(session, passes):
+        for step in range(1, passes + 1):
+            yield PassRequest(session, [3, 4, 5, 6], 5)  # a block of k = 4: 5 rows
+            store.commit(session, Commit(step, len(session.tokens), (7,)))  # rejected at once
+        return "done"
+
+    def prefill(session_id, prompt):
+        session = store.create(session_id, prompt, PARAMS)
+        fed = []
+        request = PassRequest(session, prefill=True, upto=len(prompt) - 1)
+        while store.feed_length(request):
+            before = len(session.cached)
+            yield request
+            fed.append(len(session.cached) - before)
+        return fed
+
+    for session in verifiers:
+        runner.add(verify_forever(session, 40), session.session_id)
+    prefilling = runner.add(prefill("p", list(range(1, 41))), "p")
+    while not prefilling.finished:
+        runner.iterate()
+    # 3 blocks of 5 rows would leave a 16-row pass 1 row for the prompt; its share is 4
+    assert min(prefilling.result[:-1]) >= runner.prefill_reserve == 4
+    assert sum(prefilling.result) == 39
+
+
+def test_a_cache_grows_by_a_quarter_not_by_doubling():
+    from specdec.modeling.cache import GROWTH_MIN, LeanCache
+
+    cache = LeanCache(1, 1, 4, torch.float32, "cpu", max_length=4096, capacity=256)
+    assert cache.planned_capacity(257) == 320  # doubling reserved 512
+    assert LeanCache(1, 1, 4, torch.float32, "cpu", max_length=4096, capacity=8).planned_capacity(9) == 8 + GROWTH_MIN
+    assert cache.planned_capacity(4000) == 4000 and cache.planned_capacity(300, most=300) == 300

@@ -4,7 +4,9 @@ coordinator, Redis itself; plus resumable streams and a churn soak. Real process
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import json
 import os
 import random
 import signal
@@ -16,7 +18,7 @@ import time
 import grpc
 import pytest
 import redis
-from stack_util import request, stub
+from stack_util import generate_many, request, stub
 
 from specdec.apps.launcher import Stack, free_port, local_stack
 from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
@@ -26,12 +28,13 @@ from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LONG = 500  # tokens: long enough that a kill after the first chunk lands mid-stream
-# Every coordinator here runs the replayable schedule (k from a request's own past, not from the
-# load), under which seeded sampled requests keep their tokens under load and through a takeover;
+# Every coordinator here (but the default ones of the seeded-identity test) runs the replayable
+# schedule (k from a request's own past, not from the load) and makes seeded requests keep
+# rejection sampling on it, under which they keep their tokens under load and through a takeover;
 # and it prices a draft block so that this pair's blocks (~0.5 accepted per position) hover around
 # break-even: adaptive requests (the default) then mix blocks and target-only steps, and a takeover
 # must rebuild that policy's state exactly.
-STEP_COST = ["--replayable-schedule", "--step-cost", "0.4,0.2"]
+STEP_COST = ["--replayable-schedule", "--seeded-sampling", "replayable", "--step-cost", "0.4,0.2"]
 
 
 @pytest.fixture(scope="module")
@@ -369,6 +372,86 @@ def test_an_invariant_request_keeps_its_target_only_tokens_through_a_draft_and_a
     assert last.stats.policy == "load_aware"  # where a standard seeded request gets the replayable one:
     standard = {**base, "invariant": False, "max_new_tokens": 4}
     assert stub(stack.coordinator_address).Generate(request(prompt, k=3, **standard)).stats.policy == "adaptive"
+
+
+@pytest.fixture(scope="module")
+def default_coordinators(stack, tmp_path_factory):
+    """Two coordinators with the default settings (no --replayable-schedule: the load-aware
+    policy), HTTP on the first, both on the stack's replicas and Redis."""
+    logs = tmp_path_factory.mktemp("default-coordinators")
+    http_port = free_port()
+    with (
+        extra_coordinator(stack, logs, "default-a", options=("--http-port", str(http_port))) as first,
+        extra_coordinator(stack, logs, "default-b", options=()) as second,
+    ):
+        first.http_url = f"http://127.0.0.1:{http_port}"
+        yield first, second
+
+
+def http_tokens(http_url: str, prompt, seed: int, max_tokens: int, on_first=None, **extra) -> list[int]:
+    """A seeded sampled completion through the HTTP API (streamed, as chat UIs read it), as token
+    ids (the word tokenizer's text is "w5 w7 ..."); ``on_first`` runs after the first tokens."""
+    import httpx
+
+    body = {"prompt": prompt, "temperature": 0.8, "seed": seed, "max_tokens": max_tokens, "stream": True}
+    body.update(ignore_eos=True, **extra)
+    text = ""
+    with httpx.Client(timeout=300) as client, client.stream("POST", f"{http_url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            piece = event["choices"][0]["text"]
+            if piece and not text and on_first is not None:
+                on_first()
+            text += piece
+    return [int(word[1:]) for word in text.split()]
+
+
+def test_a_seed_fixes_the_tokens_on_default_settings_alone_under_load_after_a_draft_kill_and_a_takeover(
+    stack, default_coordinators, tmp_path
+):
+    """Issue 42, item 1: on a coordinator with default settings, a request that sends a seed and
+    samples gets the same tokens alone, among 8 in flight, after its draft replica is killed and
+    after its coordinator is killed and another takes it over -- on the gRPC API and on the HTTP
+    API (whose choice 0 is the gRPC request with that seed). The load-aware policy keeps choosing
+    each step's k from the load; the tokens do not follow it."""
+    coordinator, other = default_coordinators
+    prompt = [6, 2, 8, 3]
+
+    def seeded(seed, n=60, **kw):
+        return request(prompt, temperature=0.8, seed=seed, max_new_tokens=n, ignore_eos=True, **kw)
+
+    alone = {seed: list(stub(coordinator.address).Generate(seeded(seed)).token_ids) for seed in range(8)}
+    assert len({tuple(t) for t in alone.values()}) == 8  # eight different samples
+    replies = generate_many(coordinator.address, [seeded(seed) for seed in range(8)], concurrency=8)
+    assert [list(r.token_ids) for r in replies] == [alone[seed] for seed in range(8)]
+    assert all(r.stats.policy == "load_aware" for r in replies)  # k followed the load all along
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        over_http = list(pool.map(lambda seed: http_tokens(coordinator.http_url, prompt, seed, 60), range(8)))
+    assert over_http == [alone[seed] for seed in range(8)]
+
+    # a draft replica killed under the stream (a fixed k, so the draft holds the session then)
+    long_alone = list(stub(coordinator.address).Generate(seeded(77, LONG)).token_ids)
+    killer = kill_serving(stack, "draft")
+    tokens, last, error = stream(coordinator.address, seeded(77, LONG, k=3, adaptive=False), on_first=killer)
+    assert error is None and tokens == long_alone and last.stats.draft_failovers == 1
+    replace_replica(stack, "draft")
+    killer = kill_serving(stack, "draft")
+    fixed = {"speculation": {"num_speculative_tokens": 3, "adaptive": False}}
+    assert http_tokens(coordinator.http_url, prompt, 77, LONG, on_first=killer, **fixed) == long_alone
+    replace_replica(stack, "draft")
+
+    # the coordinator killed mid-stream; the client resumes on another with default settings
+    with extra_coordinator(stack, tmp_path, "doomed-default", options=()) as doomed:
+        rid = f"seeded-takeover-{time.monotonic_ns()}"
+        kill = lambda: os.killpg(doomed.process.pid, signal.SIGKILL)  # noqa: E731 - front and its Ray
+        first, _, error = stream(doomed.address, seeded(77, LONG, request_id=rid), on_first=kill)
+    assert error in ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL") and 0 < len(first) < LONG
+    rest, last, error = stream(other.address, seeded(77, LONG, request_id=rid, resume_from_index=len(first)))
+    assert error is None and first + rest == long_alone
 
 
 def test_bad_resume_requests(stack):

@@ -166,11 +166,17 @@ def test_the_startup_profile_measures_every_size_leaves_nothing_and_is_kept(tmp_
     model = tiny_llama(32, seed=5, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
     draft_points = profile.pass_costs(DraftEngine(model), 4)
     assert [n for n, _ in draft_points] == [1, 2, 4] and all(t > 0 for _, t in draft_points)
-    engine = TargetEngine(model)
+    from specdec.engine.sessions import CacheLimits
+
+    engine = TargetEngine(model, CacheLimits(prefix_cache_bytes=1 << 26))
     store = engine.store
+    kept = store.prefixes
     points = profile.pass_costs(engine, 8)
     assert [n for n, _ in points] == [1, 2, 4, 8] and all(t > 0 for _, t in points)
     assert len(store) == 0 and store.sessions_started == 0  # scratch sessions are gone, uncounted
+    assert store.prefixes is kept  # and they left the prefix cache as it was: empty, nothing looked up
+    if kept is not None:
+        assert kept.nbytes == 0 and kept.stats()["prefix_cache_queried_tokens"] == 0
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # one per engine kind
     monkeypatch.setattr(profile, "measure", lambda *a, **k: pytest.fail("measured again"))
     assert profile.pass_costs(engine, 8) == points  # the next start reads it back
@@ -505,3 +511,21 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
 
         asyncio.run(drain(loop))
         assert seen[0] == first  # (a local target reports no passes: later steps see it alone)
+
+
+def test_a_cost_curve_refuses_nan_and_inf_and_a_report_of_them_moves_nothing():
+    """A replica reporting NaN or inf pass times (a bug, a forged report) used to make the policy
+    pick the largest k (issue 42, item 7): such a profile is no profile, such a pass no evidence."""
+    from specdec.runtime import wire
+    from specdec.v1 import engine_pb2
+
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="finite"):
+            CostCurve([(1, 0.01), (4, bad)])
+        info = engine_pb2.EngineInfo(cost_sizes=[1, 4], cost_seconds=[0.01, bad])
+        assert wire.cost_curve_from_info(info) is None
+        assert wire.pass_load_from_proto(engine_pb2.PassLoad(size=4, sessions=2, seconds=bad, live_sessions=2)) is None
+    curve = CostCurve([(1, 0.01), (4, 0.02)])
+    for bad in (float("nan"), float("inf")):
+        curve.observe(4, bad)
+    assert curve.points == [(1, 0.01), (4, 0.02)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +35,7 @@ CHAT_TEMPLATE = (
 )
 LONG = 16384  # context and max_new_tokens limit of this stack
 FIXED_K = {"speculation": {"num_speculative_tokens": 2, "adaptive": False}}  # seeded: one schedule
+STALL_S = 3  # a streaming client that reads nothing this long has its generation stopped
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,14 @@ def stack(tmp_path_factory):
         log_dir=tmp_path_factory.mktemp("http-logs"),
         extra_target=["--threads", "1"],
         extra_draft=["--threads", "1"],
-        extra_coordinator=["--served-model-name", "tiny", "--max-new-tokens-limit", str(LONG)],
+        extra_coordinator=[
+            "--served-model-name",
+            "tiny",
+            "--max-new-tokens-limit",
+            str(LONG),
+            "--http-stall-timeout",
+            str(STALL_S),
+        ],
     ) as s:
         s.target = target
         yield s
@@ -276,6 +285,80 @@ def test_a_client_that_disconnects_mid_stream_frees_both_sessions(stack):
     assert _metric(stack, "specdec_requests_total") == finished  # both cut short: neither finished
 
 
+def test_a_streaming_client_that_stops_reading_stalls_only_itself_and_is_stopped(stack, client):
+    """Issue 42, item 4: a client that sends a long streaming request and reads nothing used to
+    make the server generate and buffer the whole answer. Now its generation waits for it (a
+    bounded buffer, and Ray's backpressure behind it), other requests go on, and after the stall
+    timeout its generation is stopped and its sessions freed -- while its socket stays open; if
+    it reads at last it gets what was buffered, then an error event, then [DONE]."""
+    import socket
+    import urllib.parse
+
+    body = {
+        "model": "tiny",
+        "prompt": "w5 w6",
+        "max_tokens": LONG - 100,
+        "temperature": 1.0,
+        "stream": True,
+        "ignore_eos": True,
+        "logprobs": 20,  # large events: the kernel's socket buffers fill after fewer tokens
+        **FIXED_K,
+    }
+    data = json.dumps(body).encode()
+    where = urllib.parse.urlsplit(stack.http_url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server feels it at once
+    sock.connect((where.hostname, where.port))
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+    sock.sendall(head.encode() + b"\r\n\r\n" + data)
+    try:
+        other = client.completions.create(
+            model="tiny", prompt="w7", max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert other.usage.completion_tokens == 20  # the stalled stream holds nobody else up
+        assert _sessions_clear(stack, within=120.0)  # stopped after STALL_S, the socket still open
+        sock.settimeout(30)
+        received = b""
+        while b"[DONE]" not in received:
+            part = sock.recv(1 << 16)
+            if not part:
+                break
+            received += part
+    finally:
+        sock.close()
+    events = [json.loads(line[6:]) for line in received.decode().splitlines() if line.startswith("data: {")]
+    delivered = sum(len(ids(e["choices"][0]["text"])) for e in events if e.get("choices"))
+    assert 0 < delivered < LONG - 100, delivered  # generation paused with the reader, then stopped
+    assert events[-1]["error"]["type"] == "timeout_error" and "read nothing" in events[-1]["error"]["message"]
+
+
+def test_a_whole_answer_too_large_to_render_at_once_is_refused_naming_stream(stack):
+    status, body = _post(
+        stack,
+        "/v1/completions",
+        json.dumps({"model": "tiny", "prompt": "w5", "max_tokens": LONG - 100, "n": 16, "logprobs": 5}).encode(),
+    )
+    assert status == 400 and body["error"]["param"] == "stream" and "stream: true" in body["error"]["message"]
+
+
+def test_after_a_429_no_choice_of_the_refused_request_runs_on(stack):
+    """16 prompts x n = 16 is 256 generations, past the coordinator's 64 at once: the request is
+    refused, and the choices that had started are stopped with it (they used to run to their
+    end, unread)."""
+    body = {"model": "tiny", "prompt": [f"w{i} w5" for i in range(16)], "n": 16, "max_tokens": LONG - 100}
+    body["stream"] = True  # refused before its first event: a 429 all the same
+    code, answer = _post(stack, "/v1/completions", json.dumps({**body, "ignore_eos": True, **FIXED_K}).encode())
+    assert code == 429 and "requests in flight" in answer["error"]["message"], answer
+    assert _sessions_clear(stack, within=30.0)
+
+
+def test_json_nested_deeper_than_the_parser_goes_is_a_400(stack, client):
+    for nested in (b"[" * 100_000 + b"]" * 100_000, b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"):
+        code, answer = _post(stack, "/v1/completions", nested)
+        assert code == 400 and "nested too deeply" in answer["error"]["message"], answer
+    assert client.models.list().data  # and the server answers the next request
+
+
 def _post(stack, path: str, data: bytes, content_type: str = "application/json"):
     req = urllib.request.Request(f"{stack.http_url}{path}", data=data, headers={"Content-Type": content_type})
     try:
@@ -299,6 +382,12 @@ def _post(stack, path: str, data: bytes, content_type: str = "application/json")
         ({"model": "tiny", "prompt": "w5", "speculation": {"num_speculative_tokens": 99}}, 400, None),
         ({"model": "other", "prompt": "w5"}, 404, "model"),
         ({"model": "tiny"}, 400, "prompt"),
+        # past int32 (the gRPC fields): 400 naming the field, not a protobuf error's 500
+        ({"model": "tiny", "prompt": "w5", "max_tokens": 2**40}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "w5", "stop_token_ids": [2**40]}, 400, "stop_token_ids.0"),
+        ({"model": "tiny", "prompt": "w5", "top_k": -(2**40)}, 400, "top_k"),
+        ({"model": "tiny", "prompt": "w5", "min_tokens": 2**40}, 400, "min_tokens"),
+        ({"model": "tiny", "prompt": [5, 2**40]}, 400, "prompt.1"),
     ],
 )
 def test_bad_input_gets_the_status_and_an_error_object_naming_the_field(stack, body, status, param):
@@ -359,6 +448,15 @@ def test_metrics_on_the_http_port_count_http_requests(stack, client):
     assert grew("vllm:spec_decode_num_accepted_tokens_total" + labels) == stats["accepted_tokens"]
     assert grew("vllm:e2e_request_latency_seconds_count" + labels) == 1
     assert after["vllm:num_requests_running" + labels] == 0 and after["vllm:num_requests_waiting" + labels] == 0
+    # the public port's metrics name replicas by registry id, never by their internal addresses
+    client.completions.create(model="tiny", prompt="w5", max_tokens=5)  # the load-aware policy reads the curves
+    deadline = time.monotonic() + 15  # the cost curves are polled every few seconds
+    text = ""
+    while "specdec_cost_model_seconds{" not in text and time.monotonic() < deadline:
+        time.sleep(0.5)
+        text = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
+    assert "specdec_cost_model_seconds{" in text
+    assert re.search(r"\d+\.\d+\.\d+\.\d+:\d+", text) is None and "127.0.0.1" not in text
 
 
 CASE = next(c for c in CASES if c.name == "top_k")
@@ -384,6 +482,8 @@ def test_sampled_law_through_the_http_api_is_the_targets(stack, client):
             extra_body={
                 "ignore_eos": True,
                 "speculation": {"num_speculative_tokens": CASE.k, "adaptive": False},
+                # rejection sampling, not the seeded default (invariant sampling: selftest cases)
+                "invariant": False,
                 **CASE.params,
             },
         )

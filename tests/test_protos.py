@@ -41,7 +41,8 @@ def test_public_api_names_are_pinned():
         "ignore_eos",
         "stop_token_ids",
     }
-    assert fields("SpeculationParams") == {"num_speculative_tokens", "method", "adaptive"}
+    assert fields("SpeculationParams") == {"num_speculative_tokens", "method", "adaptive", "replayable"}
+    assert "cache_salt" in fields("GenerateRequest") and "invariant" in fields("SamplingParams")
     assert fields("GenerateResponse") >= {"request_id", "token_ids", "text", "finish_reason", "seed", "stats"}
     assert "prompt_tokens" in fields("GenerateResponse") and "prompt_tokens" in fields("GenerateChunk")
     assert {"messages", "apply_chat_template"} <= fields("GenerateRequest")

@@ -268,3 +268,35 @@ def test_bad_tls_flags_stop_a_service_with_one_line_naming_the_setting(tmp_path)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert "SPECDEC_TLS_CERT and SPECDEC_TLS_KEY" in result.stderr  # a cert without its key
+
+
+def test_replica_errors_reach_clients_without_internal_addresses():
+    """A failed call to a replica becomes the client's status naming the replica's kind and the
+    problem; its address (and any HOST:PORT gRPC's transport error names) stays in the log."""
+    from specdec.runtime.peers import _peer_error
+
+    class Failed(grpc.aio.AioRpcError):
+        def __init__(self):
+            pass
+
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.3.7:50052: Connection refused"
+
+    error = _peer_error("target", "10.0.3.7:50052", Failed())
+    assert error.code == "UNAVAILABLE" and str(error).startswith("target replica: UNAVAILABLE")
+    assert "10.0.3.7" not in str(error) and "50052" not in str(error)
+
+
+def test_metrics_listen_on_the_processs_own_interface(monkeypatch):
+    from specdec.telemetry import metrics
+
+    seen = {}
+    monkeypatch.setattr(metrics, "start_http_server", lambda port, addr, registry: seen.update(port=port, addr=addr))
+    metrics.serve_metrics(9999, "127.0.0.1")
+    assert seen == {"port": 9999, "addr": "127.0.0.1"}
+    seen.clear()
+    metrics.serve_metrics(0, "0.0.0.0")
+    assert seen == {}  # off

@@ -283,13 +283,14 @@ def test_stream_equals_unary_and_last_chunk_carries_stats(stack):
 
 
 def test_unseeded_request_reports_its_seed(stack):
-    # Fixed k: the reported seed replays a request whose schedule depends only on its own past
-    # (docs/exactness.md); the default, load-aware schedule follows the load, so its seeded tokens
-    # may differ between runs (CI at 3298f0d: they did, at position 9).
+    # A request without a seed samples by rejection (the best acceptance) with the schedule the
+    # server chooses; its reported seed replays it sent back with invariant: false and a fixed k
+    # (docs/exactness.md, "What a seed fixes") -- sent alone, a seed means invariant sampling.
     s = stub(stack.coordinator_address)
     first = s.Generate(request([1, 2, 3], k=3, adaptive=False, max_new_tokens=12, ignore_eos=True))
     assert first.seed != 0
-    again = s.Generate(request([1, 2, 3], k=3, adaptive=False, max_new_tokens=12, ignore_eos=True, seed=first.seed))
+    replay = {"k": 3, "adaptive": False, "max_new_tokens": 12, "ignore_eos": True, "seed": first.seed}
+    again = s.Generate(request([1, 2, 3], invariant=False, **replay))
     assert list(again.token_ids) == list(first.token_ids)
 
 

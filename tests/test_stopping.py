@@ -135,6 +135,27 @@ def test_each_token_costs_a_decode_of_a_few_tokens_not_of_the_whole_output(token
     assert max(counting.lengths) <= 12  # windows of a few tokens (a character spans at most 4 bytes)
 
 
+def test_tokens_that_never_complete_a_character_cost_a_bounded_window_each(tokenizer):
+    """4096 lone continuation bytes (a model forced to emit them) used to re-decode the whole
+    unsettled run for each token -- quadratic, seconds on the event loop (issue 42, item 4).
+    Now a run that completes no character for MAX_UNSETTLED_TOKENS is settled as it decodes,
+    and the streamed text still adds up to the final text."""
+    from specdec.loop.stopping import MAX_UNSETTLED_TOKENS
+
+    lone = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == "\ufffd")
+    tokens = [lone] * 4096 + tokenizer("then words")["input_ids"]
+    counting = CountingTokenizer(tokenizer)
+    stopper = StopChecker(params(), tokenizer=counting)
+    streamed = []
+    for block in blocks(tokens, seed=2):
+        stopper.feed(block)
+        streamed.append(stopper.take_text())
+    streamed.append(stopper.take_text(final=True))
+    assert max(counting.lengths) <= 2 * MAX_UNSETTLED_TOKENS  # the settled run as context, and a new one
+    assert "".join(streamed) == stopper.text() and stopper.text().endswith("then words")
+    assert stopper.text().count("\ufffd") >= 4096 // MAX_UNSETTLED_TOKENS
+
+
 def test_nothing_ends_the_request_before_min_tokens():
     stopper = StopChecker(SamplingParams(max_new_tokens=8, min_tokens=3, stop_token_ids=(5,)), eos_token_ids=(9,))
     assert stopper.feed([5, 9]) == [5, 9] and not stopper.finished  # a stop id and EOS, too early to count

@@ -48,11 +48,11 @@ def stack(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def coordinator(stack, log_dir, name: str):
+def coordinator(stack, log_dir, name: str, extra=()):
     """Another coordinator process (its own Ray) on the stack's Redis."""
     port = free_port()
     args = [sys.executable, "-m", "specdec", "coordinator", "--redis", stack.redis_url, "--host", "127.0.0.1"]
-    args += ["--port", str(port), "--num-speculative-tokens", "2", "--max-new-tokens-limit", str(LONG)]
+    args += ["--port", str(port), "--num-speculative-tokens", "2", "--max-new-tokens-limit", str(LONG), *extra]
     with open(log_dir / f"{name}.log", "wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     child = Child(name, f"127.0.0.1:{port}", process)
@@ -140,10 +140,11 @@ def test_a_paused_coordinator_is_fenced_when_it_wakes_and_the_log_holds_each_tok
     assert error is None and replay == undisturbed  # the log: LONG tokens, none twice
 
 
-def test_redis_refusing_writes_is_unavailable_without_a_traceback_and_then_recovers(stack):
+def test_redis_refusing_writes_is_resource_exhausted_without_a_traceback_and_then_recovers(stack):
     """A real Redis out of memory (maxmemory below its use, noeviction) under the real coordinator
-    and its Ray actor: the client gets UNAVAILABLE naming the session store, not INTERNAL with
-    the actor's traceback (issue 24, item 14); once Redis has room, the same request works."""
+    and its Ray actor: the client gets RESOURCE_EXHAUSTED naming the session log, before anything
+    is written (issue 42, item 1; it was INTERNAL with the actor's traceback before issue 24), not
+    a traceback; once Redis has room, the same request works."""
     import redis
 
     admin = redis.Redis.from_url(stack.redis_url)
@@ -157,8 +158,9 @@ def test_redis_refusing_writes_is_unavailable_without_a_traceback_and_then_recov
     finally:
         admin.config_set("maxmemory", before)
     details = info.value.details()
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, (info.value.code(), details)
-    assert "Redis" in details and "Traceback" not in details and ".py" not in details and "pid" not in details
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (info.value.code(), details)
+    assert "session log (Redis)" in details and "maxmemory" in details
+    assert "Traceback" not in details and ".py" not in details and "pid" not in details
     assert len(stub(stack.coordinator_address).Generate(req, timeout=120).token_ids) == 8
 
 
@@ -197,3 +199,84 @@ def test_a_hung_redis_fails_requests_fast_and_shows_in_the_health_check(stack):
         os.kill(redis_pid, signal.SIGCONT)
     assert wait_for(SERVING) == SERVING
     assert len(stub(stack.coordinator_address).Generate(req, timeout=120).token_ids) == 8
+
+
+def test_redis_holds_nothing_for_refused_or_http_requests_and_stays_under_its_maxmemory(stack, tmp_path):
+    """Issue 42, item 1. (a) A flood of gRPC requests over the coordinator's limit: the refused
+    ones write no key, only the admitted ones do; an HTTP request (no OpenAI client can resume)
+    writes none. (b) Redis near its maxmemory: new requests are refused naming the session log
+    while Redis never passes its bound and the replicas' heartbeats go on; once finished outputs
+    expire (--output-ttl) requests are admitted again."""
+    import asyncio
+
+    import httpx
+    import redis
+
+    client = redis.Redis.from_url(stack.redis_url)
+
+    def logged() -> int:  # requests with a session log (a lease may outlive its answer by a moment)
+        return sum(1 for _ in client.scan_iter("specdec:req:*:meta", count=1000))
+
+    http_port = free_port()
+    extra = ["--max-concurrent-requests", "4", "--output-ttl", "10", "--http-port", str(http_port)]
+    with coordinator(stack, tmp_path, "bounded", extra) as bounded:
+        before = logged()
+
+        async def flood(requests):
+            async with grpc.aio.insecure_channel(bounded.address) as channel:
+                from specdec.v1 import coordinator_pb2_grpc
+
+                s = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+                async def one(r):
+                    try:
+                        await s.Generate(r, timeout=120)
+                        return "OK", ""
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code().name, exc.details()
+
+                return await asyncio.gather(*(one(r) for r in requests))
+
+        small = {"k": 2, "temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
+        outcomes = asyncio.run(flood([request([1, 2, 3 + i % 20], **small) for i in range(24)]))
+        ok = sum(code == "OK" for code, _ in outcomes)
+        refused = [d for code, d in outcomes if code == "RESOURCE_EXHAUSTED"]
+        assert ok >= 4 and len(refused) >= 10 and ok + len(refused) == 24, outcomes
+        assert all("requests in flight" in d for d in refused)
+        assert logged() - before == ok  # a session log per admitted request, none for a refused one
+
+        answer = httpx.post(
+            f"http://127.0.0.1:{http_port}/v1/completions",
+            json={"prompt": "w1 w2 w3", "max_tokens": 8, "temperature": 0, "n": 3},
+            timeout=120,
+        )
+        assert answer.status_code == 200 and logged() - before == ok
+
+        # (b): a bound just above what Redis holds now, filled by requests with logprobs
+        used = int(client.info("memory")["used_memory"])
+        original = client.config_get("maxmemory")["maxmemory"]
+        client.config_set("maxmemory", used + (1 << 20))
+        try:
+            heavy = {**small, "max_new_tokens": 1500, "logprobs": 20}
+            seen_refusal, peak = "", 0
+            for wave in range(8):
+                outcomes = asyncio.run(flood([request([4, 5, wave, i], **heavy) for i in range(4)]))
+                info = client.info("memory")
+                peak = max(peak, int(info["used_memory"]))
+                # Redis checks its bound before each write, so one write in flight may pass it a
+                # little (its buffers count too); what it must never do is grow on
+                assert int(info["used_memory"]) <= 1.1 * int(info["maxmemory"]), info["used_memory"]
+                assert {code for code, _ in outcomes} <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+                seen_refusal = next((d for code, d in outcomes if "session log" in d), "")
+                if seen_refusal:
+                    break
+            assert seen_refusal, outcomes  # at admission, or a running request's append when Redis was full
+            time.sleep(1.0)  # past the coordinator's last look at Redis's memory
+            ((code, details),) = asyncio.run(flood([request([6, 7, 8], **small)]))
+            assert code == "RESOURCE_EXHAUSTED" and "maxmemory" in details, details  # refused before any write
+            assert {"target", "draft"} <= {k.decode().split(":")[2] for k in client.scan_iter("specdec:replica:*")}
+            time.sleep(12)  # the finished outputs expire (--output-ttl 10)
+            reply = stub(bounded.address).Generate(request([1, 2, 3], **small), timeout=120)
+            assert len(reply.token_ids) == 40
+        finally:
+            client.config_set("maxmemory", original)

@@ -29,6 +29,14 @@ from specdec.errors import ReplicaFaultError, ResourceExhaustedError
 
 log = logging.getLogger("specdec.batching")
 STEPPING_SECONDS = 0.5  # a session that sent a work this recently is expected to send the next soon
+# Admission (issue 42, item 5): a session start that does not fit yet lets smaller ones that do
+# start before it -- for BYPASS_SECONDS; after that nothing passes it and it takes the next room
+# running sessions free (they always end) -- and any start that waited MAX_WAIT_SECONDS is refused.
+BYPASS_SECONDS = 2.0
+MAX_WAIT_SECONDS = 60.0
+# While prefills wait, whole requests (verify blocks, steps) take at most this share less of a
+# pass's rows: a prompt beside many long verify blocks is not fed a row at a time.
+PREFILL_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,7 @@ class Job:
     on_done: Callable[[Job], None] | None = None
     on_start: Callable[[], None] | None = None
     admit_tokens: int | None = None  # a session start: the prompt's tokens (waits for KV room)
+    queued: float = 0.0  # when it began waiting for KV room (time.monotonic)
     request: PassRequest | None = None
     finished: bool = False
     result: Any = None
@@ -100,20 +109,33 @@ class BatchRunner:
     time. ``max_batch_tokens``: rows one pass may carry (a request bigger than that still runs,
     alone); ``max_batch_sessions``: sessions one pass may carry.
 
-    Admission: a session start (a work added with ``admit_tokens``) waits, in arrival order, until
-    the store has room for it (sessions and KV pool); at most ``max_waiting`` wait, and one more
-    is refused with RESOURCE_EXHAUSTED. A start that could not fit even an empty pool is let
-    through at once, to fail with the store's own message. Running sessions are never preempted."""
+    Admission: a session start (a work added with ``admit_tokens``) waits until the store has
+    room for it (sessions and KV pool), oldest first; a smaller start that fits may go before an
+    older one that does not, while that one has waited less than ``bypass_seconds``; a start that
+    waited ``max_wait_seconds`` is refused, as is one more than ``max_waiting`` waiting (both
+    RESOURCE_EXHAUSTED). A start that could not fit even an empty pool is let through at once, to
+    fail with the store's own message. Running sessions are never preempted."""
 
     def __init__(
-        self, store: SessionStore, max_batch_tokens: int = 512, max_batch_sessions: int = 64, max_waiting: int = 64
+        self,
+        store: SessionStore,
+        max_batch_tokens: int = 512,
+        max_batch_sessions: int = 64,
+        max_waiting: int = 64,
+        bypass_seconds: float = BYPASS_SECONDS,
+        max_wait_seconds: float = MAX_WAIT_SECONDS,
     ):
         if max_batch_tokens < 1 or max_batch_sessions < 1 or max_waiting < 0:
             raise ValueError("max_batch_tokens and max_batch_sessions must be >= 1, max_waiting >= 0")
+        if not 0 <= bypass_seconds <= max_wait_seconds:
+            raise ValueError("need 0 <= bypass_seconds <= max_wait_seconds")
         self.store = store
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_sessions = max_batch_sessions
         self.max_waiting = max_waiting
+        self.bypass_seconds = bypass_seconds
+        self.max_wait_seconds = max_wait_seconds
+        self.prefill_reserve = max(1, int(PREFILL_SHARE * max_batch_tokens))
         self._new: list[Job] = []
         self._admitting: list[Job] = []  # session starts waiting for room
         self._jobs: list[Job] = []
@@ -210,35 +232,49 @@ class BatchRunner:
 
     def _admit(self, new: list[Job], finished: list[Job]) -> None:
         """Start every new work that starts no session, and the session starts the store has
-        room for, oldest first, each before the next is judged; the rest wait (or, past the
-        queue, are refused)."""
+        room for, oldest first, each before the next is judged (a younger one passing an older
+        one that does not fit only within the bypass window); the rest wait, or are refused past
+        the queue's length or its longest wait."""
+        now = time.monotonic()
         for job in new:
             if job.admit_tokens is None:
                 self._start(job, finished)
             else:
+                job.queued = now
                 self._admitting.append(job)
         for job in [j for j in self._admitting if j.cancelled]:
             self._admitting.remove(job)
             self._settle(job, finished)
-        while self._admitting:
-            tokens = self._admitting[0].admit_tokens or 0
+        for job in [j for j in self._admitting if now - j.queued >= self.max_wait_seconds]:
+            self._admitting.remove(job)
+            self._refuse(job, f"waited {now - job.queued:.0f} s for KV room", finished)
+        blocked_since: float | None = None  # when the oldest start that does not fit began waiting
+        for job in list(self._admitting):
+            if blocked_since is not None and now - blocked_since >= self.bypass_seconds:
+                break  # an older start has waited long enough: the next room is its
+            tokens = job.admit_tokens or 0
             try:
                 fits = self.store.has_room(tokens) or not self.store.could_ever_fit(tokens)
             except Exception as exc:  # noqa: BLE001 - the pool's accounting failed: this start fails
-                self._fail(self._admitting.pop(0), "admission", exc, finished)
+                self._admitting.remove(job)
+                self._fail(job, "admission", exc, finished)
                 continue
-            if not fits:
-                break
-            self._start(self._admitting.pop(0), finished)
+            if fits:
+                self._admitting.remove(job)
+                self._start(job, finished)
+            elif blocked_since is None:
+                blocked_since = job.queued
         while len(self._admitting) > self.max_waiting:
-            job = self._admitting.pop()
-            job.finished = True
-            job.error = ResourceExhaustedError(
-                f"{self.store.name}: no KV room for a new session and {self.max_waiting} already wait for it "
-                f"({len(self.store)} live sessions, {self.store.total_kv_bytes} KV bytes allocated)"
-            )
-            _quietly(job.work.close, "closing a refused work")
-            self._settle(job, finished)
+            self._refuse(self._admitting.pop(), f"{self.max_waiting} already wait for it", finished)
+
+    def _refuse(self, job: Job, why: str, finished: list[Job]) -> None:
+        job.finished = True
+        job.error = ResourceExhaustedError(
+            f"{self.store.name}: no KV room for a new session and {why} "
+            f"({len(self.store)} live sessions, {self.store.total_kv_bytes} KV bytes allocated)"
+        )
+        _quietly(job.work.close, "closing a refused work")
+        self._settle(job, finished)
 
     def iterate(self) -> Iteration:
         """Start the works added since the last iteration, run one batched pass over the
@@ -296,17 +332,21 @@ class BatchRunner:
         chosen: list[tuple[Job, int | None]] = []
         sessions: set[str] = set()
         waiting = sorted((j for j in self._jobs if j.request is not None and not j.cancelled), key=lambda j: j.order)
+        # whole requests leave prefills their share of the pass while any prefill waits
+        prefilling = any(j.request is not None and j.request.prefill for j in waiting)
+        whole_budget = budget - (self.prefill_reserve if prefilling and self.store.batches else 0)
         for job in waiting:
             request = job.request
             assert request is not None
             if request.prefill or job.session_id in sessions or len(chosen) >= self.max_batch_sessions:
                 continue
             size = self.store.feed_length(request)
-            if size > budget and chosen:
+            if size > whole_budget and chosen:
                 continue  # too big for what is left: first in the next iteration's pass
             chosen.append((job, None))
             sessions.add(job.session_id)
             budget -= size
+            whole_budget -= size
         splits = self.store.batches  # without the batched kernel a split prefill would change its bits
         for job in waiting:
             request = job.request

@@ -88,6 +88,9 @@ def measure(engine, sizes: list[int], repeats: int = REPEATS) -> list[tuple[int,
     ids: list[str] = []
     points: list[tuple[int, float]] = []
     runner = BatchRunner(store, max_batch_tokens=max(sizes) * (CONTEXT + 1), max_batch_sessions=max(sizes))
+    # scratch sessions neither read nor fill the prefix cache (they would fill it with prompts
+    # nobody sends and count as its lookups)
+    prefixes, store.prefixes = store.prefixes, None
     try:
         vocab = store.vocab_size
         for i in range(max(sizes)):
@@ -121,6 +124,7 @@ def measure(engine, sizes: list[int], repeats: int = REPEATS) -> list[tuple[int,
     finally:
         for sid in ids:
             store.release(sid)
+        store.prefixes = prefixes
         store.sessions_started = started  # scratch sessions are not served ones
     return points
 

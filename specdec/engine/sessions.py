@@ -343,7 +343,7 @@ class SessionStore:
     def _reserve(self, session: Session | None, tokens_after: int) -> None:
         """Make room for ``tokens_after`` positions in the session's cache (None: a session about
         to start), within the caps, or raise RESOURCE_EXHAUSTED touching nothing. The KV pool is
-        accounted in allocated bytes: a LeanCache grows by doubling, never past what the caps
+        accounted in allocated bytes: a LeanCache grows by a quarter, never past what the caps
         leave it (then exactly to what it needs)."""
         projected = self._projected_bytes(session, tokens_after)
         limits = self.limits

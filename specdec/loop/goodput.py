@@ -56,8 +56,12 @@ class CostCurve:
 
     def __init__(self, points: Iterable[tuple[int, float]], rate: float = 0.2):
         pts = sorted((int(s), float(t)) for s, t in points)
-        if not pts or any(s < 1 or t < 0 for s, t in pts) or len({s for s, _ in pts}) != len(pts):
-            raise ValueError(f"a cost curve needs distinct sizes >= 1 with seconds >= 0, got {pts}")
+        if (
+            not pts
+            or any(s < 1 or not math.isfinite(t) or t < 0 for s, t in pts)
+            or len({s for s, _ in pts}) != len(pts)
+        ):
+            raise ValueError(f"a cost curve needs distinct sizes >= 1 with finite seconds >= 0, got {pts}")
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"rate must be in (0, 1], got {rate}")
         self.sizes = [s for s, _ in pts]
@@ -87,7 +91,7 @@ class CostCurve:
         return values[i - 1] + slope * (size - lo)
 
     def observe(self, size: int, seconds: float) -> None:
-        if size < 1 or not seconds > 0:
+        if size < 1 or not (seconds > 0 and math.isfinite(seconds)):  # a NaN or inf report moves nothing
             return
         predicted = self.seconds(size)
         if predicted <= 0:

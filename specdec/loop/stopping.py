@@ -9,7 +9,9 @@ The window: a token's text is the decode of [previous token, this token] minus t
 previous token alone (a tokenizer may render a word-initial token differently on its own), and is
 held back while it ends in U+FFFD -- half of a multi-byte character whose other bytes come with
 the next token. So the text settled so far is always exactly the decode of the tokens settled so
-far (tests/test_stopping.py checks it against the one-shot decode on the bench prompts).
+far (tests/test_stopping.py checks it against the one-shot decode on the bench prompts) -- but
+for tokens that complete no character for MAX_UNSETTLED_TOKENS in a row, which are settled as they
+decode then, so no window grows without bound.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from specdec.exact.sampling import SamplingParams
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 INCOMPLETE = "\ufffd"  # what decoding yields for the first bytes of an unfinished character
+# A character is at most 4 bytes, so tokens that complete none for this long are bytes that
+# never will (a model emitting lone byte tokens): their text is settled as it decodes now, U+FFFD
+# and all, instead of re-decoding an ever longer window for each new token (quadratic).
+MAX_UNSETTLED_TOKENS = 32
 
 
 class IncrementalDetokenizer:
@@ -40,7 +46,13 @@ class IncrementalDetokenizer:
         self.tokens.append(int(token))
         context = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         window = self._decode(self.tokens[self.prefix_offset :])
-        if len(window) <= len(context) or window.endswith(INCOMPLETE) or not window.startswith(context):
+        stuck = len(self.tokens) - self.read_offset >= MAX_UNSETTLED_TOKENS
+        if len(window) <= len(context) or not window.startswith(context):
+            if not stuck:
+                return ""
+            self.prefix_offset = self.read_offset = len(self.tokens)  # renders as nothing: start afresh
+            return ""
+        if window.endswith(INCOMPLETE) and not stuck:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return window[len(context) :]

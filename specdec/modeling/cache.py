@@ -1,10 +1,17 @@
 """The KV cache of one sequence as the project's own passes keep it (the lean Llama pass, the
-feature draft): preallocated, grown by doubling, cropped in O(1). Its size in bytes is what it
+feature draft): preallocated, grown geometrically, cropped in O(1). Its size in bytes is what it
 holds allocated (``nbytes``), which is what a replica's KV pool accounts for."""
 
 from __future__ import annotations
 
 import torch
+
+# Growth: by a quarter of what it holds, at least GROWTH_MIN positions. Appends stay amortised
+# O(1) (each position is copied ~4 times at most) while a session holds at most a quarter more
+# than it uses -- doubling left half a pool reserved and unused, and the sessions that needed it
+# failed mid-generation (issue 42, item 5; paged KV is the batching issue's full answer).
+GROWTH_FACTOR = 1.25
+GROWTH_MIN = 64
 
 
 class LeanCache:
@@ -31,11 +38,14 @@ class LeanCache:
 
     def planned_capacity(self, length: int, most: int | None = None) -> int:
         """The capacity :meth:`reserve` would give for ``length`` positions: unchanged if they fit,
-        else doubled (so appends are amortised O(1)) but never past the context, nor past ``most``
-        where ``length`` fits within it (a cap on what this cache may hold)."""
+        else grown geometrically (GROWTH_FACTOR, at least GROWTH_MIN more) but never past the
+        context, nor past ``most`` where ``length`` fits within it (a cap on what this cache may
+        hold)."""
         if length <= self.capacity:
             return self.capacity
-        capacity = min(self.max_length, max(length, 2 * self.capacity))
+        # a first allocation is exact (a prompt's size is known); growth after it is geometric
+        grown = max(int(self.capacity * GROWTH_FACTOR), self.capacity + GROWTH_MIN) if self.capacity else length
+        capacity = min(self.max_length, max(length, grown))
         if most is not None and length <= most < capacity:
             capacity = most
         return capacity

@@ -10,7 +10,7 @@ This pass runs the same model, with the same weights, in far fewer operations
 - q, k and v come from one matrix product and gate/up from another (the module's own weights are
   re-pointed into the fused tensors, so no memory is duplicated and the module stays usable);
 - rotary cos/sin come from a table computed once by the model's own rotary module;
-- keys/values are written in place into a buffer that grows by doubling; cropping is O(1);
+- keys/values are written in place into a buffer that grows geometrically; cropping is O(1);
 - attention is ``scaled_dot_product_attention`` with ``enable_gqa`` (no ``repeat_kv`` copy);
 - passes of 1-4 rows, and the batched passes of many sequences (:meth:`LeanLlama.forward_batch`,
   what the engines use), run all their decoder layers in one C call (``specdec.modeling.fewrow``).

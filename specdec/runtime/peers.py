@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,11 +40,22 @@ CLOSE_GRACE_S = 3.0  # how long close() waits for releases in flight before clos
 log = logging.getLogger("specdec.runtime.peers")
 
 
-def _peer_error(who: str, exc: grpc.aio.AioRpcError) -> PeerError:
+def _peer_error(kind: str, address: str, exc: grpc.aio.AioRpcError) -> PeerError:
+    """A replica's failure as the coordinator passes it on: its kind and status, never its
+    address (clients must not learn the internal topology; the log line here has it)."""
     code = exc.code().name
     if code == "INTERNAL" and exc.details() == TRANSPORT_FAILURE:
         code = "UNAVAILABLE"
-    return PeerError(code, f"{who}: {code}: {exc.details()}")
+    log.info("%s %s answered %s: %s", kind, address, code, exc.details())
+    return PeerError(code, f"{kind} replica: {code}: {_without_addresses(exc.details() or '')}")
+
+
+_ADDRESS = re.compile(r"(ipv[46]:)?(\[[0-9a-fA-F:]+\]|\d{1,3}(\.\d{1,3}){3}|[\w.-]+\.[\w-]+)(:\d{1,5})\b")
+
+
+def _without_addresses(text: str) -> str:
+    """``text`` with HOST:PORT and IP:PORT spans (as gRPC's transport errors name peers) removed."""
+    return _ADDRESS.sub("<address>", text)
 
 
 def _start_request(session_id: str, prompt: Sequence[int], params: SamplingParams, **extra):
@@ -89,7 +101,7 @@ class _LoadReports:
         except grpc.aio.AioRpcError as exc:
             if exc.code().name in RETRYABLE_RELEASE and len(self._releasing) < MAX_PENDING_RELEASES:
                 self._track(asyncio.ensure_future(self._retry_release(session_id)))
-            raise _peer_error(f"{self.kind} {self.address}", exc) from None
+            raise _peer_error(self.kind, self.address, exc) from None
 
     async def _release_call(self, session_id: str) -> None:
         await self.stub.Release(engine_pb2.ReleaseRequest(session_id=session_id), timeout=self.release_timeout)
@@ -187,21 +199,21 @@ class GrpcDraft(_LoadReports):
         try:
             return await self.stub.Info(engine_pb2.InfoRequest(), timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
-            raise _peer_error(f"draft {self.address}", exc) from None
+            raise _peer_error("draft", self.address, exc) from None
 
     async def start(self, session_id, prompt, params, features=None):
         request = _start_request(session_id, prompt, params, features=wire.features_to_proto(features))
         try:
             await self.stub.StartSession(request, timeout=self.timeout * 4)
         except grpc.aio.AioRpcError as exc:
-            raise _peer_error(f"draft {self.address}", exc) from None
+            raise _peer_error("draft", self.address, exc) from None
 
     async def propose(self, session_id: str, step: int, k: int, commit: Commit | None) -> DraftProposal:
         request = draft_pb2.ProposeRequest(session_id=session_id, step=step, k=k, commit=wire.commit_to_proto(commit))
         try:
             reply = await self.stub.Propose(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
-            raise _peer_error(f"draft {self.address}", exc) from None
+            raise _peer_error("draft", self.address, exc) from None
         self._report(session_id, reply.load)
         return wire.proposal_from_proto(reply.tokens)
 
@@ -226,7 +238,7 @@ class GrpcTarget(_LoadReports):
         try:
             info = await self.stub.Info(engine_pb2.InfoRequest(), timeout=10.0)
         except grpc.aio.AioRpcError as exc:
-            raise _peer_error(f"target {self.address}", exc) from None
+            raise _peer_error("target", self.address, exc) from None
         self.context_length = info.context_length
         return info
 
@@ -237,7 +249,7 @@ class GrpcTarget(_LoadReports):
                 _start_request(session_id, prompt, params, return_features=return_features), timeout=self.timeout
             )
         except grpc.aio.AioRpcError as exc:
-            raise _peer_error(f"target {self.address}", exc) from None
+            raise _peer_error("target", self.address, exc) from None
         if reply.cached_tokens:  # taken by the loop right after this returns
             self._cached[session_id] = reply.cached_tokens
         return wire.features_from_proto(reply.features) if reply.HasField("features") else None
@@ -262,7 +274,7 @@ class GrpcTarget(_LoadReports):
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and proposal.tokens:
                 raise MalformedProposalError("proposals", exc.details() or "refused by the target") from None
-            raise _peer_error(f"target {self.address}", exc) from None
+            raise _peer_error("target", self.address, exc) from None
         self._report(session_id, reply.load)
         return wire.verdict_from_proto(reply)
 

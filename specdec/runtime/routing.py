@@ -51,6 +51,7 @@ class PeerPool:
         # the model every target must serve (pinned by the coordinator at start: see same_model)
         self.expected: Replica | None = None
         self._foreign: set[str] = set()  # targets of another model already logged
+        self._labels: dict[str, str] = {}  # address -> registry id: what metrics name a replica by
 
     # -- peers (one channel per address, shared by all sessions) -------------------------------
     def target_peer(self, address: str) -> GrpcTarget:
@@ -96,6 +97,9 @@ class PeerPool:
                 found = await self.registry.replicas(kind)
             except Exception as exc:  # noqa: BLE001 - Redis down: fall back to static replicas
                 log.warning("registry unavailable (%s)", exc)
+            if len(self._labels) > 10_000:  # bounded under churn
+                self._labels.clear()
+            self._labels.update((r.address, r.replica_id) for r in found)
         found += [r for r in self.static.values() if r.kind == kind]
         if kind == "target" and self.expected is not None:
             foreign = [r for r in found if not same_model(r, self.expected)]
@@ -163,9 +167,15 @@ class PeerPool:
             await asyncio.sleep(0.5)
 
     def cost_model(self) -> list[tuple[str, str, list[tuple[int, float]]]]:
-        """(kind, address, points) of every replica whose pass cost is known here."""
+        """(kind, replica, points) of every replica whose pass cost is known here; a replica is
+        named by its registry id ("static" for a configured address), never by its address:
+        metrics may be scraped from the public HTTP port."""
         peers: list = list(self._targets.values()) + list(self._drafts.values())
-        return [(p.kind, p.address, p.current_curve.points) for p in peers if p.current_curve is not None]
+        return [
+            (p.kind, self._labels.get(p.address, "static"), p.current_curve.points)
+            for p in peers
+            if p.current_curve is not None
+        ]
 
     async def close(self) -> None:
         # together: each waits (bounded) for its releases in flight before closing its channel

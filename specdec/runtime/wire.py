@@ -4,6 +4,7 @@ field), so servicers stay thin."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -117,6 +118,8 @@ def pass_load_from_proto(msg: engine_pb2.PassLoad) -> PassLoad | None:
     """None for an absent or empty report (a replica that does not batch)."""
     if msg.size <= 0 or msg.sessions <= 0:
         return None
+    if not (math.isfinite(msg.seconds) and msg.seconds >= 0) or msg.live_sessions < 0:
+        return None  # a malformed report: the policy must not steer by it
     return PassLoad(int(msg.size), int(msg.sessions), float(msg.seconds), int(msg.live_sessions))
 
 

@@ -155,6 +155,7 @@ def main(args) -> int:
             describe=describe,
             drain_seconds=args.drain_seconds,
             metrics_port=args.metrics_port,
+            health_port=args.health_port,
             batch=batch,
             batch_gather_ms=args.batch_gather_ms,
         )

@@ -203,6 +203,7 @@ def main(args) -> int:
             describe=describe,
             drain_seconds=args.drain_seconds,
             metrics_port=args.metrics_port,
+            health_port=args.health_port,
             on_stop=lambda: on_stop() if on_stop else None,
             batch=batch,
             batch_gather_ms=args.batch_gather_ms,

@@ -218,8 +218,11 @@ def test_cli_flags_and_ports_agree_with_the_services(objects):
             seen.add(args.command)
             grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
             assert args.port == grpc_port, (owner, args.port, grpc_port)
-            for probe in ("readinessProbe", "livenessProbe"):
-                assert c[probe]["grpc"]["port"] == args.port
+            # probed on the plaintext health port (the service port serves mutual TLS)
+            health_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "health")
+            assert args.health_port == health_port != args.port
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[probe]["grpc"]["port"] == args.health_port
             assert args.advertise == f"10.0.0.1:{args.port}"
             assert args.redis == env["REDIS_URL"]
             assert {"name": "specdec-config"} in [e.get("configMapRef") for e in c["envFrom"]]
@@ -393,3 +396,48 @@ def test_redis_has_a_maxmemory_under_its_limit_and_never_evicts(objects):
     maxmemory = int(option["--maxmemory"].removesuffix("mb")) << 20
     limit = server["resources"]["limits"]["memory"]
     assert limit.endswith("Mi") and maxmemory <= 0.8 * (int(limit.removesuffix("Mi")) << 20)
+
+
+def test_every_service_runs_with_the_internal_token_tls_api_keys_and_the_redis_password(objects):
+    """Issue 42, item 3: from the Secret `specdec secrets` makes. Draft, target and coordinator
+    pods mount it where specdec-config's TLS / token / API-key paths point; each reads the Redis
+    password from it, and Redis requires that password (its probes' redis-cli too)."""
+    from coordinator import api_keys
+    from specdec.runtime import security
+
+    _, objs = objects
+    env = config(objs)
+    paths = {
+        name: env[name]
+        for name in (
+            security.CERT_ENV,
+            security.KEY_ENV,
+            security.CA_ENV,
+            security.TOKEN_FILE_ENV,
+            api_keys.API_KEY_FILE_ENV,
+        )
+    }
+    assert env[security.SERVER_NAME_ENV] and all(p.startswith("/etc/specdec/") for p in paths.values())
+    for owner, template in pod_templates(objs):
+        for c in containers(template, init=False):
+            if not PROJECT_IMAGE.match(c["image"]):
+                continue
+            secret_volumes = {
+                v["name"]
+                for v in template["spec"]["volumes"]
+                if v.get("secret", {}).get("secretName") == "specdec-secrets"
+            }
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            assert mounts.get("/etc/specdec") in secret_volumes, (owner, c["name"])
+            password = next(e for e in c["env"] if e["name"] == security.REDIS_PASSWORD_ENV)
+            assert password["valueFrom"]["secretKeyRef"] == {"name": "specdec-secrets", "key": "redis-password"}
+    redis_set = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "specdec-redis")
+    (server,) = [c for c in containers(redis_set["spec"]["template"], init=False) if c["name"] == "redis"]
+    assert server["args"][server["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in server["env"]}
+    assert refs == {"REDIS_PASSWORD": "redis-password", "REDISCLI_AUTH": "redis-password"}
+    # what `specdec secrets` writes holds every file these paths name
+    from specdec.apps.ops import secret_data
+
+    data, _ = secret_data()
+    assert {p.removeprefix("/etc/specdec/") for p in paths.values()} <= set(data)

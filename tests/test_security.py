@@ -300,3 +300,54 @@ def test_metrics_listen_on_the_processs_own_interface(monkeypatch):
     seen.clear()
     metrics.serve_metrics(0, "0.0.0.0")
     assert seen == {}  # off
+
+
+def test_specdec_secrets_makes_a_valid_secret_whose_certificate_serves_by_name_and_specdec_health_probes_it(
+    target_model, tmp_path
+):
+    """`specdec secrets` (what deploy/ mounts): a valid v1 Secret of a random token, Redis
+    password and API keys, a CA and one certificate for the replicas' shared name. A replica
+    serving that certificate on an IP answers a client that checks the name
+    (SPECDEC_TLS_SERVER_NAME) and refuses one that checks the address; `specdec health` -- the
+    pods' exec probe -- speaks that TLS and says SERVING."""
+    import base64
+
+    import kubernetes_validate
+    import yaml
+
+    from coordinator.api_keys import parse_key_lines
+    from specdec.apps.ops import secret_data, secret_manifest
+
+    data, keys = secret_data("specdec-internal", api_keys=2)
+    again, _ = secret_data("specdec-internal")
+    assert data["auth-token"] != again["auth-token"] and data["redis-password"] != again["redis-password"]
+    assert [k.secret for k in parse_key_lines(data["api-keys"].decode(), 8, "api-keys")] == keys
+    manifest = yaml.safe_load(secret_manifest("specdec-secrets", "ns", data))
+    kubernetes_validate.validate(manifest, "1.34", strict=True)
+    assert base64.b64decode(manifest["data"]["tls.key"]) == data["tls.key"]
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        (tmp_path / name).write_bytes(data[name])
+    cert, key, ca = (str(tmp_path / n) for n in ("tls.crt", "tls.key", "ca.crt"))
+
+    def probe(env_extra) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_TLS")}
+        env.update({security.CERT_ENV: cert, security.KEY_ENV: key, security.CA_ENV: ca, **env_extra})
+        command = [sys.executable, "-m", "specdec", "health", address, "--timeout", "10"]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+    async def main():
+        nonlocal address
+        server, port = _serve_target(target_model, Security(cert, key, ca))
+        address = f"127.0.0.1:{port}"
+        await server.start()
+        try:
+            by_name = await asyncio.to_thread(probe, {security.SERVER_NAME_ENV: "specdec-internal"})
+            by_address = await asyncio.to_thread(probe, {})
+            return by_name, by_address
+        finally:
+            await server.stop(None)
+
+    address = ""
+    by_name, by_address = asyncio.run(main())
+    assert by_name.returncode == 0, by_name.stderr
+    assert by_address.returncode == 1 and "UNAVAILABLE" in by_address.stderr  # the certificate is not for 127.0.0.1

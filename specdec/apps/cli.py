@@ -277,13 +277,21 @@ MODULE_COMMANDS = {
     "draft": ("run the draft gRPC service", "draft_service.server"),
     "target": ("run the target gRPC service", "target_service.server"),
     "coordinator": ("run the coordinator (public gRPC API) on Ray", "coordinator.server"),
+    "health": ("probe a specdec port's health (with this process's TLS settings)", "specdec.apps.ops:health"),
+    "secrets": (
+        "print a Kubernetes Secret of fresh token, passwords, API keys and certificates",
+        "specdec.apps.ops:secrets",
+    ),
 }
 
 
 def _module_command(name: str):
     import importlib
 
-    module = importlib.import_module(MODULE_COMMANDS[name][1])
+    path, _, prefix = MODULE_COMMANDS[name][1].partition(":")
+    module = importlib.import_module(path)
+    if prefix:  # a module of several commands: add_<prefix>_arguments and <prefix>_main
+        return getattr(module, f"add_{prefix}_arguments"), getattr(module, f"{prefix}_main")
     return module.add_arguments, module.main
 
 

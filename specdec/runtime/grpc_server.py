@@ -146,16 +146,18 @@ def client_channel(address: str, settings: security.Security | None = None) -> g
     credentials = settings.channel_credentials()
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    options = CHANNEL_OPTIONS + settings.channel_options()
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
 def sync_channel(address: str, settings: security.Security | None = None) -> grpc.Channel:
     """A blocking channel (the CLI client, launchers' probes): TLS as :func:`client_channel`, no
     token -- they talk to the coordinator's public port and to health checks, which need none."""
-    credentials = (settings or security.current()).channel_credentials()
+    settings = settings or security.current()
+    credentials = settings.channel_credentials()
     if credentials is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS + settings.channel_options())
 
 
 async def serve_until_signal(

@@ -10,6 +10,9 @@ from its environment, dial the services exactly as it would:
   key. A server with them serves TLS; a client presents them under mutual TLS.
 - ``SPECDEC_TLS_CA``: PEM file of the CA that signs the peers. A client with it speaks TLS and
   verifies the server; a server with it also requires and verifies client certificates (mTLS).
+- ``SPECDEC_TLS_SERVER_NAME``: the name a client checks the server's certificate against, in
+  place of the address it dials -- replicas are dialed by pod IP, and share one certificate for
+  that name (deploy/ and ``specdec secrets``).
 - ``SPECDEC_AUTH_TOKEN`` (or ``SPECDEC_AUTH_TOKEN_FILE``): the shared token. Draft and target
   services refuse calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED), except the
   health check, which kubelet's probes call; the coordinator sends it on every call.
@@ -27,9 +30,10 @@ from pathlib import Path
 import grpc
 
 CERT_ENV, KEY_ENV, CA_ENV = "SPECDEC_TLS_CERT", "SPECDEC_TLS_KEY", "SPECDEC_TLS_CA"
+SERVER_NAME_ENV = "SPECDEC_TLS_SERVER_NAME"
 TOKEN_ENV, TOKEN_FILE_ENV = "SPECDEC_AUTH_TOKEN", "SPECDEC_AUTH_TOKEN_FILE"
 REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
-ENV_NAMES = (CERT_ENV, KEY_ENV, CA_ENV, TOKEN_ENV, TOKEN_FILE_ENV, REDIS_PASSWORD_ENV)
+ENV_NAMES = (CERT_ENV, KEY_ENV, CA_ENV, SERVER_NAME_ENV, TOKEN_ENV, TOKEN_FILE_ENV, REDIS_PASSWORD_ENV)
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes and tooling: no token
 
 
@@ -43,6 +47,7 @@ class Security:
     key: str = ""
     ca: str = ""
     token: str = ""
+    server_name: str = ""  # verify servers' certificates for this name, not the dialed address
 
     def __post_init__(self):
         if bool(self.cert) != bool(self.key):
@@ -68,6 +73,12 @@ class Security:
             require_client_auth=bool(self.ca),
         )
 
+    def channel_options(self) -> list[tuple[str, str]]:
+        """Channel options the settings add (the name a server's certificate is checked for)."""
+        if self.client_tls and self.server_name:
+            return [("grpc.ssl_target_name_override", self.server_name)]
+        return []
+
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         if not self.client_tls:
             return None
@@ -92,7 +103,9 @@ def from_env(env: Mapping[str, str] | None = None) -> Security:
             raise SecurityConfigError(f"{TOKEN_FILE_ENV}: cannot read {env[TOKEN_FILE_ENV]!r}: {exc}") from None
         if not token:
             raise SecurityConfigError(f"{TOKEN_FILE_ENV}: {env[TOKEN_FILE_ENV]!r} is empty")
-    return Security(env.get(CERT_ENV, ""), env.get(KEY_ENV, ""), env.get(CA_ENV, ""), token)
+    return Security(
+        env.get(CERT_ENV, ""), env.get(KEY_ENV, ""), env.get(CA_ENV, ""), token, env.get(SERVER_NAME_ENV, "")
+    )
 
 
 def current() -> Security:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from specdec.engine.batching import BatchRunner, PassLoad
 from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, resolve_kv_cap
@@ -50,6 +51,7 @@ class ServiceSpec:
     drain_seconds: float = 30.0
     on_stop: Callable[[], None] | None = None  # after the server stopped (e.g. stop the other TP ranks)
     metrics_port: int = 0
+    health_port: int = 0  # a plaintext port with the health service alone (0: none)
     batch: BatchRunner | None = None  # where the engine's calls are batched (continuous batching)
     batch_gather_ms: float = 8.0  # before a pass, wait this long for the sessions stepping now
 
@@ -120,6 +122,13 @@ def add_replica_arguments(p) -> None:
     p.add_argument("--replica-id", default=None, help="registry id (default: random)")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, wait this long for live sessions")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="also answer the standard gRPC health check, alone and in plaintext, on this port: kubelet's gRPC "
+        "probes speak no TLS (0 = off; the service port answers it too)",
+    )
     p.add_argument(
         "--max-batch-tokens",
         type=positive_int,
@@ -276,6 +285,13 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
 
         spec.servicer.batching = IterationLoop(spec.batch, spec.batch_gather_ms / 1000, on_health=loop_health)
     await server.start()
+    probes = None
+    if spec.health_port:  # health alone: it tells nothing but SERVING or not, so no TLS is lost
+        probes = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health, probes)
+        if probes.add_insecure_port(f"{spec.host}:{spec.health_port}") == 0:
+            raise SystemExit(f"specdec {spec.name}: cannot listen on {spec.host}:{spec.health_port} (--health-port)")
+        await probes.start()
     metrics.watch_engine(spec.engine)
     metrics.serve_metrics(spec.metrics_port, spec.host)
     await srv.set_serving(health, [spec.full_service_name], True)
@@ -318,6 +334,8 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
 
     async def release_all() -> None:
         expiry.cancel()
+        if probes is not None:
+            await probes.stop(None)
         await on_model_thread(spec.engine.expire_idle, -1.0)  # free every remaining session
         if spec.on_stop is not None:
             await on_model_thread(spec.on_stop)

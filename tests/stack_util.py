@@ -11,7 +11,15 @@ from specdec.v1 import coordinator_pb2_grpc, draft_pb2_grpc, engine_pb2, target_
 
 
 def request(
-    prompt_ids=None, prompt=None, k=None, method="", request_id="", resume_from_index=0, adaptive=None, **sampling
+    prompt_ids=None,
+    prompt=None,
+    k=None,
+    method="",
+    request_id="",
+    resume_from_index=0,
+    adaptive=None,
+    replayable=None,
+    **sampling,
 ) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id, resume_from_index=resume_from_index)
     if prompt_ids is not None:
@@ -27,6 +35,8 @@ def request(
     req.speculation.method = method
     if adaptive is not None:  # else the server's default
         req.speculation.adaptive = adaptive
+    if replayable is not None:  # else the server's choice (docs/exactness.md, "What a seed fixes")
+        req.speculation.replayable = replayable
     return req
 
 

@@ -72,6 +72,7 @@ def test_exactness_through_the_stack(stack, models):
     law = exact_law(target, CASE.prompt, params, CASE.tokens)
     n = case_runs(CASE, STACK_RUNS)
     sampling = dict(CASE.params, max_new_tokens=CASE.tokens, ignore_eos=True)
+    sampling.setdefault("invariant", False)  # the case's rejection sampling (a seed alone means invariant)
     # fixed k (as the selftest case): every request proposes, whatever the load-aware default would choose
     requests = [request(list(CASE.prompt), k=CASE.k, adaptive=False, seed=BASE_SEED + i, **sampling) for i in range(n)]
     replies = generate_many(stack.coordinator_address, requests)

@@ -134,12 +134,13 @@ def test_exactness_through_the_stack(stack, models, case):
     law = exact_law(target, case.prompt, params, case.tokens)
     n = case_runs(case, STACK_RUNS)
     method = "ngram" if case.draft == "ngram" else "draft_model"
+    # each case as the selftest runs it: its own sampling mode (rejection sampling unless it says:
+    # a seed alone would mean invariant sampling), fixed k unless it says, and the load-aware k
     sampling = dict(case.params, max_new_tokens=case.tokens, ignore_eos=True)
-    adaptive = case.adaptive_cost is not None  # each case as the selftest runs it: fixed k unless it says
-    requests = [
-        request(list(case.prompt), k=case.k, method=method, seed=BASE_SEED + i, adaptive=adaptive, **sampling)
-        for i in range(n)
-    ]
+    sampling.setdefault("invariant", False)
+    schedule = {"k": case.k, "method": method, "adaptive": case.adaptive_cost is not None, "replayable": False}
+    adaptive = schedule["adaptive"]
+    requests = [request(list(case.prompt), seed=BASE_SEED + i, **schedule, **sampling) for i in range(n)]
     copied = {s: scrape(stack.metrics_ports[s])["specdec_prefix_cache_hit_tokens"] for s in ("target", "draft")}
     replies = generate_many(stack.coordinator_address, requests)
     if case.name == "long_prompt":  # the law below is then that of runs on copied positions
@@ -199,8 +200,11 @@ def test_exactness_with_the_load_aware_policy_under_background_load(stack, model
     params = case_params(case)
     law = exact_law(target, case.prompt, params, case.tokens)
     n = case_runs(case, STACK_RUNS)
-    sampling = dict(case.params, max_new_tokens=case.tokens, ignore_eos=True)
-    requests = [request(list(case.prompt), k=case.k, seed=BASE_SEED + i, adaptive=True, **sampling) for i in range(n)]
+    sampling = dict(case.params, max_new_tokens=case.tokens, ignore_eos=True, invariant=False)  # rejection sampling
+    requests = [
+        request(list(case.prompt), k=case.k, seed=BASE_SEED + i, adaptive=True, replayable=False, **sampling)
+        for i in range(n)
+    ]
     with BackgroundLoad(stack.coordinator_address, 6) as load:
         replies = generate_many(stack.coordinator_address, requests)
     assert sum(load.tokens) > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
@@ -65,6 +66,8 @@ def cmd_run(args) -> int:
         extra_target=_device_flags(args),
         extra_draft=_device_flags(args),
     ) as stack:
+        if args.seed is None:  # one seeded request throughout: every run and stream of it has the same tokens
+            args.seed = secrets.randbits(63)
         request = build_request(
             prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens, chat=not args.raw
         )
@@ -141,7 +144,8 @@ def compare_without_speculation(address: str, args, answer) -> str:
         f"without speculation (target only, same stack): {slow_m:.1f} tokens/s, with: {fast_m:.1f} "
         f"(medians of {len(slow)} runs each) -> speculation is {fast_m / slow_m if slow_m else float('nan'):.2f}x"
     )
-    if params.greedy:
+    # greedy, or seeded sampling made invariant (the server's default for a seed): the same tokens
+    if params.greedy or getattr(args, "seeded_sampling", None) != "replayable":
         line += "; identical tokens: " + ("yes" if plain.token_ids == answer.token_ids else "NO (a bug: please report)")
     return line
 
@@ -206,7 +210,7 @@ def cmd_generate(args) -> int:
         adaptive=args.adaptive,
     )
     try:
-        answer = stream_to(args.addr, request, timeout=args.timeout)
+        answer = stream_to(args.addr, request, timeout=args.timeout, api_key=args.api_key)
     except grpc.RpcError as exc:  # print the status, not a traceback
         print(f"specdec: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
@@ -357,6 +361,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECDEC_API_KEY"),
+        help="the key a server with API keys requires (default: SPECDEC_API_KEY)",
+    )
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
 

@@ -50,13 +50,17 @@ class StreamedAnswer:
     first_token_seconds: float | None = None
 
 
-def stream_to(address: str, request, out=sys.stdout, timeout: float | None = None) -> StreamedAnswer:
-    """Call GenerateStream, write text to ``out`` as it is committed, return the whole answer."""
+def stream_to(
+    address: str, request, out=sys.stdout, timeout: float | None = None, api_key: str | None = None
+) -> StreamedAnswer:
+    """Call GenerateStream, write text to ``out`` as it is committed, return the whole answer.
+    ``api_key``: sent as ``authorization: Bearer`` (a server with API keys requires one)."""
     answer = StreamedAnswer()
     started = time.perf_counter()
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with sync_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        for chunk in stub.GenerateStream(request, timeout=timeout):
+        for chunk in stub.GenerateStream(request, timeout=timeout, metadata=metadata):
             if chunk.token_ids and answer.first_token_seconds is None:
                 answer.first_token_seconds = time.perf_counter() - started
             answer.token_ids.extend(chunk.token_ids)

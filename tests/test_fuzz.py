@@ -151,7 +151,14 @@ def generate_request(draw) -> pb.GenerateRequest:
 
 
 JSON_VALUES = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(1 << 40), 1 << 40), st.floats(allow_nan=False), st.text()),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(1 << 40), 1 << 40),
+        st.sampled_from([(1 << 31), -(1 << 31) - 1, (1 << 63), (1 << 64), -(1 << 70)]),  # past int32, int64
+        st.floats(allow_nan=False),
+        st.text(),
+    ),
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)),
     max_leaves=12,
 )
@@ -159,7 +166,7 @@ HTTP_FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "stop",
     "stop_token_ids", "min_tokens", "ignore_eos", "n", "logprobs", "top_logprobs", "echo", "stream",
-    "stream_options", "speculation", "user",
+    "stream_options", "speculation", "user", "cache_salt", "invariant",
 ]  # fmt: skip
 GOOD_VALUES = {
     "prompt": st.one_of(TEXT, TOKENS),
@@ -240,12 +247,19 @@ def test_fuzz_http_api(stack):
     paths = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
 
     @CASES
-    @given(call=paths.flatmap(lambda p: st.tuples(st.just(p), http_body(p, model))), cut=st.integers(0, 9))
-    def case(call, cut):
+    @given(
+        call=paths.flatmap(lambda p: st.tuples(st.just(p), http_body(p, model))),
+        cut=st.integers(0, 9),
+        depth=st.sampled_from([64, 5_000, 200_000]),
+    )
+    def case(call, cut, depth):
         path, body = call
         data = json.dumps(body).encode()
         if cut == 9:
             data = data[: len(data) // 2]  # malformed JSON too
+        if cut == 8:  # a field (or the whole body) nested deeper than any parser goes
+            nested = b"[" * depth + b"]" * depth
+            data = data[:-1] + b', "prompt": ' + nested + b"}" if len(data) > 2 else nested
         post = urllib.request.Request(
             stack.http_url + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
         )

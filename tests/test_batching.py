@@ -45,6 +45,19 @@ def scripted_session(store: SessionStore, session_id: str, seed: int, steps: int
     return logits_seen
 
 
+def recorded_prefill(store: SessionStore, session_id: str, prompt: list[int]):
+    """A work that starts a session and feeds its prompt in the chunks the scheduler gives;
+    returns how many positions each pass fed."""
+    session = store.create(session_id, prompt, PARAMS)
+    fed = []
+    request = PassRequest(session, prefill=True, upto=len(prompt) - 1)
+    while store.feed_length(request):
+        before = len(session.cached)
+        yield request
+        fed.append(len(session.cached) - before)
+    return fed
+
+
 def run_all(store: SessionStore, sessions: int, steps: int, runner: BatchRunner | None):
     vocab = store.vocab_size
     works = {f"s{i}": scripted_session(store, f"s{i}", 100 + i, steps, vocab) for i in range(sessions)}
@@ -104,18 +117,8 @@ def test_prefill_is_fed_in_chunks_of_the_budget_and_decodes_go_first():
             yield PassRequest(session, [], 1)
         return "decoded"
 
-    def prefill(session_id, prompt):
-        session = store.create(session_id, prompt, PARAMS)
-        fed = []
-        request = PassRequest(session, prefill=True, upto=len(prompt) - 1)
-        while store.feed_length(request):
-            before = len(session.cached)
-            yield request
-            fed.append(len(session.cached) - before)
-        return fed
-
     decoding = runner.add(decode_forever(short, 6), "short")
-    prefilling = runner.add(prefill("long", long_prompt), "long")
+    prefilling = runner.add(recorded_prefill(store, "long", long_prompt), "long")
     rows = []
     while runner.busy:
         iteration = runner.iterate()
@@ -532,19 +535,9 @@ def test_prefills_get_their_share_of_a_pass_beside_long_verify_blocks():
             store.commit(session, Commit(step, len(session.tokens), (7,)))  # rejected at once
         return "done"
 
-    def prefill(session_id, prompt):
-        session = store.create(session_id, prompt, PARAMS)
-        fed = []
-        request = PassRequest(session, prefill=True, upto=len(prompt) - 1)
-        while store.feed_length(request):
-            before = len(session.cached)
-            yield request
-            fed.append(len(session.cached) - before)
-        return fed
-
     for session in verifiers:
         runner.add(verify_forever(session, 40), session.session_id)
-    prefilling = runner.add(prefill("p", list(range(1, 41))), "p")
+    prefilling = runner.add(recorded_prefill(store, "p", list(range(1, 41))), "p")
     while not prefilling.finished:
         runner.iterate()
     # 3 blocks of 5 rows would leave a 16-row pass 1 row for the prompt; its share is 4

@@ -375,17 +375,14 @@ def test_an_invariant_request_keeps_its_target_only_tokens_through_a_draft_and_a
 
 
 @pytest.fixture(scope="module")
-def default_coordinators(stack, tmp_path_factory):
-    """Two coordinators with the default settings (no --replayable-schedule: the load-aware
-    policy), HTTP on the first, both on the stack's replicas and Redis."""
-    logs = tmp_path_factory.mktemp("default-coordinators")
+def default_coordinator(stack, tmp_path_factory):
+    """A coordinator with the default settings (no --replayable-schedule: the load-aware policy)
+    and the HTTP API, on the stack's replicas and Redis."""
     http_port = free_port()
-    with (
-        extra_coordinator(stack, logs, "default-a", options=("--http-port", str(http_port))) as first,
-        extra_coordinator(stack, logs, "default-b", options=()) as second,
-    ):
-        first.http_url = f"http://127.0.0.1:{http_port}"
-        yield first, second
+    logs = tmp_path_factory.mktemp("default-coordinator")
+    with extra_coordinator(stack, logs, "default", options=("--http-port", str(http_port))) as coordinator:
+        coordinator.http_url = f"http://127.0.0.1:{http_port}"
+        yield coordinator
 
 
 def http_tokens(http_url: str, prompt, seed: int, max_tokens: int, on_first=None, **extra) -> list[int]:
@@ -411,14 +408,14 @@ def http_tokens(http_url: str, prompt, seed: int, max_tokens: int, on_first=None
 
 
 def test_a_seed_fixes_the_tokens_on_default_settings_alone_under_load_after_a_draft_kill_and_a_takeover(
-    stack, default_coordinators, tmp_path
+    stack, default_coordinator, tmp_path
 ):
     """Issue 42, item 1: on a coordinator with default settings, a request that sends a seed and
     samples gets the same tokens alone, among 8 in flight, after its draft replica is killed and
     after its coordinator is killed and another takes it over -- on the gRPC API and on the HTTP
     API (whose choice 0 is the gRPC request with that seed). The load-aware policy keeps choosing
     each step's k from the load; the tokens do not follow it."""
-    coordinator, other = default_coordinators
+    coordinator = default_coordinator
     prompt = [6, 2, 8, 3]
 
     def seeded(seed, n=60, **kw):
@@ -444,13 +441,13 @@ def test_a_seed_fixes_the_tokens_on_default_settings_alone_under_load_after_a_dr
     assert http_tokens(coordinator.http_url, prompt, 77, LONG, on_first=killer, **fixed) == long_alone
     replace_replica(stack, "draft")
 
-    # the coordinator killed mid-stream; the client resumes on another with default settings
+    # a coordinator (default settings) killed mid-stream; the client resumes on the one above
     with extra_coordinator(stack, tmp_path, "doomed-default", options=()) as doomed:
         rid = f"seeded-takeover-{time.monotonic_ns()}"
         kill = lambda: os.killpg(doomed.process.pid, signal.SIGKILL)  # noqa: E731 - front and its Ray
         first, _, error = stream(doomed.address, seeded(77, LONG, request_id=rid), on_first=kill)
     assert error in ("UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL") and 0 < len(first) < LONG
-    rest, last, error = stream(other.address, seeded(77, LONG, request_id=rid, resume_from_index=len(first)))
+    rest, last, error = stream(coordinator.address, seeded(77, LONG, request_id=rid, resume_from_index=len(first)))
     assert error is None and first + rest == long_alone
 
 

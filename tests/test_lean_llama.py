@@ -14,7 +14,7 @@ import torch
 
 from specdec.engine.sessions import SessionStore
 from specdec.exact.sampling import SamplingParams
-from specdec.modeling.cache import LeanCache
+from specdec.modeling.cache import GROWTH_MIN, LeanCache
 from specdec.modeling.dimensions import kv_bytes_per_token
 from specdec.modeling.lean_llama import LeanLlama, lean_runner
 from specdec.modeling.tiny import tiny_llama
@@ -102,8 +102,9 @@ def test_session_store_uses_the_lean_pass_only_where_it_applies(monkeypatch):
     session = store.create("s", [1, 2, 3, 4], params)
     assert isinstance(session.cache, LeanCache)
     store.forward(session, [7, 8], rows=3)
-    # accounted as allocated: 4 positions for the prompt, doubled to 8 for the 6 the pass holds
-    assert session.kv_bytes == 8 * kv_bytes_per_token(store.model.config, torch.float32) == session.cache.nbytes()
+    # accounted as allocated: 4 positions for the prompt, grown by GROWTH_MIN for the 6 the pass holds
+    per_token = kv_bytes_per_token(store.model.config, torch.float32)
+    assert session.kv_bytes == (4 + GROWTH_MIN) * per_token == session.cache.nbytes()
     # A tensor-parallel shard keeps transformers' forward (its layers carry the collectives).
     assert SessionStore(grouped_llama(), kv_shards=2).runner is None
     # Switched off by the environment, for comparisons.

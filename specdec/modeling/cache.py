@@ -46,8 +46,8 @@ class LeanCache:
         # a first allocation is exact (a prompt's size is known); growth after it is geometric
         grown = max(int(self.capacity * GROWTH_FACTOR), self.capacity + GROWTH_MIN) if self.capacity else length
         capacity = min(self.max_length, max(length, grown))
-        if most is not None and length <= most < capacity:
-            capacity = most
+        if most is not None and most < capacity:
+            capacity = max(length, most)  # the caps bound the growth; what is needed is asked as is
         return capacity
 
     def reserve(self, length: int, most: int | None = None) -> None:

@@ -34,6 +34,14 @@ def product(x: torch.Tensor, weight: torch.Tensor, twin: torch.Tensor | None = N
         y = few_row_product(x, weight if twin is None else twin)
         if y is not None:
             return y
+    return library_product(x, weight)
+
+
+def library_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`product` without the few-row kernel: the library's product in the weight @ x^T form
+    (one row as two equal columns), or ``F.linear`` off the CPU."""
+    if x.device.type != "cpu" or x.ndim != 2:
+        return F.linear(x, weight)
     if x.shape[0] == 1:
         return torch.mm(weight, torch.cat((x, x)).t())[:, :1].t().contiguous()
     return torch.mm(weight, x.t()).t().contiguous()

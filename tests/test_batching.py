@@ -89,16 +89,25 @@ def assert_same_bits(alone, batched):
             assert torch.equal(a, b), sid
 
 
-# kernel-covered widths (the batched pass) and widths only torch covers (passes run one by one)
-MODELS = {"kernel_widths": lambda: kernel_llama(seed=5), "torch_widths": lambda: tiny_llama(48, seed=2, hidden_size=32)}
+# The backends of the batched pass (specdec/modeling/lean_llama.py): the layer kernel where it
+# runs; torch's invariant operations for widths it does not cover, for the kernel's widths with the
+# kernel off, and in bfloat16 (the dtype of a GPU deployment).
+MODELS = {
+    "kernel_widths": lambda: kernel_llama(seed=5),
+    "torch_widths": lambda: tiny_llama(48, seed=2, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2),
+    "kernel_widths_in_torch": lambda: kernel_llama(seed=5),
+    "torch_bfloat16": lambda: tiny_llama(48, seed=2, hidden_size=32, num_heads=4, num_kv_heads=2).to(torch.bfloat16),
+}
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("tokens, sessions", [(7, 3), (24, 16), (64, 2), (1000, 8)])
-def test_a_sessions_logits_are_the_same_bits_alone_and_in_any_batch(model_name, tokens, sessions):
+def test_a_sessions_logits_are_the_same_bits_alone_and_in_any_batch(model_name, tokens, sessions, monkeypatch):
+    if model_name == "kernel_widths_in_torch":
+        monkeypatch.setenv(fewrow.LAYERS_SWITCH_ENV, "0")
     store = SessionStore(MODELS[model_name](), name="target")
-    if model_name == "kernel_widths" and BATCHED_KERNEL:
-        assert store.batches
+    expected = "kernel" if model_name == "kernel_widths" and BATCHED_KERNEL else "torch-invariant"
+    assert store.batches and store.batch_invariant and store.pass_backend == expected
     alone = run_all(store, 16, 8, None)
     batched = run_all(store, 16, 8, BatchRunner(store, max_batch_tokens=tokens, max_batch_sessions=sessions))
     assert_same_bits(alone, batched)

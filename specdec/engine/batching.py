@@ -347,7 +347,7 @@ class BatchRunner:
             sessions.add(job.session_id)
             budget -= size
             whole_budget -= size
-        splits = self.store.batches  # without the batched kernel a split prefill would change its bits
+        splits = self.store.batch_invariant  # else a split prefill would change its bits
         for job in waiting:
             request = job.request
             assert request is not None

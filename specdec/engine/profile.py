@@ -53,6 +53,7 @@ def _key(engine, sizes: list[int]) -> str:
         "dtype": str(param.dtype),
         "threads": torch.get_num_threads(),
         "batched": store.batches,
+        "backend": store.pass_backend,
         "sizes": sizes,
         "context": CONTEXT,
         "format": FORMAT,

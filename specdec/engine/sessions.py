@@ -161,9 +161,9 @@ class SessionStore:
         self.runner = lean_runner(model) if kv_shards == 1 else None
         self.sessions_started = 0
         self._make_cache = new_cache
-        # Only where a copied prefix is the same bits as a computed one: the layer kernel's passes
-        # (each row on its own) into LeanCaches (specdec.engine.prefix).
-        exact_copies = self.runner is not None and self.runner.batches and new_cache is None
+        # Only where a copied prefix is the same bits as a computed one: a batch-invariant backend's
+        # passes (each row on its own) into LeanCaches (specdec.engine.prefix).
+        exact_copies = self.batch_invariant and new_cache is None
         self.prefixes = (
             PrefixCache(self.limits.prefix_cache_bytes) if self.limits.prefix_cache_bytes and exact_copies else None
         )
@@ -329,9 +329,21 @@ class SessionStore:
 
     @property
     def batches(self) -> bool:
-        """Whether passes of several sessions run as one (the lean runner's batched kernel): only
-        then may a prefill be fed in chunks of any size without changing its bits."""
+        """Whether passes of several sessions run as one (the lean runner, on every backend)."""
         return self.runner is not None and self.runner.batches
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a session's bits are independent of what shares its passes and of how its
+        positions are split into passes: only then may a prefill be fed in chunks of any size,
+        or a prefix be copied, without changing its bits."""
+        return self.runner is not None and self.runner.batch_invariant
+
+    @property
+    def pass_backend(self) -> str:
+        """The batched pass's backend (specdec.modeling.lean_llama), or "transformers" (one
+        session's pass at a time, in transformers' forward)."""
+        return self.runner.backend if self.runner is not None else "transformers"
 
     # -- caps ---------------------------------------------------------------------------------
     def _check_capacity(self) -> None:

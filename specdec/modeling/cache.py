@@ -30,7 +30,9 @@ class LeanCache:
 
     def _alloc(self, capacity: int) -> torch.Tensor:
         layers, heads, dim = self.shape
-        return torch.empty(layers, heads, capacity, dim, dtype=self.dtype, device=self.device)
+        # zeros, not empty: the invariant attention weighs positions past the length by 0, and 0 * NaN
+        # (what uninitialised memory may hold) is not 0
+        return torch.zeros(layers, heads, capacity, dim, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:

@@ -29,16 +29,16 @@ PROBE_REFERENCE = 128
 
 class ChunkedLinear:
     """``x @ weight^T`` as products over fixed chunks of the inner dimension, summed in order.
-    The chunks are contiguous copies made once (a strided slice would be copied per call). Always
-    the library's product (``ops.library_product``), never the few-row C kernel, whose rounding
-    for 1-4 rows is its own."""
+    The chunks are views of the weight (a column slice of a row-major matrix is read with its
+    stride, not copied: no memory is duplicated). Always the library's product
+    (``ops.library_product``), never the few-row C kernel, whose rounding for 1-4 rows is its own."""
 
     def __init__(self, weight: torch.Tensor, chunk: int = K_CHUNK):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.bounds = [(s, min(s + chunk, self.in_features)) for s in range(0, self.in_features, chunk)]
-        self.chunks = [weight[:, s:e].contiguous() for s, e in self.bounds]
+        self.chunks = [weight[:, s:e] for s, e in self.bounds]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] -> [n, out]."""
@@ -46,7 +46,7 @@ class ChunkedLinear:
             return library_product(x, self.chunks[0])
         out = None
         for (s, e), w in zip(self.bounds, self.chunks, strict=True):
-            part = library_product(x[:, s:e].contiguous(), w)
+            part = library_product(x[:, s:e], w)
             out = part if out is None else out + part
         assert out is not None
         return out

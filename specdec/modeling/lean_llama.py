@@ -25,11 +25,15 @@ keep the transformers forward: :func:`lean_runner` returns ``None`` for them.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from specdec.modeling.attention import attention_rows_invariant, fused_attention, invariant_attention
 from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import context_length
 from specdec.modeling.fewrow import ROWS as FEW_ROWS
@@ -41,10 +45,25 @@ from specdec.modeling.fewrow import (
     lossless_bf16,
 )
 from specdec.modeling.heads import SubsetHead, full_vocab_logits
-from specdec.modeling.ops import RopeTable, apply_rotary, causal_mask, product, rms_norm
+from specdec.modeling.invariant import ChunkedLinear, rows_invariant
+from specdec.modeling.ops import RopeTable, apply_rotary, product, rms_norm
+
+log = logging.getLogger(__name__)
 
 # Rotary types whose cos/sin depend on the position only (a table can hold them).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+# The backends of the batched pass (docs/batching.md), one chosen when a model loads:
+KERNEL = "kernel"  # kernels/fewrow.c: float32 on an x86 CPU with AVX-512; row-count invariant
+TORCH_INVARIANT = "torch-invariant"  # torch, every device and dtype; products and attention invariant
+TORCH = "torch"  # torch's fastest operations, whose rounding depends on the shape of the pass
+INVARIANT_ENV = "SPECDEC_BATCH_INVARIANT"  # 0: the torch backend takes the fast operations
+
+
+def batch_invariant_requested() -> bool:
+    """Whether the torch backend should be row-count invariant (``SPECDEC_BATCH_INVARIANT``, on
+    unless 0; the services' ``--no-batch-invariant`` sets it)."""
+    return os.environ.get(INVARIANT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _supported(model) -> str | None:
@@ -82,7 +101,9 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
 class LeanLlama:
     """The forward pass of one loaded Llama model (see the module docstring)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, batch_invariant: bool | None = None) -> None:
+        """``batch_invariant``: take the invariant torch operations where the kernel does not run
+        (None: :func:`batch_invariant_requested`)."""
         self.model = model
         config = model.config
         inner = model.model
@@ -119,6 +140,54 @@ class LeanLlama:
         self._kernel_layers = self._layers_for_kernel()
         head_weight = getattr(self.head, "weight", None)
         self._head_twin = lossless_bf16(head_weight) if self._twins and head_weight is not None else None
+        self._chunked: list[tuple[ChunkedLinear, ...]] = []
+        self._chunked_head: ChunkedLinear | None = None
+        self.backend, self.backend_reason = self._choose_backend(
+            batch_invariant_requested() if batch_invariant is None else batch_invariant
+        )
+        log.info("batched pass for %s: %s (%s)", self.device, self.backend, self.backend_reason)
+
+    def _choose_backend(self, invariant: bool) -> tuple[str, str]:
+        """The backend of this model's passes, and why (see the module-level names)."""
+        if self._kernel_layers is not None:
+            return KERNEL, "float32 on a CPU with AVX-512: the layer kernel"
+        if not invariant:
+            return TORCH, "batch invariance switched off"
+        self._chunked = [
+            (ChunkedLinear(wqkv), ChunkedLinear(wo), ChunkedLinear(wgu), ChunkedLinear(wdown))
+            for _, wqkv, wo, _, wgu, wdown in self.layers
+        ]
+        head_weight = getattr(self.head, "weight", None)
+        plain_head = type(self.head) is torch.nn.Linear and self.head.bias is None
+        if head_weight is not None and (plain_head or isinstance(self.head, SubsetHead)):
+            self._chunked_head = ChunkedLinear(head_weight)
+        failed = self._invariance_failures()
+        if failed:
+            self._chunked, self._chunked_head = [], None
+            return TORCH, f"not row-count invariant here: {failed}"
+        return TORCH_INVARIANT, f"{self.dtype} on {self.device.type}: chunked products, bucketed attention"
+
+    def _invariance_failures(self) -> str:
+        """What of the invariant operations gives a row other bits among other rows, checked on
+        this model's own weights and shapes with this device's library ('' where nothing)."""
+        failed = [
+            name
+            for name, fn in zip(("qkv", "o", "gate/up", "down"), self._chunked[0], strict=True)
+            if not rows_invariant(fn, fn.in_features, self.dtype, self.device)
+        ]
+        if self._chunked_head is not None and not rows_invariant(
+            self._chunked_head, self._chunked_head.in_features, self.dtype, self.device, rows=(1, 2, 5, 8), reference=16
+        ):
+            failed.append("head")
+        if not attention_rows_invariant(self.heads, self.kv_heads, self.head_dim, self.dtype, self.device):
+            failed.append("attention")
+        return ", ".join(failed)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's results are the same bits whatever else shares its passes and however
+        its positions are split into passes (so chunked prefill and copied prefixes are exact)."""
+        return self.backend in (KERNEL, TORCH_INVARIANT)
 
     def _layers_for_kernel(self):
         """The layers' weights as kernels/fewrow.c's ``fewrow_batch`` reads them, or None where it
@@ -173,7 +242,8 @@ class LeanLlama:
         self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1, feature_rows: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, and the final normed hidden states (what the head reads) of the last
-        ``feature_rows`` positions, [feature_rows, H] (None for 0)."""
+        ``feature_rows`` positions, [feature_rows, H] (None for 0). One sequence: the layer kernel
+        for 1-4 rows where it runs, else the torch layers of this model's backend."""
         n = int(input_ids.shape[-1])
         start = cache.length
         end = start + n
@@ -183,7 +253,7 @@ class LeanLlama:
         x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
         # 1-4 rows (decode steps, verify blocks): the layers in one kernel call (kernels/fewrow.c)
         if not (n in FEW_ROWS and self._kernel_pass(x, [(cache.keys, cache.values, start, n)], cos, sin)):
-            x = self._torch_layers(x, cache, start, end, cos.unsqueeze(0), sin.unsqueeze(0))
+            x = self._torch_layers(x, [(cache, start, n)], cos, sin)
         cache.length = end
         keep = min(logits_to_keep, n)
         last = max(keep, feature_rows)  # the norm is per row: norm the rows either output needs once
@@ -212,9 +282,8 @@ class LeanLlama:
 
     @property
     def batches(self) -> bool:
-        """Whether :meth:`forward_batch` runs its sequences as one pass (the layer kernel runs
-        here); where not, it runs them one after another, each exactly as alone."""
-        return self._kernel_layers is not None
+        """Whether :meth:`forward_batch` runs its sequences as one pass: on every backend."""
+        return True
 
     @torch.inference_mode()
     def forward_batch(self, passes: list[Pass]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -223,14 +292,12 @@ class LeanLlama:
         ``logits_to_keep`` rows [keep, V] and the final normed hidden states of its last
         ``feature_rows`` rows (None for 0), as :meth:`forward_with_features` would give it.
 
-        Batch invariance: a sequence's results are the same bits whatever else shares the pass,
-        and however its positions are split into passes (kernels/fewrow.c computes every row on
-        its own). That holds for every pass through here, one sequence alone included, so the
-        engines send every pass here. Where the kernel cannot run, the passes run one by one."""
+        The rows of all sequences go through each product together; attention is per sequence,
+        over its own cache. On an invariant backend (:attr:`batch_invariant`) a sequence's results are
+        the same bits whatever else shares the pass and however its positions are split into
+        passes, one sequence alone included -- so the engines send every pass here."""
         if not passes:
             return []
-        if self._kernel_layers is None:
-            return [self.forward_with_features(p.input_ids, p.cache, p.logits_to_keep, p.feature_rows) for p in passes]
         segments, cos_rows, sin_rows = [], [], []
         for p in passes:
             n, start = int(p.input_ids.shape[-1]), p.cache.length
@@ -238,13 +305,20 @@ class LeanLlama:
             cos_table, sin_table = self._rope_table(start + n)
             cos_rows.append(cos_table[start : start + n])
             sin_rows.append(sin_table[start : start + n])
-            segments.append((p.cache.keys, p.cache.values, start, n))
+            segments.append((p.cache, start, n))
         x = self.embed(torch.cat([p.input_ids.reshape(-1) for p in passes]).reshape(1, -1))[0].contiguous()
-        if not self._kernel_pass(x, segments, torch.cat(cos_rows).contiguous(), torch.cat(sin_rows).contiguous()):
-            return [self.forward_with_features(p.input_ids, p.cache, p.logits_to_keep, p.feature_rows) for p in passes]
+        cos, sin = torch.cat(cos_rows).contiguous(), torch.cat(sin_rows).contiguous()
+        if self.backend == KERNEL:
+            kernel_segments = [(cache.keys, cache.values, start, n) for cache, start, n in segments]
+            if not self._kernel_pass(x, kernel_segments, cos, sin):  # not expected: every shape is checked at load
+                return [
+                    self.forward_with_features(p.input_ids, p.cache, p.logits_to_keep, p.feature_rows) for p in passes
+                ]
+        else:
+            x = self._torch_layers(x, segments, cos, sin)
         kept, features, offset = [], [], 0
-        for p, (_, _, start, n) in zip(passes, segments, strict=True):
-            p.cache.length = start + n
+        for p, (cache, start, n) in zip(passes, segments, strict=True):
+            cache.length = start + n
             keep = min(p.logits_to_keep, n)
             last = max(keep, p.feature_rows)
             normed = rms_norm(x[offset + n - last : offset + n], self.norm)  # per sequence: the shape it has alone
@@ -260,43 +334,60 @@ class LeanLlama:
         return out
 
     def _batch_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head over every kept row of a batch in one batch-invariant product."""
+        """The output head over every kept row of a batch in one product, row-count invariant on
+        an invariant backend."""
         head = self.head
+        if self.backend == TORCH:
+            return self._head(hidden)
+        if self._chunked_head is not None:
+            logits = self._chunked_head(hidden)
+            if isinstance(head, SubsetHead):
+                return full_vocab_logits(logits, head.token_ids, head.vocab_size)
+            return logits
         weight = self._head_twin if self._head_twin is not None else getattr(head, "weight", None)
         plain = type(head) is torch.nn.Linear and head.bias is None
-        if weight is not None and (plain or isinstance(head, SubsetHead)):
+        if self.backend == KERNEL and weight is not None and (plain or isinstance(head, SubsetHead)):
             subset = few_row_product(hidden.contiguous(), weight)
             if subset is not None:
                 return subset if plain else full_vocab_logits(subset, head.token_ids, head.vocab_size)
         return torch.cat([self._head(row.unsqueeze(0)) for row in hidden])  # row by row: the same for any batch
 
     def _torch_layers(
-        self, x: torch.Tensor, cache: LeanCache, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: list[tuple[LeanCache, int, int]], cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        """The decoder layers over x [n, H] in torch operations (cos/sin: [1, n, D])."""
+        """The decoder layers over the rows x [N, H] of several sequences in torch operations:
+        ``segments`` lists, in the order of x's rows, each sequence's (cache, start, rows) -- its
+        rows are its positions [start, start + rows), their keys/values written there in its
+        cache; cos/sin [N, D] are each row's rotary rows. Products over all rows at once; each
+        sequence attends over its own cache. Invariant or fast operations by the backend."""
         n = x.shape[0]
         h_q, h_kv, d = self.heads, self.kv_heads, self.head_dim
-        mask = causal_mask(n, start, self.device)
-        for index, (norm1, wqkv, wo, norm2, wgu, wdown) in enumerate(self.layers):
-            h = rms_norm(x, norm1)
-            qkv = product(h, wqkv)  # [n, (h_q + 2 h_kv) d]
-            qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d).transpose(0, 1)  # [heads, n, d]
-            qk = apply_rotary(qk, cos, sin)
-            cache.keys[index, :, start:end] = qk[h_q:]
-            cache.values[index, :, start:end] = qkv[:, (h_q + h_kv) * d :].view(n, h_kv, d).transpose(0, 1)
-            attn = F.scaled_dot_product_attention(
-                qk[:h_q].unsqueeze(0),
-                cache.keys[index, :, :end].unsqueeze(0),
-                cache.values[index, :, :end].unsqueeze(0),
-                attn_mask=mask,
-                scale=self.scaling,
-                enable_gqa=True,
-            )
-            x = x + product(attn[0].transpose(0, 1).reshape(n, h_q * d), wo)
-            h = rms_norm(x, norm2)
-            gate, up = product(h, wgu).chunk(2, dim=-1)
-            x = x + product(F.silu(gate) * up, wdown)
+        invariant = self.backend == TORCH_INVARIANT
+        attend = invariant_attention if invariant else fused_attention
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D]: the same rotation for every head of a row
+        for index, (norm1, _, _, norm2, _, _) in enumerate(self.layers):
+            qkv_of, o_of, gu_of, down_of = self._products(index)
+            qkv = qkv_of(rms_norm(x, norm1))  # [N, (h_q + 2 h_kv) d]
+            qk = apply_rotary(qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d), cos, sin)  # [N, heads, d]
+            v = qkv[:, (h_q + h_kv) * d :].view(n, h_kv, d)
+            attended, row = [], 0
+            for cache, start, rows in segments:
+                keys, values = cache.keys[index], cache.values[index]  # [h_kv, capacity, d]
+                keys[:, start : start + rows] = qk[row : row + rows, h_q:].transpose(0, 1)
+                values[:, start : start + rows] = v[row : row + rows].transpose(0, 1)
+                attended.append(attend(qk[row : row + rows, :h_q], keys, values, start, self.scaling))
+                row += rows
+            x = x + o_of(attended[0] if len(attended) == 1 else torch.cat(attended))
+            gate, up = gu_of(rms_norm(x, norm2)).chunk(2, dim=-1)
+            x = x + down_of(F.silu(gate) * up)
         return x
+
+    def _products(self, index: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+        """Layer ``index``'s four products (qkv, o, gate/up, down) as the backend computes them."""
+        if self.backend == TORCH_INVARIANT:
+            return self._chunked[index]
+        _, wqkv, wo, _, wgu, wdown = self.layers[index]
+        return tuple(functools.partial(_product_by, w) for w in (wqkv, wo, wgu, wdown))
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.head
@@ -305,6 +396,10 @@ class LeanLlama:
         if isinstance(head, SubsetHead):
             return head(hidden, self._head_twin)
         return head(hidden)
+
+
+def _product_by(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return product(x, weight)
 
 
 class Pass:
@@ -319,10 +414,10 @@ class Pass:
         self.feature_rows = feature_rows
 
 
-def lean_runner(model) -> LeanLlama | None:
+def lean_runner(model, batch_invariant: bool | None = None) -> LeanLlama | None:
     """The lean pass for ``model``, or None where it does not apply or SPECDEC_LEAN_FORWARD=0."""
     if os.environ.get("SPECDEC_LEAN_FORWARD", "1") == "0":
         return None
     if _supported(model) is not None:
         return None
-    return LeanLlama(model)
+    return LeanLlama(model, batch_invariant)

@@ -1,0 +1,136 @@
+"""The torch backend of the batched pass (specdec/modeling/lean_llama.py, attention.py,
+invariant.py): chosen once at load and said why, the same function as transformers' forward for
+many sequences in one pass, and -- on its invariant operations -- a row's bits independent of the
+other rows of the pass, in float32 and bfloat16 on the default target's widths."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdec.modeling import fewrow
+from specdec.modeling.attention import KEY_BLOCK, fused_attention, invariant_attention
+from specdec.modeling.lean_llama import KERNEL, TORCH, TORCH_INVARIANT, LeanLlama, Pass
+from specdec.modeling.tiny import tiny_llama
+
+
+def smollm2_widths(dtype: torch.dtype, seed: int = 0):
+    """Two layers of SmolLM2-135M's shapes (hidden 576, 9 heads of 64 over 3 KV heads,
+    intermediate 1536), random weights: the products and attention the default target runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval().to(dtype)
+
+
+def test_the_backend_is_chosen_once_at_load_and_says_why(monkeypatch):
+    narrow = LeanLlama(tiny_llama(32, hidden_size=32, num_heads=4, num_kv_heads=2))  # head_dim 8: no kernel
+    assert narrow.backend == TORCH_INVARIANT and narrow.batch_invariant and "chunked" in narrow.backend_reason
+    fast = LeanLlama(tiny_llama(32, hidden_size=32, num_heads=4, num_kv_heads=2), batch_invariant=False)
+    assert fast.backend == TORCH and not fast.batch_invariant and "off" in fast.backend_reason
+    monkeypatch.setenv("SPECDEC_BATCH_INVARIANT", "0")
+    assert LeanLlama(tiny_llama(32, hidden_size=32, num_heads=4, num_kv_heads=2)).backend == TORCH
+    monkeypatch.delenv("SPECDEC_BATCH_INVARIANT")
+    bf16 = LeanLlama(tiny_llama(32, hidden_size=32).to(torch.bfloat16))
+    assert bf16.backend == TORCH_INVARIANT and "bfloat16" in bf16.backend_reason
+    if fewrow.layers_available():
+        assert LeanLlama(tiny_llama(32, hidden_size=32)).backend == KERNEL
+
+
+def test_a_failed_invariance_probe_falls_back_to_the_fast_operations_and_names_what_failed(monkeypatch):
+    from specdec.modeling import lean_llama
+
+    monkeypatch.setattr(lean_llama, "attention_rows_invariant", lambda *a, **k: False)
+    lean = LeanLlama(tiny_llama(32, hidden_size=32, num_heads=4, num_kv_heads=2))
+    assert lean.backend == TORCH and "attention" in lean.backend_reason and not lean.batch_invariant
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_many_sequences_in_one_pass_give_transformers_logits_through_steps_and_rollbacks(invariant):
+    from transformers import DynamicCache
+
+    model = tiny_llama(
+        64, seed=3, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, init_range=0.2, max_positions=256
+    )
+    reference = copy.deepcopy(model)
+    lean = LeanLlama(model, batch_invariant=invariant)
+    assert lean.backend == (TORCH_INVARIANT if invariant else TORCH)
+    generator = torch.Generator().manual_seed(4)
+    lengths = [1, 5, 63, 64, 65, 130]  # prompts on both sides of the attention's key buckets
+    caches = [lean.new_cache() for _ in lengths]
+    hf_caches = [DynamicCache(config=reference.config) for _ in lengths]
+    feeds = [torch.randint(0, 64, (n,), generator=generator) for n in lengths]
+    for step in range(12):
+        rows = [len(f) if step == 0 else 1 + (step + i) % 5 for i, f in enumerate(feeds)]
+        results = lean.forward_batch([Pass(f, c, r) for f, c, r in zip(feeds, caches, rows, strict=True)])
+        for (logits, _), feed, hf_cache, r in zip(results, feeds, hf_caches, rows, strict=True):
+            with torch.inference_mode():
+                expected = reference(input_ids=feed.unsqueeze(0), cache=hf_cache, use_cache=True, logits_to_keep=r)
+            torch.testing.assert_close(logits, expected.logits[0], rtol=1e-5, atol=1e-5)
+        for i, (cache, hf_cache) in enumerate(zip(caches, hf_caches, strict=True)):
+            drop = (step + i) % 3 if step else 0  # roll part of each block back
+            drop = min(drop, len(feeds[i]) - 1)
+            if drop:
+                cache.crop(-drop)
+                hf_cache.crop(-drop)
+            assert cache.length == hf_cache.get_seq_length()
+        feeds = [torch.randint(0, 64, (1 + (step + 1 + i) % 5,), generator=generator) for i in range(len(lengths))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_default_targets_widths_a_verify_block_gives_the_bits_of_one_row_steps(dtype, monkeypatch):
+    """What greedy speculation's identity with target-only greedy rests on: the target's logits
+    for proposal i do not depend on k, nor on the other sessions of the pass -- in float32 with
+    the kernel off and in bfloat16, where the library's fused operations measured otherwise
+    (docs/batching.md)."""
+    monkeypatch.setenv(fewrow.LAYERS_SWITCH_ENV, "0")
+    lean = LeanLlama(smollm2_widths(dtype))
+    assert lean.backend == TORCH_INVARIANT, lean.backend_reason
+    generator = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 512, (58,), generator=generator)  # the blocks cross the 64-key bucket edge
+    block = torch.randint(0, 512, (9,), generator=generator)
+    stepped, blocked, other = lean.new_cache(), lean.new_cache(), lean.new_cache()
+    lean.forward_batch([Pass(prompt, stepped)])
+    lean.forward_batch([Pass(prompt, blocked)])
+    lean.forward_batch([Pass(torch.randint(0, 512, (100,), generator=generator), other)])
+    singles = torch.cat([lean.forward_batch([Pass(block[i : i + 1], stepped)])[0][0] for i in range(len(block))])
+    together = lean.forward_batch([Pass(block, blocked, len(block)), Pass(block[:3], other, 3)])[0][0]
+    assert torch.equal(together, singles)
+    assert torch.equal(blocked.keys[:, :, : blocked.length], stepped.keys[:, :, : stepped.length])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_attention_is_attention_up_to_rounding_across_bucket_edges(dtype):
+    generator = torch.Generator().manual_seed(2)
+    keys = torch.randn(3, 200, 64, generator=generator).to(dtype)
+    values = torch.randn(3, 200, 64, generator=generator).to(dtype)
+    values[:, 150:] = 0  # what a cache holds past its length is weighed by 0 either way
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for start, n in ((0, 1), (0, 17), (KEY_BLOCK - 3, 7), (120, 20), (149, 1)):
+        q = torch.randn(n, 9, 64, generator=generator).to(dtype)
+        expected = fused_attention(q, keys, values, start, 0.125).float()
+        got = invariant_attention(q, keys, values, start, 0.125)
+        assert got.shape == (n, 9 * 64) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    # a bucket that reaches past the buffer reads zeros there (a cache sized to its prompt)
+    q = torch.randn(2, 9, 64, generator=generator).to(dtype)
+    short_k, short_v = keys[:, :70].contiguous(), values[:, :70].contiguous()
+    torch.testing.assert_close(
+        invariant_attention(q, short_k, short_v, 68, 0.125).float(),
+        fused_attention(q, short_k, short_v, 68, 0.125).float(),
+        rtol=tolerance,
+        atol=tolerance,
+    )

@@ -134,3 +134,23 @@ def test_invariant_attention_is_attention_up_to_rounding_across_bucket_edges(dty
         rtol=tolerance,
         atol=tolerance,
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_sequences_attention_equals_each_alone_bit_for_bit_and_fused_up_to_rounding(dtype):
+    from specdec.modeling.attention import attention_rows_invariant, invariant_attention_many
+
+    # blocks of 17 rows crossing bucket edges, next to sequences of other lengths (other buckets)
+    assert attention_rows_invariant(9, 3, 64, dtype, "cpu", lengths=(5, 64, 65, 200, 2048), block_rows=17)
+    generator = torch.Generator().manual_seed(3)
+    segments, queries, expected = [], [], []
+    for start, rows in ((0, 3), (62, 4), (100, 1), (101, 1), (30, 40)):
+        keys = torch.randn(3, start + rows + 5, 64, generator=generator).to(dtype)
+        values = torch.randn(3, start + rows + 5, 64, generator=generator).to(dtype)
+        q = torch.randn(rows, 9, 64, generator=generator).to(dtype)
+        segments.append((keys, values, start, rows))
+        queries.append(q)
+        expected.append(fused_attention(q, keys, values, start, 0.125).float())
+    got = invariant_attention_many(torch.cat(queries), segments, 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), torch.cat(expected), rtol=tolerance, atol=tolerance)

@@ -50,46 +50,93 @@ def fused_attention(
 def invariant_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scaling: float
 ) -> torch.Tensor:
-    """:func:`fused_attention`, each row computed over its own key bucket (see the module doc).
-    Positions of keys/values past start + n may hold anything finite in ``values`` (a rolled-back
-    proposal's, zeros): they are weighed by exactly 0. Where a bucket reaches past the buffer,
-    the buffer is padded with zeros for this call."""
-    n = q.shape[0]
-    out = []
+    """:func:`fused_attention`, each row computed over its own key bucket (see the module doc);
+    :func:`invariant_attention_many` for one sequence."""
+    return invariant_attention_many(q, [(keys, values, start, q.shape[0])], scaling)
+
+
+def invariant_attention_many(
+    q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, int, int]], scaling: float
+) -> torch.Tensor:
+    """The attention of the rows of several sequences, q [N, Hq, D]: ``segments`` lists, in the
+    order of q's rows, each sequence's (keys, values, start, rows) -- its cache buffers
+    [Hkv, capacity, D] and its rows' positions [start, start + rows). -> [N, Hq * D].
+
+    Each row attends over its own key bucket (the module doc). Rows of any sequences whose
+    buckets have the same length are computed in one batched product (what makes many decoding
+    sequences cheap: one call per bucket length, not per sequence); a row's bits depend on its
+    own query, keys and bucket only. Positions past a sequence's rows may hold anything finite in
+    ``values`` (a rolled-back proposal's, zeros): they are weighed by exactly 0; where a bucket
+    reaches past a buffer, the buffer is padded with zeros for this call."""
+    by_length: dict[int, list[tuple[int, int, int, int]]] = {}  # length -> (segment, row, rows, position)
     row = 0
-    while row < n:
-        position = start + row
-        length = (position // KEY_BLOCK + 1) * KEY_BLOCK
-        rows = min(n, length - start) - row
-        out.append(_bucket_attention(q[row : row + rows], keys, values, position, length, scaling))
+    for index, (_, _, start, rows) in enumerate(segments):
+        done = 0
+        while done < rows:
+            position = start + done
+            length = (position // KEY_BLOCK + 1) * KEY_BLOCK
+            piece = min(rows, length - start) - done
+            by_length.setdefault(length, []).append((index, row + done, piece, position))
+            done += piece
         row += rows
-    return out[0] if len(out) == 1 else torch.cat(out)
+    n, heads, dim = q.shape
+    out = q.new_empty(n, heads * dim)
+    for length, pieces in by_length.items():
+        out[_rows_of(pieces, q.device)] = _bucket_attention(q, segments, pieces, length, scaling)
+    return out
+
+
+def _rows_of(pieces: list[tuple[int, int, int, int]], device) -> torch.Tensor:
+    """The rows of q the pieces cover, in piece order."""
+    return torch.cat([torch.arange(row, row + rows, device=device) for _, row, rows, _ in pieces])
 
 
 def _bucket_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int, length: int, scaling: float
+    q: torch.Tensor,
+    segments: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+    pieces: list[tuple[int, int, int, int]],
+    length: int,
+    scaling: float,
 ) -> torch.Tensor:
-    """Rows q [m, Hq, D] at positions [first, first + m), all within one key bucket of ``length``
-    keys -> [m, Hq * D]. In float32 whatever the model's dtype (as fast here as bfloat16 products
-    of these shapes, and the scores keep their precision); the weighted sum of values runs over
-    VALUE_CHUNK keys at a time, summed in order (a long product's blocking can depend on its row
-    count: measured in bfloat16 at 2048 keys)."""
-    m, heads, dim = q.shape
-    kv_heads = keys.shape[0]
+    """The rows of ``pieces`` -- (segment, first row in q, rows, first position), all with a key
+    bucket of ``length`` keys -- as one batched product: -> [their rows, Hq * D] in piece order.
+
+    Pieces are padded to the most rows of any (a padding row repeats the piece's last row and is
+    dropped), so each piece is one batch element of [Hkv, rows * group] queries. In float32
+    whatever the model's dtype (as fast here as bfloat16 products of these shapes, and the scores
+    keep their precision); the weighted sum of values runs over VALUE_CHUNK keys at a time, summed
+    in order (a long product's blocking can depend on its row count: measured in bfloat16 at 2048
+    keys)."""
+    _, heads, dim = q.shape
+    kv_heads = segments[0][0].shape[0]
     group = heads // kv_heads
-    keys, values = _padded(keys, length).float(), _padded(values, length).float()
-    # the query rows of each key/value head together: [Hkv, m * group, D], row-major by position
-    grouped = (q.float() * scaling).view(m, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, m * group, dim)
-    scores = torch.matmul(grouped, keys.transpose(1, 2))  # [Hkv, m * group, length]
-    positions = torch.arange(first, first + m, device=q.device).repeat_interleave(group)
-    hidden = torch.arange(length, device=q.device).unsqueeze(0) > positions.unsqueeze(1)
-    weights = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+    most = max(rows for _, _, rows, _ in pieces)
+    count = len(pieces)
+    # [count, most] rows of q and their positions; a padding row repeats its piece's last one
+    offsets = torch.arange(most, device=q.device)
+    firsts = torch.tensor([[row, rows, position] for _, row, rows, position in pieces], device=q.device)
+    within = torch.minimum(offsets.unsqueeze(0), firsts[:, 1:2] - 1)  # [count, most]
+    queries = q[firsts[:, 0:1] + within].float() * scaling  # [count, most, Hq, D]
+    positions = firsts[:, 2:3] + within  # [count, most]
+    keys = torch.stack([_padded(segments[s][0], length) for s, _, _, _ in pieces]).float()  # [count, Hkv, length, D]
+    values = torch.stack([_padded(segments[s][1], length) for s, _, _, _ in pieces]).float()
+    # the query rows of each key/value head together: [count, Hkv, most * group, D], by position
+    grouped = (
+        queries.view(count, most, kv_heads, group, dim)
+        .permute(0, 2, 1, 3, 4)
+        .reshape(count, kv_heads, most * group, dim)
+    )
+    scores = torch.matmul(grouped, keys.transpose(2, 3))  # [count, Hkv, most * group, length]
+    hidden = torch.arange(length, device=q.device) > positions.repeat_interleave(group, dim=1).unsqueeze(2)
+    weights = torch.softmax(scores.masked_fill_(hidden.unsqueeze(1), float("-inf")), dim=-1)
     out = None
     for s in range(0, length, VALUE_CHUNK):
-        part = torch.matmul(weights[:, :, s : s + VALUE_CHUNK], values[:, s : s + VALUE_CHUNK])
+        part = torch.matmul(weights[..., s : s + VALUE_CHUNK], values[:, :, s : s + VALUE_CHUNK])
         out = part if out is None else out.add_(part)
-    assert out is not None  # [Hkv, m * group, D]
-    return out.view(kv_heads, m, group, dim).transpose(0, 1).reshape(m, heads * dim).to(q.dtype)
+    assert out is not None  # [count, Hkv, most * group, D]
+    out = out.view(count, kv_heads, most, group, dim).permute(0, 2, 1, 3, 4).reshape(count, most, heads * dim)
+    kept = offsets.unsqueeze(0) < firsts[:, 1:2]  # [count, most]: the real rows
+    return out[kept].to(q.dtype)
 
 
 def _padded(buffer: torch.Tensor, length: int) -> torch.Tensor:
@@ -109,17 +156,23 @@ def attention_rows_invariant(
     block_rows: int = 9,
     seed: int = 0,
 ) -> bool:
-    """Whether :func:`invariant_attention` gives a block of ``block_rows`` rows ending at each of
-    ``lengths`` the bits of the same rows computed one at a time (with the library here)."""
+    """Whether :func:`invariant_attention_many` gives a block of ``block_rows`` rows ending at each
+    of ``lengths``, computed among the other blocks, the bits of the same rows computed one at a
+    time (with the library here)."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
+    segments, queries = [], []
     for end in lengths:
         start = max(0, end - block_rows)
         keys = torch.randn(kv_heads, end, dim, generator=generator).to(dtype=dtype, device=device)
         values = torch.randn(kv_heads, end, dim, generator=generator).to(dtype=dtype, device=device)
-        q = torch.randn(end - start, heads, dim, generator=generator).to(dtype=dtype, device=device)
-        block = invariant_attention(q, keys, values, start, dim**-0.5)
-        for row in range(end - start):
-            alone = invariant_attention(q[row : row + 1], keys, values, start + row, dim**-0.5)
-            if not torch.equal(alone, block[row : row + 1]):
+        queries.append(torch.randn(end - start, heads, dim, generator=generator).to(dtype=dtype, device=device))
+        segments.append((keys, values, start, end - start))
+    together = invariant_attention_many(torch.cat(queries), segments, dim**-0.5)
+    row = 0
+    for q, (keys, values, start, rows) in zip(queries, segments, strict=True):
+        for i in range(rows):
+            alone = invariant_attention(q[i : i + 1], keys, values, start + i, dim**-0.5)
+            if not torch.equal(alone, together[row + i : row + i + 1]):
                 return False
+        row += rows
     return True

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from specdec.modeling.attention import attention_rows_invariant, fused_attention, invariant_attention
+from specdec.modeling.attention import attention_rows_invariant, fused_attention, invariant_attention_many
 from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import context_length
 from specdec.modeling.fewrow import ROWS as FEW_ROWS
@@ -362,25 +362,34 @@ class LeanLlama:
         sequence attends over its own cache. Invariant or fast operations by the backend."""
         n = x.shape[0]
         h_q, h_kv, d = self.heads, self.kv_heads, self.head_dim
-        invariant = self.backend == TORCH_INVARIANT
-        attend = invariant_attention if invariant else fused_attention
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D]: the same rotation for every head of a row
         for index, (norm1, _, _, norm2, _, _) in enumerate(self.layers):
             qkv_of, o_of, gu_of, down_of = self._products(index)
             qkv = qkv_of(rms_norm(x, norm1))  # [N, (h_q + 2 h_kv) d]
             qk = apply_rotary(qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d), cos, sin)  # [N, heads, d]
             v = qkv[:, (h_q + h_kv) * d :].view(n, h_kv, d)
-            attended, row = [], 0
+            buffers, row = [], 0
             for cache, start, rows in segments:
                 keys, values = cache.keys[index], cache.values[index]  # [h_kv, capacity, d]
                 keys[:, start : start + rows] = qk[row : row + rows, h_q:].transpose(0, 1)
                 values[:, start : start + rows] = v[row : row + rows].transpose(0, 1)
-                attended.append(attend(qk[row : row + rows, :h_q], keys, values, start, self.scaling))
+                buffers.append((keys, values, start, rows))
                 row += rows
-            x = x + o_of(attended[0] if len(attended) == 1 else torch.cat(attended))
+            x = x + o_of(self._attend(qk[:, :h_q], buffers))
             gate, up = gu_of(rms_norm(x, norm2)).chunk(2, dim=-1)
             x = x + down_of(F.silu(gate) * up)
         return x
+
+    def _attend(self, q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> torch.Tensor:
+        """Attention of the rows q [N, Hq, D] of several sequences, each over its own cache:
+        ``segments`` lists (keys, values, start, rows) in the order of q's rows."""
+        if self.backend == TORCH_INVARIANT:
+            return invariant_attention_many(q, segments, self.scaling)
+        attended, row = [], 0
+        for keys, values, start, rows in segments:
+            attended.append(fused_attention(q[row : row + rows], keys, values, start, self.scaling))
+            row += rows
+        return attended[0] if len(attended) == 1 else torch.cat(attended)
 
     def _products(self, index: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
         """Layer ``index``'s four products (qkv, o, gate/up, down) as the backend computes them."""

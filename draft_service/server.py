@@ -14,6 +14,7 @@ from specdec.runtime.servicer import (
     ServiceSpec,
     SessionServicer,
     add_replica_arguments,
+    apply_pass_arguments,
     batch_runner_for,
     cache_limits,
     main_async,
@@ -81,6 +82,8 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             feature_size=getattr(self.engine, "feature_size", 0),
             cost_sizes=[n for n, _ in self.cost_points],
             cost_seconds=[t for _, t in self.cost_points],
+            pass_backend=stats.get("pass_backend", ""),
+            batch_invariant=bool(stats.get("batch_invariant", False)),
         )
 
 
@@ -113,6 +116,7 @@ def build_engine(args):
 
 def main(args) -> int:
     security.apply_arguments(args)  # TLS / token flags -> this process's environment
+    apply_pass_arguments(args)
     import os
 
     from specdec.modeling.loading import tokenizer_fingerprint, try_load_tokenizer

@@ -15,6 +15,7 @@ from specdec.runtime.servicer import (
     ServiceSpec,
     SessionServicer,
     add_replica_arguments,
+    apply_pass_arguments,
     batch_runner_for,
     cache_limits,
     main_async,
@@ -104,6 +105,8 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             feature_size=int(self.engine.store.model.config.hidden_size),
             cost_sizes=[n for n, _ in self.cost_points],
             cost_seconds=[t for _, t in self.cost_points],
+            pass_backend=stats.get("pass_backend", ""),
+            batch_invariant=bool(stats.get("batch_invariant", False)),
         )
 
 
@@ -117,6 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     security.apply_arguments(args)  # TLS / token flags -> this process's environment
+    apply_pass_arguments(args)
     import os
     import sys
 

@@ -276,6 +276,8 @@ def run(args) -> dict:
         + (["--invariant-sampling"] if args.invariant else [])
         + (["--seeded-sampling", args.seeded_sampling] if getattr(args, "seeded_sampling", None) else []),
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        extra_target=_replica_flags(args),
+        extra_draft=_replica_flags(args),
     ) as stack:
 
         async def measure():
@@ -449,6 +451,13 @@ async def _concurrency(
                 ttfts = [s.ttft for _, samples in runs[mode] for s in samples if s.ttft is not None]
                 itls = [v for _, samples in runs[mode] for s in samples for v in s.itl]
                 changed = sum(s.token_ids != alone[i] for _, samples in runs[mode] for i, s in enumerate(samples))
+                # greedy: every mode's tokens are the target's own, so target-only's alone are the reference
+                reference = alone_by_mode.get("target-only") if temperature == 0 else None
+                unlike_target = (
+                    sum(s.token_ids != reference[i] for _, samples in runs[mode] for i, s in enumerate(samples))
+                    if reference is not None
+                    else None
+                )
                 speculating = [s for _, samples in runs[mode] for s in samples]
                 out.append(
                     {
@@ -464,6 +473,7 @@ async def _concurrency(
                         "itl_s_p50": percentile(itls, 50),
                         "itl_s_p99": percentile(itls, 99),
                         "streams_changed_vs_alone": changed,
+                        "streams_unlike_target_only": unlike_target,
                         "streams": len(speculating),
                         "steps_speculating": _share(
                             sum(s.drafts for s in speculating), sum(s.passes for s in speculating)
@@ -474,6 +484,7 @@ async def _concurrency(
                     f"T={temperature} concurrency {level} {mode.mode} k={mode.k}: "
                     f"{out[-1]['aggregate_tokens_per_s']:.1f} tokens/s, {changed} of {out[-1]['streams']} streams "
                     "differ from alone"
+                    + (f", {unlike_target} from target-only's greedy" if unlike_target is not None else "")
                 )
     return out, alone_by_mode
 
@@ -599,8 +610,13 @@ def table(rep: dict) -> str:
             f"{c['aggregate_tokens_per_s']:>6.1f} tokens/s aggregate, ttft p50/p99 "
             f"{fmt(c.get('ttft_s_p50'), '.3f')}/{fmt(c.get('ttft_s_p99'), '.3f')} s, itl p50/p99 "
             f"{fmt(c.get('itl_s_p50'), '.3f')}/{fmt(c.get('itl_s_p99'), '.3f')} s, "
-            f"{c.get('streams_changed_vs_alone', 0)} of {c.get('streams', 0)} streams differ from alone, "
-            f"{fmt(c.get('steps_speculating'), '.0%')} of steps speculating"
+            f"{c.get('streams_changed_vs_alone', 0)} of {c.get('streams', 0)} streams differ from alone"
+            + (
+                f" ({c['streams_unlike_target_only']} from target-only's greedy)"
+                if c.get("streams_unlike_target_only") is not None
+                else ""
+            )
+            + f", {fmt(c.get('steps_speculating'), '.0%')} of steps speculating"
         )
     lines.append(
         f"best: {rep['best']}, speedup vs target-only {fmt(rep['speedup_vs_target_only'], '.2f')}x "
@@ -665,6 +681,12 @@ def plot(rep: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _replica_flags(args) -> list[str]:
+    """The replicas' pass flags of this bench (their dtype, batch invariance)."""
+    flags = ["--dtype", args.dtype] if getattr(args, "dtype", None) else []
+    return flags + (["--no-batch-invariant"] if getattr(args, "no_batch_invariant", False) else [])
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2")
     p.add_argument(
@@ -693,6 +715,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "speculation to the server, use at most",
     )
     p.add_argument("--temperatures", default="0,0.7", help="sampling settings; the first is the headline")
+    p.add_argument("--dtype", default=None, help="the stack's replicas' dtype (default: theirs, float32 on the CPU)")
+    p.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="the replicas batch with torch's fastest operations where the layer kernel does not run",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument(
         "--invariant",

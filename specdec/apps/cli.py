@@ -224,6 +224,8 @@ def _device_flags(args, role: str = "") -> list[str]:
     flags = ["--device", device] if device else []
     if getattr(args, "dtype", None):
         flags += ["--dtype", args.dtype]
+    if getattr(args, "no_batch_invariant", False):
+        flags.append("--no-batch-invariant")
     return flags
 
 
@@ -271,6 +273,12 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (GPU default) / float16")
+    p.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="replicas batch with torch's fastest operations where the float32 layer kernel does not run "
+        "(greedy output under load may then differ from one stream's; docs/batching.md, 'Backends')",
+    )
 
 
 # Commands whose flags live in their own module: name -> (help, module). The module provides

@@ -538,6 +538,8 @@ class SessionStore:
             "kv_bytes": self.total_kv_bytes,
             "kv_bytes_per_token": self.bytes_per_token,
             "sessions_started": self.sessions_started,
+            "pass_backend": self.pass_backend,
+            "batch_invariant": self.batch_invariant,
             **(self.prefixes.stats() if self.prefixes is not None else {}),
         }
 

@@ -149,11 +149,27 @@ def add_replica_arguments(p) -> None:
         "next request (0 = never; a lone session never waits; docs/batching.md)",
     )
     p.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="where the CPU's float32 layer kernel does not run (bfloat16, a GPU, other widths), batch with "
+        "torch's fastest operations: a row's rounding then depends on what shares its pass, so greedy output "
+        "under load or with speculation may differ from one stream's (default: row-count invariant "
+        "operations; docs/batching.md, 'Backends')",
+    )
+    p.add_argument(
         "--max-waiting-sessions",
         type=non_negative_int,
         default=64,
         help="session starts that may wait for KV room (or a session slot); one more is RESOURCE_EXHAUSTED",
     )
+
+
+def apply_pass_arguments(args) -> None:
+    """The batched pass's flags -> this process's environment, read when the model loads."""
+    from specdec.modeling.lean_llama import INVARIANT_ENV
+
+    if getattr(args, "no_batch_invariant", False):
+        os.environ[INVARIANT_ENV] = "0"
 
 
 class SessionServicer:

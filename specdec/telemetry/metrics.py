@@ -120,6 +120,12 @@ VLLM_WAITING = Gauge(
 VLLM_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> vLLM's
 
 LIVE_SESSIONS = Gauge("specdec_live_sessions", "Live sessions on this replica", registry=REGISTRY)
+PASS_BACKEND = Gauge(
+    "specdec_pass_backend_info",
+    "1 for the backend of this replica's batched pass (docs/batching.md, 'Backends')",
+    ["backend", "batch_invariant"],
+    registry=REGISTRY,
+)
 KV_BYTES = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by this replica", registry=REGISTRY)
 PREFIX_CACHE_BYTES = Gauge(
     "specdec_prefix_cache_bytes", "Bytes of KV the prefix cache holds (outside the KV pool)", registry=REGISTRY
@@ -204,7 +210,10 @@ def serve_metrics(port: int, host: str) -> None:
 
 
 def watch_engine(engine) -> None:
-    """Live sessions and KV bytes, read from the engine at scrape time."""
+    """Live sessions and KV bytes, read from the engine at scrape time; the pass backend, once."""
+    stats = engine.stats()
+    if stats.get("pass_backend"):
+        PASS_BACKEND.labels(stats["pass_backend"], str(bool(stats.get("batch_invariant"))).lower()).set(1)
     LIVE_SESSIONS.set_function(lambda: engine.stats()["live_sessions"])
     KV_BYTES.set_function(lambda: engine.stats()["kv_bytes"])
     PREFIX_CACHE_BYTES.set_function(lambda: engine.stats().get("prefix_cache_bytes", 0))

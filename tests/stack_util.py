@@ -44,10 +44,15 @@ def stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
     return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(address))
 
 
-def live_sessions(address: str, kind: str) -> int:
+def info(address: str, kind: str):
+    """A draft or target replica's EngineInfo."""
     channel = grpc.insecure_channel(address)
     s = (target_pb2_grpc.TargetStub if kind == "target" else draft_pb2_grpc.DraftStub)(channel)
-    return s.Info(engine_pb2.InfoRequest(), timeout=10).live_sessions
+    return s.Info(engine_pb2.InfoRequest(), timeout=10)
+
+
+def live_sessions(address: str, kind: str) -> int:
+    return info(address, kind).live_sessions
 
 
 async def _gather(address: str, requests, concurrency: int):

@@ -8,16 +8,14 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-import grpc
 import pytest
 import torch
-from stack_util import generate_many, live_sessions, request, stub
+from stack_util import generate_many, info, live_sessions, request, stub
 from test_failover import kill_serving, replace_replica, stream
 
 from specdec.apps.launcher import local_stack
 from specdec.apps.selftest import BASE_SEED, CASES, build_draft, build_target, case_params, case_runs, exact_law, judge
 from specdec.modeling.tiny import word_tokenizer
-from specdec.v1 import draft_pb2_grpc, engine_pb2, target_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -51,12 +49,6 @@ def stack(models, tmp_path_factory):
     ) as s:
         s.spares = 0
         yield s
-
-
-def info(address: str, kind: str):
-    channel = grpc.insecure_channel(address)
-    cls = target_pb2_grpc.TargetStub if kind == "target" else draft_pb2_grpc.DraftStub
-    return cls(channel).Info(engine_pb2.InfoRequest(), timeout=10)
 
 
 def test_services_describe_the_feature_pairing(stack, models):

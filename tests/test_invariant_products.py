@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.modeling.invariant import K_CHUNK, ChunkedLinear, rows_invariant
+from specdec.modeling.invariant import K_CHUNK, ChunkedLinear, chunk_bounds, rows_invariant
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -24,6 +24,13 @@ def test_a_chunked_product_is_the_product_up_to_rounding(dtype):
     assert len(narrow.chunks) == 1 and torch.equal(narrow(x[:, :300].contiguous()), narrow(x[:, :300].contiguous()))
     with pytest.raises(ValueError):
         ChunkedLinear(weight, chunk=0)
+
+
+def test_a_narrow_tail_joins_the_chunk_before():
+    assert chunk_bounds(576) == [(0, 576)]  # SmolLM2's hidden size: one product, not 512 + 64
+    assert chunk_bounds(1536) == [(0, 512), (512, 1024), (1024, 1536)]
+    assert chunk_bounds(1100) == [(0, 512), (512, 1100)]
+    assert chunk_bounds(300) == [(0, 300)]
 
 
 def test_the_probe_tells_a_row_count_dependent_function_from_an_invariant_one():

@@ -154,3 +154,75 @@ def test_many_sequences_attention_equals_each_alone_bit_for_bit_and_fused_up_to_
     got = invariant_attention_many(torch.cat(queries), segments, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), torch.cat(expected), rtol=tolerance, atol=tolerance)
+
+
+def tiny_architecture(model_type: str, seed: int = 0):
+    """A two-layer random model of one of the lean pass's other architectures (grouped-query
+    heads of 8; Qwen2 with its q/k/v biases, Qwen3 with its q/k norms)."""
+    import transformers
+
+    config_class, model_class = {
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[model_type]
+    torch.manual_seed(seed)
+    config = config_class(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        sliding_window=None,
+        initializer_range=0.2,
+    )
+    model = model_class(config).eval()
+    with torch.no_grad():  # biases and norm weights away from their 0 / 1 initialisation, so they count
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("invariant", [True, False])
+def test_other_architectures_give_transformers_logits_in_one_batched_pass(model_type, invariant):
+    from transformers import DynamicCache
+
+    from specdec.modeling.lean_llama import lean_runner
+
+    model = tiny_architecture(model_type)
+    reference = copy.deepcopy(model)
+    lean = lean_runner(model, batch_invariant=invariant)
+    assert lean is not None and lean.backend == (TORCH_INVARIANT if invariant else TORCH)
+    if model_type == "qwen2":
+        assert all(bias is not None for bias in lean.qkv_biases)
+    if model_type == "qwen3":
+        assert all(norms is not None for norms in lean.qk_norms)
+    generator = torch.Generator().manual_seed(5)
+    feeds = [torch.randint(0, 64, (n,), generator=generator) for n in (3, 66, 20)]
+    caches = [lean.new_cache() for _ in feeds]
+    hf_caches = [DynamicCache(config=reference.config) for _ in feeds]
+    for step in range(4):
+        rows = [len(f) for f in feeds]
+        results = lean.forward_batch([Pass(f, c, r) for f, c, r in zip(feeds, caches, rows, strict=True)])
+        for (logits, _), feed, hf_cache, r in zip(results, feeds, hf_caches, rows, strict=True):
+            with torch.inference_mode():
+                expected = reference(input_ids=feed.unsqueeze(0), cache=hf_cache, use_cache=True, logits_to_keep=r)
+            torch.testing.assert_close(logits, expected.logits[0], rtol=1e-4, atol=1e-4)
+        feeds = [torch.randint(0, 64, (1 + (step + i) % 4,), generator=generator) for i in range(len(feeds))]
+
+
+def test_what_the_lean_pass_does_not_cover_is_refused_with_the_reason():
+    from specdec.modeling.lean_llama import _supported
+
+    mistral = tiny_architecture("mistral")
+    mistral.config.sliding_window = 16  # shorter than its 256-position context
+    assert "sliding window of 16" in _supported(mistral)
+    qwen2 = tiny_architecture("qwen2")
+    qwen2.model.layers[1].self_attn.k_proj.bias = None
+    assert "some of q/k/v" in _supported(qwen2)
+    assert _supported(tiny_architecture("qwen3")) is None

@@ -284,6 +284,8 @@ def run(args) -> dict:
             async with client_channel(stack.coordinator_address) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
                 await stream_one(stub, build_request(prompts[0], modes[0], 0.0, 4, 0))  # warm-up
+                if args.sweep_only:
+                    return stub
                 total = args.repeats * len(prompts) * len(temperatures) * (len(modes) + len(hf_modes))
                 done = 0
                 for rep in range(args.repeats):
@@ -736,6 +738,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--concurrency", default="1,4,16", help="concurrency sweep ('' = skip)")
+    p.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="only the concurrency sweep: skip the per-prompt comparison of modes (and transformers')",
+    )
     p.add_argument(
         "--sustained",
         type=int,

@@ -11,7 +11,7 @@ every reduction a row takes part in has a length that depends on the row's own p
   keys of its bucket, [0, (p // KEY_BLOCK + 1) * KEY_BLOCK), the ones after p masked to -inf (so
   they weigh exactly 0) -- a block's rows are split where they cross a bucket boundary;
 - the scores are the library's product over the head dimension, the softmax runs per row, and
-  the weighted sum of values is a sum, in order, of products over VALUE_CHUNK keys each.
+  the weighted sum of values is a sum, in order, of products over chunks of VALUE_CHUNK keys.
 
 What remains is that the library computes each row of a product the same way whatever the other
 rows are; :func:`attention_rows_invariant` checks that on the real shapes when a model loads
@@ -23,8 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec.modeling.invariant import chunk_bounds
+
 KEY_BLOCK = 64  # the granularity of the key length a row's reductions run over
-VALUE_CHUNK = 512  # the longest reduction of one product (as specdec.modeling.invariant.K_CHUNK)
+VALUE_CHUNK = 512  # keys per product of the weighted sum of values (chunked as invariant.chunk_bounds)
 
 
 def fused_attention(
@@ -130,8 +132,8 @@ def _bucket_attention(
     hidden = torch.arange(length, device=q.device) > positions.repeat_interleave(group, dim=1).unsqueeze(2)
     weights = torch.softmax(scores.masked_fill_(hidden.unsqueeze(1), float("-inf")), dim=-1)
     out = None
-    for s in range(0, length, VALUE_CHUNK):
-        part = torch.matmul(weights[..., s : s + VALUE_CHUNK], values[:, :, s : s + VALUE_CHUNK])
+    for s, e in chunk_bounds(length, VALUE_CHUNK):
+        part = torch.matmul(weights[..., s:e], values[:, :, s:e])
         out = part if out is None else out.add_(part)
     assert out is not None  # [count, Hkv, most * group, D]
     out = out.view(count, kv_heads, most, group, dim).permute(0, 2, 1, 3, 4).reshape(count, most, heads * dim)

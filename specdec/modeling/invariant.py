@@ -22,7 +22,11 @@ import torch
 
 from specdec.modeling.ops import library_product
 
-K_CHUNK = 512  # the widest inner dimension one product gets (see the module doc)
+K_CHUNK = 512  # the inner dimension of one product (see the module doc)
+# A last chunk narrower than this joins the one before it: SmolLM2's 576-wide products then run
+# whole (576 measured invariant here too) instead of as 512 + 64, a second product per layer input
+# that cost more in calls than it computed.
+K_TAIL = K_CHUNK // 4
 PROBE_ROWS = (1, 2, 3, 5, 8, 16, 17, 33, 64)  # row counts compared with PROBE_REFERENCE's
 PROBE_REFERENCE = 128
 
@@ -37,7 +41,7 @@ class ChunkedLinear:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
-        self.bounds = [(s, min(s + chunk, self.in_features)) for s in range(0, self.in_features, chunk)]
+        self.bounds = chunk_bounds(self.in_features, chunk)
         self.chunks = [weight[:, s:e] for s, e in self.bounds]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +54,15 @@ class ChunkedLinear:
             out = part if out is None else out + part
         assert out is not None
         return out
+
+
+def chunk_bounds(width: int, chunk: int = K_CHUNK) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of an inner dimension of ``width``: ``chunk`` wide, a tail
+    narrower than a quarter of it joined to the chunk before."""
+    bounds = [(s, min(s + chunk, width)) for s in range(0, width, chunk)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < chunk // 4:
+        bounds[-2:] = [(bounds[-2][0], width)]
+    return bounds
 
 
 def rows_invariant(

@@ -1,4 +1,5 @@
-"""A lean forward pass for Llama-architecture models, with a preallocated, croppable KV cache.
+"""A lean forward pass for Llama-architecture models (and Mistral, Qwen2, Qwen3: :data:`ARCHITECTURES`),
+with a preallocated, croppable KV cache.
 
 Why: on a small CPU a good part of a transformers SmolLM2 decode step is not the matrix products
 but the small tensor operations around them, dozens per layer (rotary embeddings re-derived
@@ -19,7 +20,8 @@ Embedding, RMSNorm, rotary and output head are the model's own modules, called a
 
 It is the same function of the weights as the transformers forward, up to float rounding (the
 tests compare logits, greedy continuations and the cache after rollbacks against transformers).
-Models it does not cover (other architectures, dynamic rotary scaling, biases, a sharded model)
+Models it does not cover (other architectures, dynamic rotary scaling, MLP or output biases,
+sliding windows, a sharded model)
 keep the transformers forward: :func:`lean_runner` returns ``None`` for them.
 """
 
@@ -66,19 +68,41 @@ def batch_invariant_requested() -> bool:
     return os.environ.get(INVARIANT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# Architectures the lean pass runs: Llama's decoder, with what each adds to it.
+ARCHITECTURES = {
+    "llama": "Llama, Llama-3 (grouped-query attention, llama3 rope scaling), SmolLM2",
+    "mistral": "Mistral (without a sliding window shorter than the context)",
+    "qwen2": "Qwen2 / Qwen2.5 (q/k/v biases)",
+    "qwen3": "Qwen3 (per-head q/k RMSNorm)",
+}
+
+
 def _supported(model) -> str | None:
     """Why the lean pass cannot run ``model`` (None: it can)."""
     config = model.config
-    if getattr(config, "model_type", None) != "llama":
-        return f"model type {getattr(config, 'model_type', None)!r} is not llama"
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return "attention or MLP biases"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        return f"model type {model_type!r} is not one of {sorted(ARCHITECTURES)}"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rotary type {rope_type!r} depends on the sequence length"
+    window = getattr(config, "sliding_window", None)
+    if window and window < context_length(model):  # (Qwen2 without use_sliding_window has None)
+        return f"a sliding window of {window} positions, shorter than the context"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "layers of sliding-window attention"
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        biases = [attn.q_proj.bias is not None, attn.k_proj.bias is not None, attn.v_proj.bias is not None]
+        if any(biases) and not all(biases):
+            return "biases on some of q/k/v only"
+        if attn.o_proj.bias is not None:
+            return "an output projection bias"
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return "a tensor-parallel shard"
     if any(p.device.type == "meta" for p in model.parameters()):
@@ -98,8 +122,21 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
+def _fuse_biases(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """:func:`_fuse` for the linears' biases (None where they have none)."""
+    if linears[0].bias is None:
+        return None
+    fused = torch.cat([lin.bias.detach() for lin in linears]).contiguous()
+    start = 0
+    for lin in linears:
+        size = lin.bias.shape[0]
+        lin.bias.data = fused[start : start + size]
+        start += size
+    return fused
+
+
 class LeanLlama:
-    """The forward pass of one loaded Llama model (see the module docstring)."""
+    """The forward pass of one loaded model of :data:`ARCHITECTURES` (see the module docstring)."""
 
     def __init__(self, model, batch_invariant: bool | None = None) -> None:
         """``batch_invariant``: take the invariant torch operations where the kernel does not run
@@ -118,8 +155,14 @@ class LeanLlama:
         self.max_length = context_length(model)
         self.vocab_size = int(config.vocab_size)
         self.layers = []
+        # what Llama's decoder lacks, per layer: Qwen2's fused q/k/v bias, Qwen3's q/k norms
+        self.qkv_biases: list[torch.Tensor | None] = []
+        self.qk_norms: list[tuple[torch.nn.Module, torch.nn.Module] | None] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            self.qkv_biases.append(_fuse_biases([attn.q_proj, attn.k_proj, attn.v_proj]))
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            self.qk_norms.append((q_norm, k_norm) if q_norm is not None and k_norm is not None else None)
             self.layers.append(
                 (
                     layer.input_layernorm,
@@ -196,6 +239,8 @@ class LeanLlama:
         pointers (and bf16 copies) of the weights, which the engines never change after loading."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not layers_available():
             return None
+        if any(b is not None for b in self.qkv_biases) or any(n is not None for n in self.qk_norms):
+            return None  # the kernel computes Llama's layer only
         hidden = self.layers[0][1].shape[1]
         if self.head_dim % 16 or hidden % 16 or self.intermediate % 16:
             return None
@@ -366,7 +411,14 @@ class LeanLlama:
         for index, (norm1, _, _, norm2, _, _) in enumerate(self.layers):
             qkv_of, o_of, gu_of, down_of = self._products(index)
             qkv = qkv_of(rms_norm(x, norm1))  # [N, (h_q + 2 h_kv) d]
-            qk = apply_rotary(qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d), cos, sin)  # [N, heads, d]
+            bias, qk_norms = self.qkv_biases[index], self.qk_norms[index]
+            if bias is not None:
+                qkv = qkv + bias
+            qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d)
+            if qk_norms is not None:
+                q_norm, k_norm = qk_norms
+                qk = torch.cat((rms_norm(qk[:, :h_q], q_norm), rms_norm(qk[:, h_q:], k_norm)), dim=1)
+            qk = apply_rotary(qk, cos, sin)  # [N, heads, d]
             v = qkv[:, (h_q + h_kv) * d :].view(n, h_kv, d)
             buffers, row = [], 0
             for cache, start, rows in segments:

@@ -109,7 +109,7 @@ def add_replica_arguments(p) -> None:
         default=DEFAULT_PREFIX_CACHE,
         help="KV of computed prompts (and finished sessions) kept so a new session that starts the same way "
         "copies it instead of computing it, outside the KV pool: a count like 256MiB, or 0 = off (default "
-        "256MiB; the CPU's layer kernel only, where a copy is the same bits; docs/batching.md)",
+        "256MiB; on a batch-invariant backend only, where a copy is the same bits; docs/batching.md)",
     )
     p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")

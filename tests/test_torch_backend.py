@@ -142,6 +142,10 @@ def test_many_sequences_attention_equals_each_alone_bit_for_bit_and_fused_up_to_
 
     # blocks of 17 rows crossing bucket edges, next to sequences of other lengths (other buckets)
     assert attention_rows_invariant(9, 3, 64, dtype, "cpu", lengths=(5, 64, 65, 200, 2048), block_rows=17)
+    # one and two query heads per key/value head (the shipped draft has 4 over 2): a one-row step's
+    # products would have 1 or 2 rows, which the library computes with another kernel unpadded
+    for heads, kv_heads in ((4, 2), (4, 4)):
+        assert attention_rows_invariant(heads, kv_heads, 64, dtype, "cpu", lengths=(5, 64, 300), block_rows=9)
     generator = torch.Generator().manual_seed(3)
     segments, queries, expected = [], [], []
     for start, rows in ((0, 3), (62, 4), (100, 1), (101, 1), (30, 40)):

@@ -26,6 +26,10 @@ import torch.nn.functional as F
 from specdec.modeling.invariant import chunk_bounds
 
 KEY_BLOCK = 64  # the granularity of the key length a row's reductions run over
+# The fewest query rows one key/value head's products get: with 1 or 2 rows the library takes
+# another kernel (measured here in float32: the scores of 1 and 2 rows differ from the same rows
+# among more), which a one-row step of a model with 1 or 2 query heads per key/value head hits.
+MIN_QUERY_ROWS = 4
 VALUE_CHUNK = 512  # keys per product of the weighted sum of values (chunked as invariant.chunk_bounds)
 
 
@@ -102,10 +106,18 @@ def _lone_piece_attention(
     every decode step and most verify blocks alone), by slicing where that gathers: the same
     operations on the same values."""
     keys, values, _, _ = segment
-    positions = torch.arange(first, first + q.shape[0], device=q.device).unsqueeze(0)
-    queries = (q.float() * scaling).unsqueeze(0)
+    rows = q.shape[0]
+    most = _padded_rows(rows, q.shape[1] // keys.shape[0])
+    within = torch.clamp(torch.arange(most, device=q.device), max=rows - 1)  # a padding row repeats the last
+    queries = (q[within].float() * scaling).unsqueeze(0)
     stacked = (_padded(keys, length).unsqueeze(0).float(), _padded(values, length).unsqueeze(0).float())
-    return _attend(queries, *stacked, positions)[0].to(q.dtype)
+    return _attend(queries, *stacked, (first + within).unsqueeze(0))[0, :rows].to(q.dtype)
+
+
+def _padded_rows(rows: int, group: int) -> int:
+    """Query rows per batch element for ``rows`` rows of ``group`` heads per key/value head: at
+    least MIN_QUERY_ROWS products' rows (see there)."""
+    return max(rows, -(-MIN_QUERY_ROWS // group))
 
 
 def _bucket_attention(
@@ -119,7 +131,7 @@ def _bucket_attention(
     bucket of ``length`` keys -- as one batched product: -> [their rows, Hq * D] in piece order.
     Pieces are padded to the most rows of any (a padding row repeats the piece's last row and is
     dropped), so each piece is one batch element of :func:`_attend`."""
-    most = max(rows for _, _, rows, _ in pieces)
+    most = _padded_rows(max(rows for _, _, rows, _ in pieces), q.shape[1] // segments[0][0].shape[0])
     # [count, most] rows of q and their positions; a padding row repeats its piece's last one
     offsets = torch.arange(most, device=q.device)
     firsts = torch.tensor([[row, rows, position] for _, row, rows, position in pieces], device=q.device)

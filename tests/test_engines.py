@@ -321,7 +321,14 @@ def test_kv_bytes_are_tracked_and_capped(target_model):
     target.prefill("a", PROMPT, GREEDY)
     assert target.stats()["kv_bytes"] == len(PROMPT) * per_token  # allocated for the whole prompt
     target.release("a")
-    assert target.stats() == {"live_sessions": 0, "kv_bytes": 0, "kv_bytes_per_token": per_token, "sessions_started": 1}
+    assert target.stats() == {
+        "live_sessions": 0,
+        "kv_bytes": 0,
+        "kv_bytes_per_token": per_token,
+        "sessions_started": 1,
+        "pass_backend": target.store.pass_backend,  # (the backends: tests/test_torch_backend.py)
+        "batch_invariant": True,
+    }
 
     capped = TargetEngine(
         target_model,

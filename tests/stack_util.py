@@ -101,3 +101,17 @@ def save_tiny_pair(root, vocab: int, seed: int, draft_scale: float = 0.04, chat_
             tokenizer.chat_template = chat_template
         tokenizer.save_pretrained(root / name)
     return str(root / "target"), str(root / "draft")
+
+
+def save_selftest_pair(root):
+    """The selftest's target and its perturbed draft, saved as root/target and root/draft with
+    word tokenizers: the pair the stack tests serve (its exact law is enumerable). -> the target."""
+    from specdec.apps.selftest import DRAFT_SEED, build_target
+    from specdec.modeling.tiny import perturbed, word_tokenizer
+
+    target = build_target()
+    target.save_pretrained(root / "target")
+    word_tokenizer(target.config.vocab_size).save_pretrained(root / "target")
+    perturbed(target, scale=0.04, seed=DRAFT_SEED).save_pretrained(root / "draft")
+    word_tokenizer(target.config.vocab_size).save_pretrained(root / "draft")
+    return target

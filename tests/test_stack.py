@@ -11,11 +11,10 @@ import grpc
 import pytest
 import torch
 from otlp_collector import start_collector
-from stack_util import generate_many, live_sessions, request, scrape, stub
+from stack_util import generate_many, live_sessions, request, save_selftest_pair, scrape, stub
 
 from specdec.apps.launcher import local_stack
-from specdec.apps.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, case_runs, exact_law, judge
-from specdec.modeling.tiny import perturbed, word_tokenizer
+from specdec.apps.selftest import BASE_SEED, CASES, case_params, case_runs, exact_law, judge
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -27,12 +26,7 @@ MAX_WAITING_SESSIONS = 2
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("stack-models")
-    target = build_target()  # the selftest's target: its exact law is enumerable
-    target.save_pretrained(root / "target")
-    word_tokenizer(target.config.vocab_size).save_pretrained(root / "target")
-    perturbed(target, scale=0.04, seed=DRAFT_SEED).save_pretrained(root / "draft")
-    word_tokenizer(target.config.vocab_size).save_pretrained(root / "draft")
-    return root, target
+    return root, save_selftest_pair(root)
 
 
 @pytest.fixture(scope="module")

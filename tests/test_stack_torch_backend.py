@@ -10,11 +10,10 @@ from collections import Counter
 
 import pytest
 import torch
-from stack_util import generate_many, info, request, scrape
+from stack_util import generate_many, info, request, save_selftest_pair, scrape
 
 from specdec.apps.launcher import local_stack
-from specdec.apps.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, case_runs, exact_law, judge
-from specdec.modeling.tiny import perturbed, word_tokenizer
+from specdec.apps.selftest import BASE_SEED, CASES, case_params, case_runs, exact_law, judge
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,12 +23,7 @@ RUNS = 200  # per sampled case: half test_stack's, the same alpha (1e-3); the ke
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("torch-stack-models")
-    target = build_target()
-    target.save_pretrained(root / "target")
-    word_tokenizer(target.config.vocab_size).save_pretrained(root / "target")
-    perturbed(target, scale=0.04, seed=DRAFT_SEED).save_pretrained(root / "draft")
-    word_tokenizer(target.config.vocab_size).save_pretrained(root / "draft")
-    return root, target
+    return root, save_selftest_pair(root)
 
 
 @pytest.fixture(scope="module")

@@ -13,27 +13,12 @@ import torch
 from specdec.modeling import fewrow
 from specdec.modeling.attention import KEY_BLOCK, fused_attention, invariant_attention
 from specdec.modeling.lean_llama import KERNEL, TORCH, TORCH_INVARIANT, LeanLlama, Pass
-from specdec.modeling.tiny import tiny_llama
+from specdec.modeling.tiny import smollm2_shaped, tiny_llama
 
 
 def smollm2_widths(dtype: torch.dtype, seed: int = 0):
-    """Two layers of SmolLM2-135M's shapes (hidden 576, 9 heads of 64 over 3 KV heads,
-    intermediate 1536), random weights: the products and attention the default target runs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=2,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval().to(dtype)
+    """Two layers of SmolLM2-135M's widths, random weights."""
+    return smollm2_shaped(layers=2, vocab_size=512, seed=seed, max_positions=2048).to(dtype)
 
 
 def test_the_backend_is_chosen_once_at_load_and_says_why(monkeypatch):

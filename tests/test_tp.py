@@ -13,16 +13,16 @@ from collections import Counter
 import grpc
 import pytest
 import torch
-from stack_util import generate_many, request, stub
+from stack_util import generate_many, request, save_selftest_pair, stub
 
 from specdec.apps.launcher import Child, Stack, free_port, local_stack
-from specdec.apps.selftest import BASE_SEED, CASES, DRAFT_SEED, build_target, case_params, exact_law, judge
+from specdec.apps.selftest import BASE_SEED, CASES, build_target, case_params, exact_law, judge
 from specdec.engine.draft import DraftEngine
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
 from specdec.loop.generate import LocalDraft, generate_async
-from specdec.modeling.tiny import negated_head, perturbed, word_tokenizer
+from specdec.modeling.tiny import negated_head
 from specdec.runtime.peers import GrpcTarget
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -31,12 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-models")
-    target = build_target()  # 4 heads, 2 KV heads: splits 2 ways
-    target.save_pretrained(root / "target")
-    word_tokenizer(16).save_pretrained(root / "target")
-    perturbed(target, scale=0.04, seed=DRAFT_SEED).save_pretrained(root / "draft")
-    word_tokenizer(16).save_pretrained(root / "draft")
-    return root, target
+    return root, save_selftest_pair(root)
 
 
 def start_target(model_dir, tp: int, logs, timeout: float = 300) -> Child:

@@ -35,35 +35,16 @@ from specdec.engine.target import TargetEngine
 from specdec.exact.sampling import SamplingParams
 from specdec.loop.generate import generate_async
 from specdec.modeling.lean_llama import Pass
+from specdec.modeling.tiny import smollm2_shaped
 from specdec.runtime.batcher import IterationLoop
 from specdec.runtime.model_thread import on_model_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def smollm2_shapes(device: str, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-        initializer_range=0.04,
-    )
-    return LlamaForCausalLM(config).eval().to(device=device, dtype=dtype)
-
-
 def load(spec: str, device: str, dtype: torch.dtype):
     if spec == "shapes":
-        return smollm2_shapes(device, dtype)
+        return smollm2_shaped().to(device=device, dtype=dtype)
     from specdec.modeling.loading import load_model
 
     return load_model(spec, device, dtype, quiet=True)

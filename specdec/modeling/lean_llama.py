@@ -110,29 +110,22 @@ def _supported(model) -> str | None:
     return None
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
-    """One weight for several linears over the same input; each module's weight becomes a view
-    into it, so the fused tensor costs no extra memory and the module computes as before."""
-    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+def _fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor for the weights (or biases) of several linears over the same input; each
+    module's becomes a view into it, so the fused tensor costs no extra memory and the module
+    computes as before."""
+    fused = torch.cat([part.detach() for part in parts], dim=0).contiguous()
     start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight.data = fused[start : start + rows]
+    for part in parts:
+        rows = part.shape[0]
+        part.data = fused[start : start + rows]
         start += rows
     return fused
 
 
-def _fuse_biases(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
-    """:func:`_fuse` for the linears' biases (None where they have none)."""
-    if linears[0].bias is None:
-        return None
-    fused = torch.cat([lin.bias.detach() for lin in linears]).contiguous()
-    start = 0
-    for lin in linears:
-        size = lin.bias.shape[0]
-        lin.bias.data = fused[start : start + size]
-        start += size
-    return fused
+def _fused_biases(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears]
+    return None if any(b is None for b in biases) else _fuse(biases)  # type: ignore[arg-type]
 
 
 class LeanLlama:
@@ -160,16 +153,16 @@ class LeanLlama:
         self.qk_norms: list[tuple[torch.nn.Module, torch.nn.Module] | None] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.qkv_biases.append(_fuse_biases([attn.q_proj, attn.k_proj, attn.v_proj]))
+            self.qkv_biases.append(_fused_biases([attn.q_proj, attn.k_proj, attn.v_proj]))
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.qk_norms.append((q_norm, k_norm) if q_norm is not None and k_norm is not None else None)
             self.layers.append(
                 (
                     layer.input_layernorm,
-                    _fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    _fuse([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                     attn.o_proj.weight,
                     layer.post_attention_layernorm,
-                    _fuse([mlp.gate_proj, mlp.up_proj]),
+                    _fuse([mlp.gate_proj.weight, mlp.up_proj.weight]),
                     mlp.down_proj.weight,
                 )
             )

@@ -87,3 +87,25 @@ def perturbed(model, scale: float = 0.5, seed: int = 0):
             std = float(param.std()) if param.numel() > 1 else 0.0
             param.add_(torch.randn(param.shape, generator=generator) * std * scale)
     return clone
+
+
+def smollm2_shaped(layers: int = 30, vocab_size: int = 49152, seed: int = 0, max_positions: int = 8192):
+    """A random Llama of SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3 key/value heads,
+    intermediate 1536): the products and attention the default target runs, without its weights
+    (``layers`` and ``vocab_size`` smaller for tests)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.04,
+    )
+    return LlamaForCausalLM(config).eval()

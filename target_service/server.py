@@ -10,7 +10,6 @@ from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import MAX_BLOCK
 from specdec.runtime import security, wire
 from specdec.runtime.grpc_server import grpc_method
-from specdec.runtime.model_thread import on_model_thread
 from specdec.runtime.servicer import (
     ServiceSpec,
     SessionServicer,
@@ -81,8 +80,8 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
     @grpc_method
     async def Info(self, request, context):
         stats = self.engine.stats()
-        if hasattr(self.engine, "rank_stats"):  # tensor parallel: every rank's own numbers
-            ranks = await on_model_thread(self.engine.rank_stats)
+        if hasattr(self.engine, "rank_stats"):  # tensor parallel: every rank's own numbers (a moment old)
+            ranks = self.engine.rank_stats()
         else:
             from specdec.engine.tensor_parallel import local_param_bytes
 
@@ -158,11 +157,11 @@ def main(args) -> int:
             torch.set_num_threads(args.threads)
         device = args.device or default_device()
         if tp > 1:
-            from specdec.engine.tensor_parallel import DistributedTargetEngine, init_rank, worker_loop
+            from specdec.engine.tensor_parallel import DistributedTargetEngine, init_rank, load_shard, worker_loop
 
             rank, _, device = init_rank(args.device)
-            model = load_model(args.model, device, parse_dtype(args.dtype, device), quiet=rank != 0, tp_plan="auto")
-            shard = TargetEngine(model, cache_limits(args, device, ranks_on_host=tp), kv_shards=tp)
+            model, runner = load_shard(args.model, device, parse_dtype(args.dtype, device), rank, tp)
+            shard = TargetEngine(model, cache_limits(args, device, ranks_on_host=tp), kv_shards=tp, runner=runner)
             if rank != 0:
                 raise SystemExit(worker_loop(shard))
             mirrored = DistributedTargetEngine(shard, tp)

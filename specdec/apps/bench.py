@@ -276,7 +276,7 @@ def run(args) -> dict:
         + (["--invariant-sampling"] if args.invariant else [])
         + (["--seeded-sampling", args.seeded_sampling] if getattr(args, "seeded_sampling", None) else []),
         log_dir=Path(args.log_dir) if args.log_dir else None,
-        extra_target=_replica_flags(args),
+        extra_target=_replica_flags(args) + _tp_flags(args),
         extra_draft=_replica_flags(args),
     ) as stack:
 
@@ -689,6 +689,12 @@ def _replica_flags(args) -> list[str]:
     return flags + (["--no-batch-invariant"] if getattr(args, "no_batch_invariant", False) else [])
 
 
+def _tp_flags(args) -> list[str]:
+    """The target's tensor-parallel flag of this bench (none for one rank)."""
+    tp = getattr(args, "target_tp", 1)
+    return ["--tp", str(tp)] if tp > 1 else []
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2")
     p.add_argument(
@@ -718,6 +724,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--temperatures", default="0,0.7", help="sampling settings; the first is the headline")
     p.add_argument("--dtype", default=None, help="the stack's replicas' dtype (default: theirs, float32 on the CPU)")
+    p.add_argument("--target-tp", type=int, default=1, help="tensor-parallel ranks of the stack's target")
     p.add_argument(
         "--no-batch-invariant",
         action="store_true",

@@ -84,49 +84,46 @@ def measure(engine, sizes: list[int], repeats: int = REPEATS) -> list[tuple[int,
     from specdec.engine.batching import BatchRunner
 
     store: SessionStore = engine.store
-    started = store.sessions_started
     params = SamplingParams(temperature=PROFILE_TEMPERATURE, seed=0)
     ids: list[str] = []
     points: list[tuple[int, float]] = []
     runner = BatchRunner(store, max_batch_tokens=max(sizes) * (CONTEXT + 1), max_batch_sessions=max(sizes))
     # scratch sessions neither read nor fill the prefix cache (they would fill it with prompts
     # nobody sends and count as its lookups)
-    prefixes, store.prefixes = store.prefixes, None
-    try:
-        vocab = store.vocab_size
-        for i in range(max(sizes)):
-            prompt = [(7 * i + j) % vocab for j in range(CONTEXT + 1)]
-            try:
-                engine.prefill(f"__profile-{i}", prompt, params.with_seed(i))
-            except Exception:  # noqa: BLE001 - a capped engine: profile the sizes that fit
-                break
-            ids.append(f"__profile-{i}")
-        steps = dict.fromkeys(ids, 0)
-        pending: dict[str, Commit | None] = dict.fromkeys(ids)
-        for n in sizes:
-            if n > len(ids):
-                break
-            times = []
-            for _ in range(repeats + 1):  # the first iteration of a size warms it
-                jobs = []
-                for sid in ids[:n]:
-                    steps[sid] += 1
-                    jobs.append(runner.add(_step_work(engine, sid, steps[sid], pending[sid]), sid))
-                begin = time.perf_counter()
-                while not all(job.finished for job in jobs):
-                    runner.iterate()
-                times.append(time.perf_counter() - begin)
-                for sid, job in zip(ids[:n], jobs, strict=True):
-                    if job.error is not None:
-                        raise job.error
-                    length = len(store.get(sid).tokens)
-                    pending[sid] = Commit(steps[sid], length, (_emitted(job.result),))
-            points.append((n, statistics.median(times[1:])))
-    finally:
-        for sid in ids:
-            store.release(sid)
-        store.prefixes = prefixes
-        store.sessions_started = started  # scratch sessions are not served ones
+    with store.scratch_sessions():
+        try:
+            vocab = store.vocab_size
+            for i in range(max(sizes)):
+                prompt = [(7 * i + j) % vocab for j in range(CONTEXT + 1)]
+                try:
+                    engine.prefill(f"__profile-{i}", prompt, params.with_seed(i))
+                except Exception:  # noqa: BLE001 - a capped engine: profile the sizes that fit
+                    break
+                ids.append(f"__profile-{i}")
+            steps = dict.fromkeys(ids, 0)
+            pending: dict[str, Commit | None] = dict.fromkeys(ids)
+            for n in sizes:
+                if n > len(ids):
+                    break
+                times = []
+                for _ in range(repeats + 1):  # the first iteration of a size warms it
+                    jobs = []
+                    for sid in ids[:n]:
+                        steps[sid] += 1
+                        jobs.append(runner.add(_step_work(engine, sid, steps[sid], pending[sid]), sid))
+                    begin = time.perf_counter()
+                    while not all(job.finished for job in jobs):
+                        runner.iterate()
+                    times.append(time.perf_counter() - begin)
+                    for sid, job in zip(ids[:n], jobs, strict=True):
+                        if job.error is not None:
+                            raise job.error
+                        length = len(store.get(sid).tokens)
+                        pending[sid] = Commit(steps[sid], length, (_emitted(job.result),))
+                points.append((n, statistics.median(times[1:])))
+        finally:
+            for sid in ids:
+                store.release(sid)
     return points
 
 

@@ -10,6 +10,7 @@ commit is refused, never applied.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from specdec.errors import (
 from specdec.exact.sampling import SamplingParams, token_counts
 from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import context_length, kv_bytes_per_token
-from specdec.modeling.lean_llama import Pass, lean_runner
+from specdec.modeling.lean_llama import LeanLlama, Pass, lean_runner
 
 log = logging.getLogger("specdec.sessions")
 
@@ -144,9 +145,12 @@ class SessionStore:
         name: str = "engine",
         kv_shards: int = 1,
         new_cache: Callable[[], Any] | None = None,
+        runner: LeanLlama | None = None,
     ):
         """``kv_shards``: tensor-parallel ranks the KV heads are split over (bytes are per rank).
-        ``new_cache``: makes a session's cache, for a model with its own kind (a feature draft)."""
+        ``new_cache``: makes a session's cache, for a model with its own kind (a feature draft).
+        ``runner``: a tensor-parallel shard's lean pass (``specdec.modeling.sharding``); without
+        one a shard keeps transformers' forward, whose layers carry the collectives."""
         self.model = model
         self.name = name
         self.limits = limits or CacheLimits()
@@ -156,9 +160,11 @@ class SessionStore:
         self.bytes_per_token = kv_bytes_per_token(model.config, next(model.parameters()).dtype) // kv_shards
         self._sessions: dict[str, Session] = {}
         self._table_lock = threading.Lock()
-        # The lean pass (specdec/modeling/lean_llama.py) where it applies; a tensor-parallel shard keeps
-        # transformers' forward, whose layers carry the collective operations.
-        self.runner = lean_runner(model) if kv_shards == 1 else None
+        # The lean pass (specdec/modeling/lean_llama.py) where it applies
+        self.runner = lean_runner(model) if kv_shards == 1 else runner
+        # A shard's failed pass may have left its caches unlike the other ranks': not one request's
+        # error but the group's (specdec.engine.tensor_parallel), so it is raised.
+        self.pass_errors_fatal = kv_shards > 1
         self.sessions_started = 0
         self._make_cache = new_cache
         # Only where a copied prefix is the same bits as a computed one: a batch-invariant backend's
@@ -269,6 +275,17 @@ class SessionStore:
         session.cached = list(session.tokens[:length])
         session.copied = length
         return length
+
+    @contextlib.contextmanager
+    def scratch_sessions(self) -> Iterator[None]:
+        """Sessions started inside are not served ones (a startup profile's): they neither read
+        nor fill the prefix cache, and do not count as started."""
+        prefixes, started = self.prefixes, self.sessions_started
+        self.prefixes = None
+        try:
+            yield
+        finally:
+            self.prefixes, self.sessions_started = prefixes, started
 
     def copied_positions(self, session_id: str) -> int:
         """How many positions the session's start copied from the prefix cache (0: none, or gone)."""
@@ -516,11 +533,13 @@ class SessionStore:
             return out
         try:
             results = self._run_many([(s.cache, feed, rows, f) for _, s, feed, rows, f in live])
-        except Exception as exc:  # noqa: BLE001 - the pass failed: every request in it fails
+        except Exception as exc:  # the pass failed: every request in it fails (a shard: the group)
             for index, session, *_ in live:
                 if isinstance(session.cache, LeanCache):
                     session.cache.length = len(session.cached)  # whatever the pass wrote is not cached
                 out[index] = exc
+            if self.pass_errors_fatal:
+                raise
             return out
         for (index, session, feed, rows, _), (logits, hidden) in zip(live, results, strict=True):
             session.cached.extend(feed)

@@ -32,8 +32,9 @@ from specdec.exact.verify import TargetVerdict, target_verify, target_verify_gre
 class TargetEngine(SessionEngine):
     supports_works = True  # its calls run as works: specdec.engine.batching batches them
 
-    def __init__(self, model, limits: CacheLimits | None = None, name: str = "target", kv_shards: int = 1):
-        super().__init__(SessionStore(model, limits, name=name, kv_shards=kv_shards))
+    def __init__(self, model, limits: CacheLimits | None = None, name: str = "target", kv_shards: int = 1, runner=None):
+        """``kv_shards`` / ``runner``: a tensor-parallel shard and its lean pass (SessionStore)."""
+        super().__init__(SessionStore(model, limits, name=name, kv_shards=kv_shards, runner=runner))
 
     def prefill(
         self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False

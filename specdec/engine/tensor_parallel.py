@@ -1,31 +1,52 @@
-"""Tensor-parallel target: N ranks, one logical target service.
+"""Tensor-parallel target: N ranks, one logical target service, whose passes batch.
 
 ``specdec target --model M --tp N`` runs a small supervisor that starts N rank processes
-(torch.distributed; NCCL when CUDA is available, one GPU per rank; gloo on CPU). Every rank loads
-the model sharded with transformers' tensor parallelism (``tp_plan="auto"``) and holds its shard
-of every session's KV cache. Rank 0 serves gRPC; each engine operation it performs (prefill,
-verify, commit, release, expiry) is first broadcast to the other ranks, which perform the same
-operation on their identical engine, so the forward passes' collectives line up and commits and
-rollbacks are applied on every rank in the same order. Operations are serialized by one lock on
-rank 0 (collectives must be issued in the same order everywhere).
+(torch.distributed; NCCL when CUDA is available, one GPU per rank; gloo on CPU). Every rank holds
+its shard of the model and of every session's KV cache: the lean pass's own sharding
+(``specdec.modeling.sharding``) where it covers the model, else transformers' tensor parallelism
+(``tp_plan="auto"``). Rank 0 serves gRPC and runs the batch runner; the other ranks replay what
+it does, step for step (:func:`worker_loop`), so their passes' collectives line up and their
+caches describe the same sessions.
 
-The ranks are started and watched by ``target_service.supervisor``: if any rank dies (or fails an
-operation for another reason than a bad request, see :func:`worker_loop`) the group goes down,
-and the coordinator's target failover takes over.
+What rank 0 sends (docs/batching.md, "Tensor-parallel targets"): the *journal* of the steps that
+change the sessions' state, in the order it takes them -- a work started (the engine call and its
+arguments), a batched pass (which works' requests, how many tokens of each), a work closed, a
+session released, a direct engine call -- one broadcast per pass or call, just before it. Works are
+deterministic functions of the state and their arguments, so a rank that starts the same works
+and feeds them the same passes computes what rank 0 computes; its results are dropped.
+
+A pass that fails on any rank may leave that rank's caches unlike the others': the group goes down
+(rank 0 signals itself SIGUSR1: NOT_SERVING, deregister, exit; a rank > 0 exits non-zero) and the
+supervisor (``target_service.supervisor``) kills the rest; the coordinator's failover takes over.
+Collectives time out after ``SPECDEC_TP_TIMEOUT_SECONDS``; an idle rank 0 sends a heartbeat at a
+quarter of that, so an idle group stays up and a silent one is found.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
+import signal
 import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
+from specdec.engine.sessions import PassRequest, SessionStore, run_alone
 from specdec.errors import InvalidArgumentError, SpecdecError
 
 log = logging.getLogger("specdec.tp")
 
-SHUTDOWN = "__shutdown__"
+TIMEOUT_ENV = "SPECDEC_TP_TIMEOUT_SECONDS"
+DEFAULT_TIMEOUT_SECONDS = 120.0  # a collective not answered in this long takes the group down
+STATS_SECONDS = 2.0  # how stale the ranks' own figures in Info may be
+
+
+def collective_timeout() -> float:
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS))
 
 
 def check_divisible(config, tp: int) -> None:
@@ -57,60 +78,249 @@ def local_param_bytes(model) -> int:
     return total
 
 
+def load_shard(spec: str, device: str, dtype, rank: int, world: int):
+    """This rank's (model, lean pass) of ``spec`` split ``world`` ways: the lean pass's own shard
+    (its passes batch) where it covers the model, else transformers' ``tp_plan="auto"`` shard and
+    None (one transformers pass per session, in the same iterations). Every rank takes the same
+    branch: it depends on the model alone. The lean shard is cut from the whole checkpoint read on
+    the host, so the host holds one whole model per rank while the group loads."""
+    from specdec.modeling.lean_llama import LeanLlama, why_not_lean
+    from specdec.modeling.loading import load_model
+    from specdec.modeling.sharding import Shard, shard_in_place, why_not_shardable
+
+    model = load_model(spec, "cpu", dtype, quiet=rank != 0)
+    why = why_not_lean(model) or why_not_shardable(model, world)
+    if why is None:
+        shard = Shard(rank, world)
+        shard_in_place(model, shard)
+        model.to(device)  # transformers' wrapped to() hides its signature
+        return model, LeanLlama(model, shard=shard)
+    del model
+    if rank == 0:
+        log.warning("tensor parallel through transformers' forward, one pass per session: %s", why)
+    return load_model(spec, device, dtype, quiet=rank != 0, tp_plan="auto"), None
+
+
+# -- rank 0 ------------------------------------------------------------------------------------
+
+
+class MirroredWork:
+    """A work of the inner engine (a generator), whose start and close are journaled so that the
+    other ranks run the same work; the passes it asks for are journaled by :class:`MirroredStore`."""
+
+    def __init__(self, mirror: DistributedTargetEngine, name: str, args: tuple):
+        self.mirror, self.name, self.args = mirror, name, args
+        self.job: int | None = None
+        self.inner: Any = None
+
+    def __iter__(self) -> Iterator[PassRequest]:
+        return self
+
+    def __next__(self) -> PassRequest:
+        return self.send(None)
+
+    def send(self, value: Any) -> PassRequest:
+        if self.inner is None:
+            self.job = self.mirror.journal_start(self.name, self.args)
+            self.inner = getattr(self.mirror.engine, self.name)(*self.args)
+            return self._track(lambda: next(self.inner))
+        return self._track(lambda: self.inner.send(value))
+
+    def throw(self, exc: BaseException) -> PassRequest:
+        return self._track(lambda: self.inner.throw(exc))
+
+    def close(self) -> None:
+        if self.inner is not None and self.job in self.mirror.requests:  # (a finished work has nothing to close)
+            self.mirror.journal(("close", self.job))
+            self.inner.close()
+            self.mirror.forget(self.job)
+
+    def _track(self, advance) -> PassRequest:
+        assert self.job is not None
+        try:
+            request = advance()
+        except BaseException:
+            self.mirror.forget(self.job)  # finished (StopIteration) or failed: no more passes
+            raise
+        self.mirror.requests[self.job] = request
+        return request
+
+
+class MirroredStore:
+    """Rank 0's view of its store for the batch runner and the profile: reads go to the store;
+    what changes the sessions (a batched pass, a release, scratch sessions) is journaled
+    first, so every rank does it."""
+
+    def __init__(self, store: SessionStore, mirror: DistributedTargetEngine):
+        self._store = store
+        self._mirror = mirror
+
+    def __getattr__(self, name: str) -> Any:  # reads only: the state-changing calls are below
+        return getattr(self._store, name)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def __iter__(self):
+        return iter(self._store)
+
+    def run_requests(self, requests: list[tuple[PassRequest, int | None]]) -> list[Any]:
+        mirror = self._mirror
+        with mirror.lock:
+            plan = [(mirror.job_of(request), chunk) for request, chunk in requests]
+            mirror.flush(("pass", plan))
+            try:
+                return self._store.run_requests(requests)
+            except BaseException as exc:
+                mirror.broken(f"a batched pass failed: {exc!r}")
+                raise
+
+    def release(self, session_id: str) -> bool:
+        return self._mirror.call("release", session_id)
+
+    @contextlib.contextmanager
+    def scratch_sessions(self) -> Iterator[None]:
+        with self._store.scratch_sessions():
+            self._mirror.journal(("scratch", True))
+            try:
+                yield
+            finally:
+                self._mirror.journal(("scratch", False))
+
+
 class DistributedTargetEngine:
-    """Rank 0's engine: mirrors every state-changing call on all ranks, in one global order."""
+    """Rank 0's engine: every call and work runs here and, through the journal, on every rank."""
 
-    # Its calls are mirrored one at a time, so they are not batched as works (the inner engine's
-    # works would run on rank 0 alone); __getattr__ must not hand the inner engine's flag out.
-    supports_works = False
+    supports_works = True  # its works batch: each pass is one batched pass on every rank
 
-    def __init__(self, engine, tp: int):
+    def __init__(self, engine, tp: int, timeout: float | None = None, heartbeat: bool = True):
+        """``heartbeat``: keep an idle group up and the ranks' figures fresh (a thread)."""
         self.engine = engine
         self.tp = tp
-        self._lock = threading.Lock()
+        self.store = MirroredStore(engine.store, self)
+        self.lock = threading.RLock()  # one broadcast + collectives at a time, in one order
+        self.requests: dict[int, PassRequest] = {}  # job -> the request its work waits on
+        self._journal: list[tuple] = []
+        self._jobs = itertools.count()
+        self._last_flush = time.monotonic()
+        self._timeout = timeout if timeout is not None else collective_timeout()
+        self._stopping = threading.Event()
+        self._rank_stats: list[dict] = []
+        self._stats_at = 0.0
+        self._is_broken = False
+        self.rank_stats(refresh=True)
+        if heartbeat:
+            threading.Thread(target=self._beat, name="specdec-tp-heartbeat", daemon=True).start()
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    # -- what the servicer, the batch runner and the profile call -------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
 
-    def _mirror(self, name: str, *args):
-        import torch.distributed as dist
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
 
-        with self._lock:
-            dist.broadcast_object_list([(name, args)], src=0)
-            return getattr(self.engine, name)(*args)
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def prefill_work(self, *args) -> MirroredWork:
+        return MirroredWork(self, "prefill_work", args)
+
+    def verify_work(self, *args) -> MirroredWork:
+        return MirroredWork(self, "verify_work", args)
 
     def prefill(self, *args):
-        return self._mirror("prefill", *args)
+        return run_alone(self.store, self.prefill_work(*args))
 
     def verify(self, *args):
-        return self._mirror("verify", *args)
+        return run_alone(self.store, self.verify_work(*args))
 
-    def commit(self, *args):
-        return self._mirror("commit", *args)
+    def commit(self, *args) -> None:
+        return self.call("commit", *args)
 
-    def release(self, *args):
-        return self._mirror("release", *args)
-
-    def expire_idle(self, ttl):
-        # Expiry is decided once, on rank 0, and applied everywhere as releases.
-        now_stale = self.engine.store.stale_sessions(ttl)
-        return [sid for sid in now_stale if self.release(sid)]
+    def release(self, session_id: str) -> bool:
+        return self.call("release", session_id)
 
     def target_probs(self, *args):
-        return self._mirror("target_probs", *args)
+        return self.call("target_probs", *args)
 
-    def rank_stats(self) -> list[dict]:
-        import torch.distributed as dist
+    def expire_idle(self, ttl: float) -> list[str]:
+        # Expiry is decided once, on rank 0, and applied everywhere as releases.
+        return [sid for sid in self.engine.store.stale_sessions(ttl) if self.release(sid)]
 
-        with self._lock:
-            dist.broadcast_object_list([("rank_stats", ())], src=0)
-            return _gather_rank_stats(self.engine)
+    def rank_stats(self, refresh: bool = False) -> list[dict]:
+        """Every rank's own parameter and KV bytes, at most STATS_SECONDS old (gathered by the
+        heartbeat: the health probe's Info must not wait behind passes)."""
+        if refresh:
+            with self.lock:
+                self.flush(("stats",))
+                self._rank_stats, self._stats_at = _gather_rank_stats(self.engine), time.monotonic()
+        return self._rank_stats
 
     def shutdown(self) -> None:
+        self._stopping.set()
+        with self.lock:
+            self.flush(("shutdown",))
+
+    # -- the journal ----------------------------------------------------------------------------
+    def journal(self, step: tuple) -> None:
+        with self.lock:
+            self._journal.append(step)
+
+    def journal_start(self, name: str, args: tuple) -> int:
+        job = next(self._jobs)
+        self.journal(("start", job, name, args))
+        return job
+
+    def job_of(self, request: PassRequest) -> int:
+        for job, pending in self.requests.items():
+            if pending is request:
+                return job
+        raise RuntimeError("a pass for a request no mirrored work made (every rank must run it)")
+
+    def forget(self, job: int) -> None:
+        self.requests.pop(job, None)
+
+    def call(self, name: str, *args):
+        """An engine call, on every rank."""
+        with self.lock:
+            self.flush(("call", name, args))
+            return getattr(self.engine, name)(*args)
+
+    def flush(self, step: tuple) -> None:
+        """Send the journal and ``step`` to the other ranks (the caller holds the lock)."""
         import torch.distributed as dist
 
-        with self._lock:
-            dist.broadcast_object_list([(SHUTDOWN, ())], src=0)
+        steps, self._journal = [*self._journal, step], []
+        dist.broadcast_object_list([steps], src=0)
+        self._last_flush = time.monotonic()
+
+    def broken(self, why: str) -> None:
+        """The group can no longer be trusted to compute alike: take it down (see the module doc)."""
+        if not self._is_broken:
+            self._is_broken = True
+            log.error("tensor-parallel group: %s; taking the group down", why)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    def _beat(self) -> None:
+        interval = self._timeout / 4
+        while not self._stopping.wait(min(interval, STATS_SECONDS)):
+            try:
+                with self.lock:
+                    if self._stopping.is_set():
+                        return
+                    if time.monotonic() - self._stats_at >= STATS_SECONDS:
+                        self.rank_stats(refresh=True)
+                    elif time.monotonic() - self._last_flush >= interval:
+                        self.flush(("noop",))
+            except Exception as exc:  # noqa: BLE001 - a collective failed: the group is gone
+                self.broken(f"the heartbeat failed: {exc!r}")
+                return
 
 
 def _gather_rank_stats(engine) -> list[dict]:
@@ -126,33 +336,92 @@ def _gather_rank_stats(engine) -> list[dict]:
     return out
 
 
-def worker_loop(engine) -> int:
-    """Ranks > 0: perform whatever rank 0 broadcasts until it says shutdown; returns the exit code.
+# -- ranks > 0 ---------------------------------------------------------------------------------
 
-    An operation that fails with a request error (a ``SpecdecError``: bad input, an unknown
-    session) fails the same way on rank 0, from the same state, and rank 0 reports it to its
-    caller, so the group goes on. Any other exception means this rank's shard of the sessions may
-    no longer match the others': it is logged with its traceback and the rank exits non-zero, and
-    the supervisor takes the whole group down (a target that might compute wrong logits must not
-    serve)."""
+
+class _Replay:
+    """A rank's copy of rank 0's works in flight: job -> (work, the request it waits on)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.works: dict[int, tuple[Any, PassRequest]] = {}
+        self.scratch: list[contextlib.AbstractContextManager] = []
+
+    def advance(self, job: int, work, action) -> None:
+        try:
+            self.works[job] = (work, action())
+        except StopIteration:
+            self.works.pop(job, None)
+        except Exception as exc:  # noqa: BLE001 - rank 0's copy raised the same: its caller was told
+            log.debug("a replayed work ended with %r, as on rank 0", exc)
+            self.works.pop(job, None)
+
+    def step(self, step: tuple) -> bool:
+        """Take one journaled step; False once told to shut down."""
+        kind = step[0]
+        if kind == "start":
+            _, job, name, args = step
+            work = getattr(self.engine, name)(*args)
+            self.advance(job, work, lambda: next(work))
+        elif kind == "pass":
+            plan = [(job, chunk) for job, chunk in step[1]]
+            requests = [(self.works[job][1], chunk) for job, chunk in plan]
+            results = self.engine.store.run_requests(requests)  # raising here fails the rank: see worker_loop
+            for (job, _), result in zip(plan, results, strict=True):
+                work = self.works[job][0]
+                if isinstance(result, BaseException):
+                    self.advance(job, work, lambda w=work, r=result: w.throw(r))
+                else:
+                    self.advance(job, work, lambda w=work, r=result: w.send(r))
+        elif kind == "close":
+            entry = self.works.pop(step[1], None)
+            if entry is not None:
+                entry[0].close()
+        elif kind == "call":
+            _, name, args = step
+            try:
+                getattr(self.engine, name)(*args)
+            except SpecdecError as exc:
+                log.debug("%s refused (%s), as on rank 0", name, exc)
+        elif kind == "scratch":
+            if step[1]:
+                scratch = self.engine.store.scratch_sessions()
+                scratch.__enter__()
+                self.scratch.append(scratch)
+            else:
+                self.scratch.pop().__exit__(None, None, None)
+        elif kind == "stats":
+            _gather_rank_stats(self.engine)
+        elif kind == "shutdown":
+            return False
+        return True
+
+
+def worker_loop(engine) -> int:
+    """Ranks > 0: replay rank 0's journal until it says shutdown; returns the exit code.
+
+    A work that raises a request error here raised it on rank 0 too, from the same state, and
+    rank 0 told its caller; the group goes on. Any other failure (a pass, a collective, a direct
+    call with another error than a ``SpecdecError``) means this rank's shard of the sessions may no
+    longer match the others': it is logged with its traceback and the rank exits non-zero, and the
+    supervisor takes the whole group down (a target that might compute wrong logits must not serve)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    replay = _Replay(engine)
     while True:
         box: list = [None]
-        dist.broadcast_object_list(box, src=0)
-        name, args = box[0]
-        if name == SHUTDOWN:
-            return 0
-        if name == "rank_stats":
-            _gather_rank_stats(engine)
-            continue
         try:
-            getattr(engine, name)(*args)
-        except SpecdecError as exc:
-            log.debug("rank %d: %s refused (%s), as on rank 0", rank, name, exc)
+            dist.broadcast_object_list(box, src=0)
         except Exception:
-            log.exception("rank %d: %s failed; this rank may now differ from rank 0, failing the group", rank, name)
+            log.exception("rank %d: no word from rank 0 within the collective timeout; failing the group", rank)
+            return 1
+        try:
+            for step in box[0]:
+                if not replay.step(step):
+                    return 0
+        except Exception:
+            log.exception("rank %d: a replayed step failed; this rank may now differ from rank 0", rank)
             return 1
 
 
@@ -169,5 +438,7 @@ def init_rank(device_arg: str | None):
         device = f"cuda:{local}"
     else:
         device = "cpu"
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout())
+    )
     return rank, world, device

@@ -49,6 +49,7 @@ from specdec.modeling.fewrow import (
 from specdec.modeling.heads import SubsetHead, full_vocab_logits
 from specdec.modeling.invariant import ChunkedLinear, rows_invariant
 from specdec.modeling.ops import RopeTable, apply_rotary, product, rms_norm
+from specdec.modeling.sharding import Shard
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +132,14 @@ def _fused_biases(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
 class LeanLlama:
     """The forward pass of one loaded model of :data:`ARCHITECTURES` (see the module docstring)."""
 
-    def __init__(self, model, batch_invariant: bool | None = None) -> None:
+    def __init__(self, model, batch_invariant: bool | None = None, shard: Shard | None = None) -> None:
         """``batch_invariant``: take the invariant torch operations where the kernel does not run
-        (None: :func:`batch_invariant_requested`)."""
+        (None: :func:`batch_invariant_requested`). ``shard``: ``model`` holds one tensor-parallel
+        rank's part (``specdec.modeling.sharding.shard_in_place``); every rank of the group runs
+        the same passes, in the same order."""
         self.model = model
+        self.shard = shard
+        world = shard.world if shard is not None else 1
         config = model.config
         inner = model.model
         self.embed = inner.embed_tokens
@@ -142,8 +147,8 @@ class LeanLlama:
         self.head = model.get_output_embeddings()
         first = inner.layers[0].self_attn
         self.head_dim = int(first.head_dim)
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.heads = int(config.num_attention_heads) // world  # this rank's
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // world
         self.scaling = float(first.scaling)
         self.max_length = context_length(model)
         self.vocab_size = int(config.vocab_size)
@@ -170,7 +175,7 @@ class LeanLlama:
         self.dtype, self.device = param.dtype, param.device
         self._rotary = inner.rotary_emb
         self._rope = RopeTable(self._model_rope, self.max_length)
-        self.intermediate = int(config.intermediate_size)
+        self.intermediate = int(config.intermediate_size) // world
         self.eps = float(inner.layers[0].input_layernorm.variance_epsilon)
         self._twins: list[torch.Tensor] = []
         self._kernel_layers = self._layers_for_kernel()
@@ -181,6 +186,9 @@ class LeanLlama:
         self.backend, self.backend_reason = self._choose_backend(
             batch_invariant_requested() if batch_invariant is None else batch_invariant
         )
+        if shard is not None and len(set(shard.agree(self.backend))) > 1:  # every rank must round alike
+            self._chunked, self._chunked_head = [], None
+            self.backend, self.backend_reason = TORCH, "the ranks' invariance checks disagreed"
         log.info("batched pass for %s: %s (%s)", self.device, self.backend, self.backend_reason)
 
     def _choose_backend(self, invariant: bool) -> tuple[str, str]:
@@ -232,6 +240,8 @@ class LeanLlama:
         pointers (and bf16 copies) of the weights, which the engines never change after loading."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not layers_available():
             return None
+        if self.shard is not None:
+            return None  # the kernel runs whole layers, with no place for the ranks' sums
         if any(b is not None for b in self.qkv_biases) or any(n is not None for n in self.qk_norms):
             return None  # the kernel computes Llama's layer only
         hidden = self.layers[0][1].shape[1]
@@ -288,7 +298,7 @@ class LeanLlama:
         cache.reserve(end)
         cos_table, sin_table = self._rope_table(end)
         cos, sin = cos_table[start:end], sin_table[start:end]  # [n, D]
-        x = self.embed(input_ids.reshape(1, n))[0]  # [n, H]
+        x = self._embed(input_ids.reshape(-1))  # [n, H]
         # 1-4 rows (decode steps, verify blocks): the layers in one kernel call (kernels/fewrow.c)
         if not (n in FEW_ROWS and self._kernel_pass(x, [(cache.keys, cache.values, start, n)], cos, sin)):
             x = self._torch_layers(x, [(cache, start, n)], cos, sin)
@@ -344,7 +354,7 @@ class LeanLlama:
             cos_rows.append(cos_table[start : start + n])
             sin_rows.append(sin_table[start : start + n])
             segments.append((p.cache, start, n))
-        x = self.embed(torch.cat([p.input_ids.reshape(-1) for p in passes]).reshape(1, -1))[0].contiguous()
+        x = self._embed(torch.cat([p.input_ids.reshape(-1) for p in passes])).contiguous()
         cos, sin = torch.cat(cos_rows).contiguous(), torch.cat(sin_rows).contiguous()
         if self.backend == KERNEL:
             kernel_segments = [(cache.keys, cache.values, start, n) for cache, start, n in segments]
@@ -377,6 +387,9 @@ class LeanLlama:
         head = self.head
         if self.backend == TORCH:
             return self._head(hidden)
+        if self.shard is not None:
+            assert self._chunked_head is not None  # a shard's head is a plain linear (sharding.why_not_shardable)
+            return self.shard.concat(self._chunked_head(hidden), self.vocab_size)
         if self._chunked_head is not None:
             logits = self._chunked_head(hidden)
             if isinstance(head, SubsetHead):
@@ -420,10 +433,26 @@ class LeanLlama:
                 values[:, start : start + rows] = v[row : row + rows].transpose(0, 1)
                 buffers.append((keys, values, start, rows))
                 row += rows
-            x = x + o_of(self._attend(qk[:, :h_q], buffers))
+            x = x + self._across_ranks(o_of(self._attend(qk[:, :h_q], buffers)))
             gate, up = gu_of(rms_norm(x, norm2)).chunk(2, dim=-1)
-            x = x + down_of(F.silu(gate) * up)
+            x = x + self._across_ranks(down_of(F.silu(gate) * up))
         return x
+
+    def _across_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-sharded product's output summed over the ranks (itself without a shard)."""
+        return partial if self.shard is None else self.shard.sum(partial)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``ids`` (1-D) [n, H]; with a shard, each rank looks up the ids
+        of its vocabulary rows and the ranks' rows are summed (one of them nonzero: exact)."""
+        if self.shard is None:
+            return self.embed(ids.reshape(1, -1))[0]
+        weight = self.embed.weight
+        first = self.shard.padded_part(self.vocab_size).start
+        local = ids - first
+        mine = (local >= 0) & (local < weight.shape[0])
+        rows = F.embedding(torch.where(mine, local, 0), weight)
+        return self.shard.sum(torch.where(mine.unsqueeze(-1), rows, 0))
 
     def _attend(self, q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> torch.Tensor:
         """Attention of the rows q [N, Hq, D] of several sequences, each over its own cache:
@@ -445,6 +474,8 @@ class LeanLlama:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.head
+        if self.shard is not None:
+            return self.shard.concat(product(hidden, head.weight), self.vocab_size)
         if type(head) is torch.nn.Linear and head.bias is None:
             return product(hidden, head.weight, self._head_twin)  # the widest product of the pass: see product()
         if isinstance(head, SubsetHead):
@@ -468,10 +499,13 @@ class Pass:
         self.feature_rows = feature_rows
 
 
+def why_not_lean(model) -> str | None:
+    """Why the lean pass does not run ``model`` (None: it does)."""
+    if os.environ.get("SPECDEC_LEAN_FORWARD", "1") == "0":
+        return "SPECDEC_LEAN_FORWARD=0"
+    return _supported(model)
+
+
 def lean_runner(model, batch_invariant: bool | None = None) -> LeanLlama | None:
     """The lean pass for ``model``, or None where it does not apply or SPECDEC_LEAN_FORWARD=0."""
-    if os.environ.get("SPECDEC_LEAN_FORWARD", "1") == "0":
-        return None
-    if _supported(model) is not None:
-        return None
-    return LeanLlama(model, batch_invariant)
+    return None if why_not_lean(model) is not None else LeanLlama(model, batch_invariant)

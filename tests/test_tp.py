@@ -34,7 +34,7 @@ def models(tmp_path_factory):
     return root, save_selftest_pair(root)
 
 
-def start_target(model_dir, tp: int, logs, timeout: float = 300) -> Child:
+def start_target(model_dir, tp: int, logs, timeout: float = 300, env: dict | None = None) -> Child:
     port = free_port()
     out = open(logs / f"target-tp{tp}-{port}.log", "wb")  # noqa: SIM115 - the ranks write it all their life
     process = subprocess.Popen(
@@ -57,6 +57,7 @@ def start_target(model_dir, tp: int, logs, timeout: float = 300) -> Child:
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     child = Child(f"target-tp{tp}", f"127.0.0.1:{port}", process)
     Stack().wait_healthy(child, timeout)
@@ -144,10 +145,40 @@ def test_each_rank_holds_about_half(targets):
 
     sharded, plain = info(targets[0]), info(targets[1])
     assert sharded.tp_size == 2 and len(sharded.rank_param_bytes) == 2
+    from specdec.modeling.sharding import VOCAB_ALIGN
+
     total = plain.rank_param_bytes[0]
+    config = build_target().config
+    # each rank: half of everything, but its vocabulary rows (embedding, head) padded to VOCAB_ALIGN
+    padding = 2 * (VOCAB_ALIGN - config.vocab_size // 2) * config.hidden_size * 4
     for rank_bytes in sharded.rank_param_bytes:
-        assert 0.45 * total <= rank_bytes <= 0.6 * total  # norms are replicated, the rest is split
+        assert abs(rank_bytes - (total / 2 + padding)) <= 0.02 * total  # norms are replicated
     assert sharded.kv_bytes_per_token * 2 == plain.kv_bytes_per_token
+    # the lean pass, split over the ranks, batches (no transformers forward one session at a time)
+    assert (sharded.pass_backend, sharded.batch_invariant) == ("torch-invariant", True)
+
+
+def test_an_idle_group_outlives_its_collective_timeout(models, tmp_path_factory):
+    """Rank 0's heartbeat keeps the ranks' wait for its next step short of the timeout."""
+    root, _ = models
+    logs = tmp_path_factory.mktemp("tp-idle")
+    group = start_target(root / "target", 2, logs, env={"SPECDEC_TP_TIMEOUT_SECONDS": "8"})
+    try:
+        time.sleep(20)  # idle: more than twice the timeout
+        assert group.process.poll() is None
+
+        async def verify():
+            peer = GrpcTarget(group.address)
+            await peer.info()
+            await peer.start("s", [1, 2, 3], SamplingParams(temperature=1.0, seed=1))
+            verdict = await peer.verify("s", 1, DraftProposal([4], [SparseDist.one_hot(4)]), None)
+            await peer.release("s")
+            await peer.close()
+            return verdict
+
+        assert len(asyncio.run(verify()).p_proposed) == 1
+    finally:
+        stop(group)
 
 
 def test_forced_rejection_then_decoding_matches_plain_decoding(models, targets):
@@ -229,6 +260,54 @@ def test_greedy_through_the_stack_with_tp2_equals_transformers(models, tp_stack)
         request(prompt, k=3, temperature=0.0, max_new_tokens=30, ignore_eos=True)
     )
     assert list(reply.token_ids) == expected
+
+
+def test_greedy_streams_under_load_through_tp2_are_the_targets_own_and_info_answers_meanwhile(models, tp_stack):
+    """Sixteen greedy streams at once (target-only and speculative) share the TP target's passes;
+    each is what transformers' generate gives alone, and the target's Info (the health probe)
+    answers within a second while they run."""
+    import threading
+
+    _, target_model = models
+    prompts = [[3 + i % 8, 9, 3, 9, 14, 2, 7, 1][: 2 + i % 7] for i in range(16)]
+    reqs = [
+        request(p, k=0 if i % 3 == 0 else 1 + i % 4, temperature=0.0, max_new_tokens=24, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+    target = next(c for c in tp_stack.children if c.name.startswith("target"))
+    answered: list[float] = []
+    failed: list[str] = []
+    running = threading.Event()
+    running.set()
+
+    def probe():
+        from specdec.v1 import engine_pb2, target_pb2_grpc
+
+        probe_stub = target_pb2_grpc.TargetStub(grpc.insecure_channel(target.address))
+        while running.is_set():
+            began = time.monotonic()
+            try:
+                probe_stub.Info(engine_pb2.InfoRequest(), timeout=1.0)
+                answered.append(time.monotonic() - began)
+            except grpc.RpcError as exc:  # DEADLINE_EXCEEDED past 1 s: the probe would call it down
+                failed.append(exc.code().name)
+            time.sleep(0.1)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        replies = generate_many(tp_stack.coordinator_address, reqs, concurrency=16)
+    finally:
+        running.clear()
+        prober.join(5)
+    expected = [
+        target_model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p in prompts
+    ]
+    assert [list(r.token_ids) for r in replies] == expected
+    assert not failed and len(answered) >= 3
 
 
 TP_CASES = [c for c in CASES if c.name in ("temperature_1", "top_p", "penalties_and_bias")]

@@ -21,6 +21,11 @@ from typing import Any
 
 import torch
 
+# A rank's vocabulary rows come in multiples of this: a product with fewer output rows than that
+# (a tiny vocabulary split) took another library kernel for 1-8 rows than for 16 here, so its
+# rows were not row-count invariant; padded with zero rows, it is.
+VOCAB_ALIGN = 64
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -42,9 +47,11 @@ class Shard:
         return slice(self.rank * size, (self.rank + 1) * size)
 
     def padded_part(self, total: int) -> slice:
-        """This rank's slice of ``total`` items in ``world`` equal parts of ceil(total / world):
-        the last part may run past ``total`` (the vocabulary need not divide)."""
+        """This rank's slice of ``total`` items in ``world`` equal parts of ceil(total / world),
+        rounded up to a multiple of VOCAB_ALIGN: the last parts may run past ``total`` (the
+        vocabulary need not divide)."""
         size = -(-total // self.world)
+        size = -(-size // VOCAB_ALIGN) * VOCAB_ALIGN
         return slice(self.rank * size, (self.rank + 1) * size)
 
     def _gather(self, part: torch.Tensor) -> list[torch.Tensor]:

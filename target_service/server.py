@@ -155,6 +155,10 @@ def main(args) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
+        elif tp > 1 and not torch.cuda.is_available():
+            # the ranks share the host's cores: N ranks of a thread team each the size of the host
+            # wait on each other's collectives while their teams fight for the same cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
         device = args.device or default_device()
         if tp > 1:
             from specdec.engine.tensor_parallel import DistributedTargetEngine, init_rank, load_shard, worker_loop

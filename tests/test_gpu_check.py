@@ -1,5 +1,6 @@
 """tools/gpu-check.sh, rehearsed on the CPU (it waits for a GPU to be lent): it runs end to end
-with the shipped draft, both engines on the invariant torch backend, and reports every level."""
+with the shipped draft, both engines on the invariant torch backend, and reports every level; and
+the sharded pass over three ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_gpu_check_runs_on_the_cpu_and_reports_each_level():
     run = subprocess.run(
-        [str(ROOT / "tools" / "gpu-check.sh"), "--device", "cpu", "--levels", "1,2", "--tokens", "4"],
+        [str(ROOT / "tools" / "gpu-check.sh"), "--device", "cpu", "--levels", "1,2", "--tokens", "4", "--tp", "3"],
         check=False,
         capture_output=True,
         text=True,
@@ -32,3 +33,6 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports_each_level():
             # greedy: alone, together and with speculation, the same tokens (the backend is invariant)
             assert f"0 of {level} differ from alone, 0 from target-only's greedy" in line, line
         assert f"target pass of {level:>3} decode rows" in out
+        assert f"TP=3 pass of {level:>3} decode rows" in out
+    # the sharded pass (three gloo ranks here, NCCL on GPUs): invariant, rows alike alone and together
+    assert "TP=3 pass backend torch-invariant" in out and "8 of 8 sequences the same bits alone and together" in out

@@ -7,7 +7,10 @@ and batch runner -- what the services run -- driven by the coordinator's loop
 
 Prints: the backend each engine chose; greedy tokens against transformers' ``generate`` on 8
 prompts; aggregate tokens/s target-only and speculative at each level of ``--levels``, and how many
-streams differ from the same request alone; the batched pass's time per session count.
+streams differ from the same request alone; the batched pass's time per session count; and with
+``--tp N`` (default 2 on a machine with two GPUs) the lean pass split over N ranks, one device each
+(NCCL; gloo on the CPU): the backend the ranks agreed on, whether rows are the same bits alone and
+together, the logits against the whole model's, the pass time per session count.
 
 The target is ``--target`` (a model spec, e.g. ``smollm2`` where its package is installed), or by
 default ``shapes``: SmolLM2-135M's shapes with random weights (nothing to download or carry;
@@ -92,9 +95,9 @@ async def streams(target, draft, prompts, tokens: int, k: int) -> tuple[float, l
     return sum(len(r.token_ids) for r in results) / wall, [r.token_ids for r in results]
 
 
-def pass_times(engine, device: str, sessions_list, context: int = 200) -> dict[int, float]:
-    """Seconds of one batched pass of one decode row per session, over ``context``-long caches."""
-    lean = engine.store.runner
+def pass_times(lean, device: str, sessions_list, context: int = 200) -> dict[int, float]:
+    """Seconds of one batched pass of one decode row per session, over ``context``-long caches
+    (``lean``: a LeanLlama; None: nothing to time)."""
     if lean is None:
         return {}
     generator = torch.Generator().manual_seed(0)
@@ -120,6 +123,92 @@ def pass_times(engine, device: str, sessions_list, context: int = 200) -> dict[i
     return out
 
 
+def tp_model(world: int, dtype: torch.dtype):
+    """SmolLM2's shapes where they split ``world`` ways (9 heads over 3 KV heads: 3 ways), else the
+    same widths with 8 heads of 64 over 4 KV heads (2 or 4 ways); random weights, 16 layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if 3 % world == 0:
+        return smollm2_shaped(layers=16).to(dtype)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        initializer_range=0.04,
+    )
+    return LlamaForCausalLM(config).eval().to(dtype)
+
+
+def tp_rank(rank: int, world: int, port: int, device: str, dtype_name: str, levels: list[int]) -> None:
+    """One rank of the TP check: its shard of :func:`tp_model`, the backend the ranks agreed on,
+    whether 8 sequences' rows are the same bits alone and together, the sharded logits against
+    the whole model's (rank 0 prints), and the pass time per session count."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from specdec.modeling.lean_llama import LeanLlama
+    from specdec.modeling.sharding import Shard, shard_in_place
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    try:
+        dtype = getattr(torch, dtype_name)
+        model = tp_model(world, dtype)
+        whole = tp_model(world, dtype).to(device) if rank == 0 else None
+        shard = Shard(rank, world)
+        shard_in_place(model, shard)
+        lean = LeanLlama(model.to(device), shard=shard)
+        generator = torch.Generator().manual_seed(3)
+        sequences = [torch.randint(0, lean.vocab_size, (5 + 7 * i,), generator=generator).to(device) for i in range(8)]
+
+        def logits(indices):
+            passes = [Pass(sequences[i], lean.new_cache(), len(sequences[i])) for i in indices]
+            return [out for out, _ in lean.forward_batch(passes)]
+
+        alone = [logits([i])[0] for i in range(8)]
+        together = logits(range(8))
+        same = sum(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+        times = pass_times(lean, device, levels)
+        if whole is not None:
+            error = max(
+                float((whole(seq.unsqueeze(0)).logits[0].float() - out.float()).abs().max())
+                for seq, out in zip(sequences, alone, strict=True)
+            )
+            print(
+                f"gpu-check: TP={world} pass backend {lean.backend} ({lean.backend_reason}); {same} of 8 sequences "
+                f"the same bits alone and together; largest logit difference from the whole model {error:.3g}",
+                flush=True,
+            )
+            for sessions, seconds in times.items():
+                print(f"gpu-check: TP={world} pass of {sessions:>3} decode rows {seconds * 1e3:8.2f} ms", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_check(world: int, device: str, dtype_name: str, levels: list[int]) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(tp_rank, args=(world, port, device, dtype_name, levels), nprocs=world, start_method="spawn")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -130,12 +219,21 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     p.add_argument("-k", type=int, default=4, help="speculative block size")
     p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=2 if torch.cuda.device_count() >= 2 else 0,
+        help="also check the lean pass split over this many ranks, one device each (default: 2 where "
+        "the machine has two GPUs; 0 = skip)",
+    )
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     levels = [int(n) for n in args.levels.split(",")]
     print(f"gpu-check: torch {torch.__version__}, device {args.device}, {args.dtype}", flush=True)
     if args.device.startswith("cuda"):
         print(f"gpu-check: {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} device(s)", flush=True)
+    if args.tp > 1:
+        tp_check(args.tp, args.device, args.dtype, levels)
 
     target_engine = TargetEngine(load(args.target, args.device, dtype))
     draft_engine = None if args.draft == "none" else DraftEngine(load(args.draft, args.device, dtype))
@@ -185,7 +283,7 @@ def main() -> int:
             await draft.loop.stop()
 
     asyncio.run(run())
-    for sessions, seconds in pass_times(target_engine, args.device, levels).items():
+    for sessions, seconds in pass_times(target_engine.store.runner, args.device, levels).items():
         print(f"gpu-check: target pass of {sessions:>3} decode rows {seconds * 1e3:8.2f} ms", flush=True)
     return 0
 

@@ -493,8 +493,9 @@ async def _concurrency(
 
 def run_peer(args, prompts, levels: list[int], ours_alone: dict[int, list[int]], say) -> dict:
     """vLLM's offline engine (``specdec/apps/vllm_peer.py``, run by ``--peer-python``) on the same
-    float32 weights and chat prompts: aggregate tokens/s per level, and how many prompts' greedy
-    tokens equal ours (checked before its timings mean anything)."""
+    weights (the float32 copy, loaded in the bench's ``--dtype``) and chat prompts: aggregate
+    tokens/s per level, and how many prompts' greedy tokens equal ours (checked before its timings
+    mean anything)."""
     import os
     import subprocess
     import tempfile
@@ -519,6 +520,7 @@ def run_peer(args, prompts, levels: list[int], ours_alone: dict[int, list[int]],
                     "levels": levels,
                     "max_tokens": args.max_new_tokens,
                     "repeats": args.repeats,
+                    "dtype": getattr(args, "dtype", None) or "float32",  # the same dtype as our replicas
                 },
                 f,
             )

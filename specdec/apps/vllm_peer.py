@@ -3,7 +3,8 @@
 Run by the bench as a script with the peer's own Python (vLLM pins other versions of torch and
 transformers than specdec, so it lives in its own venv: ``make bench-peer``); it imports nothing of
 specdec. Input: a JSON file {"model": float32 checkpoint dir, "prompts": [[token ids]...],
-"levels": [1, 4, 16], "max_tokens": 96, "repeats": 2}; output: the same file's path + ".out", with
+"levels": [1, 4, 16], "max_tokens": 96, "repeats": 2, "dtype": "bfloat16"} (dtype: what vLLM
+loads the weights as, float32 when absent); output: the same file's path + ".out", with
 per level the median tokens/s of ``level`` prompts generated together (greedy, natural EOS) and the
 token ids each prompt got alone (level 1), for the bench to check against its own.
 
@@ -23,7 +24,7 @@ def main(path: str) -> int:
     from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
 
     job = json.loads(open(path).read())  # noqa: SIM115 - read once
-    llm = LLM(model=job["model"], dtype="float32", max_model_len=2048, seed=0)
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=2048, seed=0)
     greedy = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
     llm.generate(prompts[:1], greedy, use_tqdm=False)  # warm-up

@@ -115,3 +115,11 @@ def save_selftest_pair(root):
     perturbed(target, scale=0.04, seed=DRAFT_SEED).save_pretrained(root / "draft")
     word_tokenizer(target.config.vocab_size).save_pretrained(root / "draft")
     return target
+
+
+def greedy_continuations(model, prompts, tokens: int) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt, exactly ``tokens`` long."""
+    import torch
+
+    settings = {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens, "pad_token_id": 0}
+    return [model.generate(torch.tensor([p]), **settings)[0, len(p) :].tolist() for p in prompts]

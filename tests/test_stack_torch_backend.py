@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
-from stack_util import generate_many, info, request, save_selftest_pair, scrape
+from stack_util import generate_many, greedy_continuations, info, request, save_selftest_pair, scrape
 
 from specdec.apps.launcher import local_stack
 from specdec.apps.selftest import BASE_SEED, CASES, case_params, case_runs, exact_law, judge
@@ -97,12 +96,7 @@ def test_greedy_streams_under_load_are_the_targets_own_and_share_passes(stack, m
         for p, (m, k) in zip(prompts, methods, strict=True)
     ]
     replies = generate_many(stack.coordinator_address, reqs, concurrency=16)
-    expected = [
-        target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
-        for p in prompts
-    ]
+    expected = greedy_continuations(target, prompts, 24)
     assert [list(r.token_ids) for r in replies] == expected
     after = scrape(stack.metrics_ports["target"])
     passes = after["specdec_batch_sessions_count"] - before.get("specdec_batch_sessions_count", 0)

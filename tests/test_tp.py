@@ -13,7 +13,7 @@ from collections import Counter
 import grpc
 import pytest
 import torch
-from stack_util import generate_many, request, save_selftest_pair, stub
+from stack_util import generate_many, greedy_continuations, request, save_selftest_pair, stub
 
 from specdec.apps.launcher import Child, Stack, free_port, local_stack
 from specdec.apps.selftest import BASE_SEED, CASES, build_target, case_params, exact_law, judge
@@ -300,12 +300,7 @@ def test_greedy_streams_under_load_through_tp2_are_the_targets_own_and_info_answ
     finally:
         running.clear()
         prober.join(5)
-    expected = [
-        target_model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)[
-            0, len(p) :
-        ].tolist()
-        for p in prompts
-    ]
+    expected = greedy_continuations(target_model, prompts, 24)
     assert [list(r.token_ids) for r in replies] == expected
     assert not failed and len(answered) >= 3
 

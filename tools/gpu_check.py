@@ -125,23 +125,10 @@ def pass_times(lean, device: str, sessions_list, context: int = 200) -> dict[int
 
 def tp_model(world: int, dtype: torch.dtype):
     """SmolLM2's shapes where they split ``world`` ways (9 heads over 3 KV heads: 3 ways), else the
-    same widths with 8 heads of 64 over 4 KV heads (2 or 4 ways); random weights, 16 layers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    same with 8 heads over 4 KV heads (2 or 4 ways); random weights, 16 layers."""
     if 3 % world == 0:
         return smollm2_shaped(layers=16).to(dtype)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=16,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        tie_word_embeddings=True,
-        initializer_range=0.04,
-    )
-    return LlamaForCausalLM(config).eval().to(dtype)
+    return smollm2_shaped(layers=16, heads=8, kv_heads=4).to(dtype)
 
 
 def tp_rank(rank: int, world: int, port: int, device: str, dtype_name: str, levels: list[int]) -> None:

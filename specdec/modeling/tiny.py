@@ -89,20 +89,28 @@ def perturbed(model, scale: float = 0.5, seed: int = 0):
     return clone
 
 
-def smollm2_shaped(layers: int = 30, vocab_size: int = 49152, seed: int = 0, max_positions: int = 8192):
+def smollm2_shaped(
+    layers: int = 30,
+    vocab_size: int = 49152,
+    seed: int = 0,
+    max_positions: int = 8192,
+    heads: int = 9,
+    kv_heads: int = 3,
+):
     """A random Llama of SmolLM2-135M's widths (hidden 576, 9 heads of 64 over 3 key/value heads,
     intermediate 1536): the products and attention the default target runs, without its weights
-    (``layers`` and ``vocab_size`` smaller for tests)."""
+    (``layers`` and ``vocab_size`` smaller for tests; other ``heads`` / ``kv_heads`` of 64 for a
+    split SmolLM2 cannot take, e.g. 2 ways)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=576,
+        hidden_size=64 * heads,
         intermediate_size=1536,
         num_hidden_layers=layers,
-        num_attention_heads=9,
-        num_key_value_heads=3,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,

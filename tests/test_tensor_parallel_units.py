@@ -222,3 +222,16 @@ def test_a_released_session_is_not_found_on_either_rank(wire):
     state["rank"] = 1
     assert worker_loop(other) == 0
     assert len(other.store) == 0
+
+
+def test_the_collective_timeout_is_read_from_the_environment_and_a_bad_one_is_refused(monkeypatch):
+    from specdec.errors import InvalidArgumentError
+
+    monkeypatch.delenv(tensor_parallel.TIMEOUT_ENV, raising=False)
+    assert tensor_parallel.collective_timeout() == tensor_parallel.DEFAULT_TIMEOUT_SECONDS
+    monkeypatch.setenv(tensor_parallel.TIMEOUT_ENV, "8")
+    assert tensor_parallel.collective_timeout() == 8.0
+    for bad in ("soon", "0", "-3", "nan", "inf"):
+        monkeypatch.setenv(tensor_parallel.TIMEOUT_ENV, bad)
+        with pytest.raises(InvalidArgumentError, match="positive number of seconds"):
+            tensor_parallel.collective_timeout()

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from specdec.apps.cli import SERVE_DEFAULT_K
 from specdec.loop.reproducible import SEEDED_SAMPLING
+from specdec.runtime.flags import positive_int
 from specdec.runtime.grpc_server import client_channel
 from specdec.training.prompts import BENCH_PROMPTS, load_prompts
 
@@ -726,7 +727,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--temperatures", default="0,0.7", help="sampling settings; the first is the headline")
     p.add_argument("--dtype", default=None, help="the stack's replicas' dtype (default: theirs, float32 on the CPU)")
-    p.add_argument("--target-tp", type=int, default=1, help="tensor-parallel ranks of the stack's target")
+    p.add_argument("--target-tp", type=positive_int, default=1, help="tensor-parallel ranks of the stack's target")
     p.add_argument(
         "--no-batch-invariant",
         action="store_true",

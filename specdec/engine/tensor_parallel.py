@@ -46,7 +46,17 @@ STATS_SECONDS = 2.0  # how stale the ranks' own figures in Info may be
 
 
 def collective_timeout() -> float:
-    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS))
+    """Seconds a collective may wait (``SPECDEC_TP_TIMEOUT_SECONDS``; a bad value is refused clearly)."""
+    text = os.environ.get(TIMEOUT_ENV, "")
+    if not text.strip():
+        return DEFAULT_TIMEOUT_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise InvalidArgumentError(TIMEOUT_ENV, f"must be a positive number of seconds, got {text!r}")
+    return seconds
 
 
 def check_divisible(config, tp: int) -> None:

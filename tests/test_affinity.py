@@ -23,9 +23,9 @@ def target(rid: str, load: int = 0, capacity: int = 32) -> Replica:
 
 
 def test_the_block_is_the_replicas_prefix_cache_block():
-    from specdec.engine.prefix import DEFAULT_BLOCK
+    from specdec.modeling.paged import BLOCK
 
-    assert AFFINITY_BLOCK == DEFAULT_BLOCK
+    assert AFFINITY_BLOCK == BLOCK  # the prefix cache's blocks are the pool's
 
 
 def test_keys_name_whole_prefixes_block_by_block():

@@ -19,6 +19,7 @@ from specdec.engine.target import TargetEngine
 from specdec.errors import SessionNotFoundError
 from specdec.exact.sampling import SamplingParams
 from specdec.modeling import fewrow
+from specdec.modeling.paged import BLOCK
 from specdec.modeling.tiny import perturbed, tiny_llama
 
 PARAMS = SamplingParams(temperature=1.0, seed=3)
@@ -238,10 +239,11 @@ def test_session_starts_wait_for_kv_room_then_start_and_past_the_queue_are_refus
     model = kernel_llama(seed=4)
     probe = SessionStore(model)
     per_token = probe.bytes_per_token
-    store = SessionStore(model, CacheLimits(max_sessions=8, max_total_kv_bytes=20 * per_token), name="target")
+    cap = 40 * per_token  # two and a half blocks of 16 positions
+    store = SessionStore(model, CacheLimits(max_sessions=8, max_total_kv_bytes=cap), name="target")
     engine = SessionEngine(store)
     runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8, max_waiting=2)
-    prompt = list(range(1, 9))  # 8 tokens: two fit in a pool of 20 tokens, a third does not
+    prompt = list(range(1, 9))  # 8 tokens, a block each: two fit, a third does not
 
     def start(sid):
         return runner.add(engine.prefill_work(sid, prompt, PARAMS), sid, admit_tokens=len(prompt))
@@ -254,7 +256,7 @@ def test_session_starts_wait_for_kv_room_then_start_and_past_the_queue_are_refus
     runner.iterate()
     assert runner.waiting() == 2 and not any(j.finished for j in waiting)
     assert isinstance(refused.error, ResourceExhaustedError) and "already wait" in str(refused.error)
-    assert store.total_kv_bytes <= 20 * per_token
+    assert store.total_kv_bytes <= cap
     store.release("a")
     runner.iterate()
     assert waiting[0].finished and waiting[0].error is None and not waiting[1].finished
@@ -262,31 +264,30 @@ def test_session_starts_wait_for_kv_room_then_start_and_past_the_queue_are_refus
     runner.iterate()
     assert waiting[1].finished and runner.waiting() == 0 and "d" not in list(store)
     # a start that could not fit even an empty pool fails at once, naming the cap
-    too_big = runner.add(engine.prefill_work("f", list(range(1, 30)), PARAMS), "f", admit_tokens=29)
+    too_big = runner.add(engine.prefill_work("f", list(range(1, 50)), PARAMS), "f", admit_tokens=49)
     runner.iterate()
     assert isinstance(too_big.error, ResourceExhaustedError) and "in all" in str(too_big.error)
 
 
-def test_the_pool_accounts_allocated_bytes_and_growth_stops_at_the_cap():
+def test_the_pool_accounts_whole_blocks_and_growth_stops_at_the_cap():
     from specdec.engine.sessions import CacheLimits
+    from specdec.errors import ResourceExhaustedError
 
     model = kernel_llama(seed=4)
     per_token = SessionStore(model).bytes_per_token
-    from specdec.modeling.cache import GROWTH_MIN
-
-    cap = 2 * GROWTH_MIN
-    store = SessionStore(model, CacheLimits(max_session_kv_bytes=cap * per_token), name="target")
+    cap = 3 * BLOCK * per_token  # three blocks
+    store = SessionStore(model, CacheLimits(max_session_kv_bytes=cap), name="target")
     session = store.create("s", [1, 2, 3, 4, 5], PARAMS)
     store.warm(session)
-    assert session.kv_bytes == 5 * per_token  # reserved for the prompt, exactly
-    store.forward(session, [6, 7, 8], rows=4)  # 8 positions: grown by at least GROWTH_MIN
-    assert session.kv_bytes == (5 + GROWTH_MIN) * per_token == session.cache.nbytes()
-    proposals = [
-        1 + i % 60 for i in range(GROWTH_MIN + 3)
-    ]  # past it: growth would give 2 * GROWTH_MIN + 5, the cap allows less
+    assert session.kv_bytes == BLOCK * per_token == session.cache.nbytes()  # a block for the prompt
+    store.forward(session, [6, 7, 8], rows=4)  # 8 positions: the same block
+    assert session.kv_bytes == BLOCK * per_token
+    proposals = [1 + i % 60 for i in range(40)]  # 45 positions: three blocks, the cap
     store.forward(session, proposals, rows=len(proposals) + 1)
-    assert session.kv_bytes == cap * per_token
-    assert store.total_kv_bytes == cap * per_token
+    assert session.kv_bytes == cap == store.total_kv_bytes and len(session.cache.blocks) == 3
+    with pytest.raises(ResourceExhaustedError, match="per-session cap"):
+        store.forward(session, [*proposals, 1, 2, 3, 4], rows=45)  # 49 positions: a fourth block
+    assert store.total_kv_bytes <= cap
 
 
 def test_a_pass_waits_for_every_session_stepping_not_only_the_last_passes():
@@ -495,19 +496,19 @@ def _pool_of(tokens: int, **runner_options):
 
 
 def test_a_start_too_big_for_now_lets_smaller_ones_pass_only_within_the_bypass_window():
-    store, runner, start = _pool_of(20, bypass_seconds=30.0)
-    start("running", 8)
+    store, runner, start = _pool_of(3 * BLOCK, bypass_seconds=30.0)
+    start("running", 20)
     runner.iterate()
-    big = start("big", 16)  # needs 16, 12 are free: waits for "running" to end
+    big = start("big", 32)  # needs 2 blocks, 1 is free: waits for "running" to end
     small = start("small", 4)  # fits now: starts at once instead of waiting behind "big"
     runner.iterate()
     assert not big.finished and small.finished and small.error is None
     store.release("small")
 
-    store, runner, start = _pool_of(20, bypass_seconds=0.0)  # no bypass: strict order behind the big one
-    start("running", 8)
+    store, runner, start = _pool_of(3 * BLOCK, bypass_seconds=0.0)  # no bypass: strict order behind the big one
+    start("running", 20)
     runner.iterate()
-    big, small = start("big", 16), start("small", 4)
+    big, small = start("big", 32), start("small", 4)
     runner.iterate()
     assert not big.finished and not small.finished
     store.release("running")  # room: the oldest first, then the next
@@ -518,10 +519,10 @@ def test_a_start_too_big_for_now_lets_smaller_ones_pass_only_within_the_bypass_w
 def test_a_start_that_waits_past_the_bound_is_refused_saying_how_long():
     from specdec.errors import ResourceExhaustedError
 
-    _store, runner, start = _pool_of(20, bypass_seconds=0.0, max_wait_seconds=0.2)
-    start("running", 8)
+    _store, runner, start = _pool_of(3 * BLOCK, bypass_seconds=0.0, max_wait_seconds=0.2)
+    start("running", 20)
     runner.iterate()
-    big = start("big", 16)
+    big = start("big", 32)
     runner.iterate()
     assert not big.finished
     time.sleep(0.3)

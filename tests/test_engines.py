@@ -22,6 +22,7 @@ from specdec.errors import (
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams, probs_from_logits
 from specdec.exact.sparse import SparseDist
+from specdec.modeling.paged import BLOCK
 from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun, generate_async, speculative_generate
 from specdec.modeling.tiny import tiny_llama, word_tokenizer
 
@@ -319,7 +320,8 @@ def test_kv_bytes_are_tracked_and_capped(target_model):
     target = TargetEngine(target_model)
     per_token = target.store.bytes_per_token
     target.prefill("a", PROMPT, GREEDY)
-    assert target.stats()["kv_bytes"] == len(PROMPT) * per_token  # allocated for the whole prompt
+    assert target.stats()["kv_bytes"] == BLOCK * per_token  # a whole block of the pool for the prompt
+    assert target.stats()["kv_blocks_used"] == 1
     target.release("a")
     assert target.stats() == {
         "live_sessions": 0,
@@ -328,22 +330,26 @@ def test_kv_bytes_are_tracked_and_capped(target_model):
         "sessions_started": 1,
         "pass_backend": target.store.pass_backend,  # (the backends: tests/test_torch_backend.py)
         "batch_invariant": True,
+        "kv_block_size": BLOCK,
+        "kv_blocks_used": 0,  # given back with the session
+        "kv_pool_blocks": target.store.runner.pool.capacity - 1,
     }
 
+    blocks = lambda n: int(n * BLOCK) * per_token  # noqa: E731
     capped = TargetEngine(
         target_model,
-        CacheLimits(max_sessions=2, max_session_kv_bytes=10 * per_token, max_total_kv_bytes=12 * per_token),
+        CacheLimits(max_sessions=2, max_session_kv_bytes=blocks(2), max_total_kv_bytes=blocks(2.5)),
     )
     capped.prefill("a", PROMPT, GREEDY)
     with pytest.raises(ResourceExhaustedError, match="per-session cap"):
-        capped.prefill("big", list(range(12)), GREEDY)
+        capped.prefill("big", [t % 32 for t in range(40)], GREEDY)  # three blocks
     capped.prefill("b", PROMPT, GREEDY)
     with pytest.raises(ResourceExhaustedError, match="live sessions"):
         capped.prefill("c", PROMPT, GREEDY)
-    with pytest.raises(ResourceExhaustedError, match="per-session cap"):
-        capped.verify("a", 1, list(range(8)), [SparseDist.one_hot(t) for t in range(8)])
-    with pytest.raises(ResourceExhaustedError, match="in all"):
-        capped.verify("a", 1, [1, 2, 3, 4], [SparseDist.one_hot(t) for t in (1, 2, 3, 4)])
+    with pytest.raises(ResourceExhaustedError, match="per-session cap"):  # 35 positions: three blocks
+        capped.verify("a", 1, list(range(30)), [SparseDist.one_hot(t) for t in range(30)])
+    with pytest.raises(ResourceExhaustedError, match="in all"):  # a second block for "a": three in all
+        capped.verify("a", 1, list(range(12)), [SparseDist.one_hot(t) for t in range(12)])
     assert capped.release("a") and capped.release("b") and not capped.release("b")
     assert len(capped.store) == 0
 

@@ -191,14 +191,8 @@ def test_layer_kernel_equals_the_torch_layers_through_steps_and_rollbacks():
         finally:
             lean._kernel_layers = saved
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
-        length = kernel_cache.length
-        for name in ("keys", "values"):
-            torch.testing.assert_close(
-                getattr(kernel_cache, name)[:, :, :length],
-                getattr(torch_cache, name)[:, :, :length],
-                rtol=1e-5,
-                atol=1e-5,
-            )
+        for mine, theirs in zip(kernel_cache.positions(), torch_cache.positions(), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
         drop = step % rows
         if drop:
             kernel_cache.crop(-drop)
@@ -219,8 +213,8 @@ def test_a_block_gives_bit_for_bit_what_one_row_passes_give(rows):
     lean.forward(prompt, whole, 1)
     singles = torch.cat([lean.forward(block[i : i + 1], one_by_one, 1) for i in range(rows)])
     assert torch.equal(lean.forward(block, whole, rows), singles)
-    assert torch.equal(whole.keys[:, :, : whole.length], one_by_one.keys[:, :, : one_by_one.length])
-    assert torch.equal(whole.values[:, :, : whole.length], one_by_one.values[:, :, : one_by_one.length])
+    for mine, theirs in zip(whole.positions(), one_by_one.positions(), strict=True):
+        assert torch.equal(mine, theirs)
 
 
 def test_layer_kernel_declines_what_it_does_not_cover(monkeypatch):
@@ -241,15 +235,28 @@ def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
     cache = lean.new_cache()
     cache.reserve(8)
     cos, sin = lean._rope_table(8)
-    keys_before = cache.keys.clone()
+    pool = lean.pool
+    keys_before = pool.keys.clone()
 
-    def layers(x, start=0, keys=cache.keys, rows_cos=None, rows=None):
+    def layers(x, start=0, keys=pool.keys, table=cache.table(), rows_cos=None, rows=None):
         """The kernel over x as one sequence's ``rows`` (default: all of x's rows)."""
         n = x.shape[0]
         rows_cos = cos[start : start + n] if rows_cos is None else rows_cos
-        segment = (keys, cache.values, start, n if rows is None else rows)
+        segment = (table, start, n if rows is None else rows)
         return fewrow.batch_layers(
-            x, lean._kernel_layers, [segment], rows_cos, sin[start : start + n], 4, 2, 16, 128, lean.eps, lean.scaling
+            x,
+            lean._kernel_layers,
+            keys,
+            pool.values,
+            [segment],
+            rows_cos,
+            sin[start : start + n],
+            4,
+            2,
+            16,
+            128,
+            lean.eps,
+            lean.scaling,
         )
 
     def refused(x, **kwargs):
@@ -257,12 +264,15 @@ def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
         return not layers(x, **kwargs) and torch.equal(x, before)
 
     assert refused(torch.randn(0, 64))  # no rows
-    assert refused(torch.randn(3, 64), start=cache.capacity - 2)  # past the cache's capacity
+    assert refused(torch.randn(3, 64), start=cache.capacity - 2)  # past the blocks the table holds
+    assert refused(torch.randn(3, 64), table=torch.tensor([pool.capacity]))  # a block outside the pool
+    assert refused(torch.randn(3, 64), table=torch.tensor([-1]))
+    assert refused(torch.randn(3, 64), table=cache.table().int())  # not int64 ids
     assert refused(torch.randn(3, 64), rows_cos=cos[:2])  # rotary rows for another block
-    assert refused(torch.randn(3, 64), keys=cache.keys.transpose(2, 3))  # not the cache layout
+    assert refused(torch.randn(3, 64), keys=pool.keys.transpose(3, 4))  # not the pool layout
     assert refused(torch.randn(64, 3).t())  # non-contiguous rows
     assert refused(torch.randn(3, 64), rows=2)  # the segments do not cover x's rows
-    assert torch.equal(cache.keys, keys_before)
+    assert torch.equal(pool.keys, keys_before)
     assert layers(torch.randn(3, 64))  # the same call, well formed
 
 

@@ -14,9 +14,10 @@ import torch
 
 from specdec.engine.sessions import SessionStore
 from specdec.exact.sampling import SamplingParams
-from specdec.modeling.cache import GROWTH_MIN, LeanCache
+from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import kv_bytes_per_token
 from specdec.modeling.lean_llama import LeanLlama, lean_runner
+from specdec.modeling.paged import BLOCK, PagedCache
 from specdec.modeling.tiny import tiny_llama
 
 
@@ -100,11 +101,16 @@ def test_session_store_uses_the_lean_pass_only_where_it_applies(monkeypatch):
     params = SamplingParams(temperature=0.0, seed=1)
     store = SessionStore(grouped_llama())
     session = store.create("s", [1, 2, 3, 4], params)
-    assert isinstance(session.cache, LeanCache)
+    assert isinstance(session.cache, PagedCache)
     store.forward(session, [7, 8], rows=3)
-    # accounted as allocated: 4 positions for the prompt, grown by GROWTH_MIN for the 6 the pass holds
+    # accounted as allocated: whole blocks of the pool -- one for the prompt, still one for the 6
+    # positions the pass holds; a 17th position takes a second
     per_token = kv_bytes_per_token(store.model.config, torch.float32)
-    assert session.kv_bytes == (4 + GROWTH_MIN) * per_token == session.cache.nbytes()
+    assert session.kv_bytes == BLOCK * per_token == session.cache.nbytes()
+    store.forward(session, list(range(5, 18)), rows=1)  # 4 + 13 positions (the rolled-back 7, 8 dropped)
+    assert session.kv_bytes == 2 * BLOCK * per_token and store.runner.pool.used == 2
+    store.release("s")  # its blocks go back to the pool
+    assert store.runner.pool.used == 0
     # A tensor-parallel shard keeps transformers' forward (its layers carry the collectives).
     assert SessionStore(grouped_llama(), kv_shards=2).runner is None
     # Switched off by the environment, for comparisons.
@@ -132,7 +138,7 @@ def test_models_it_does_not_cover_fall_back_to_transformers(change):
     assert lean_runner(model) is None
     store = SessionStore(model)
     session = store.create("s", [1, 2, 3], SamplingParams(temperature=0.0, seed=1))
-    assert not isinstance(session.cache, LeanCache)
+    assert not isinstance(session.cache, PagedCache)
     assert store.forward(session, [4], rows=2).shape == (2, 32)
 
 

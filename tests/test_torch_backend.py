@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec.modeling import fewrow
-from specdec.modeling.attention import KEY_BLOCK, fused_attention, invariant_attention
+from specdec.modeling.attention import KEY_BLOCK, fused_attention, fused_attention_paged, invariant_attention_many
 from specdec.modeling.lean_llama import KERNEL, TORCH, TORCH_INVARIANT, LeanLlama, Pass
 from specdec.modeling.tiny import smollm2_shaped, tiny_llama
 
@@ -94,7 +94,27 @@ def test_on_the_default_targets_widths_a_verify_block_gives_the_bits_of_one_row_
     singles = torch.cat([lean.forward_batch([Pass(block[i : i + 1], stepped)])[0][0] for i in range(len(block))])
     together = lean.forward_batch([Pass(block, blocked, len(block)), Pass(block[:3], other, 3)])[0][0]
     assert torch.equal(together, singles)
-    assert torch.equal(blocked.keys[:, :, : blocked.length], stepped.keys[:, :, : stepped.length])
+    for mine, theirs in zip(blocked.positions(), stepped.positions(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def paged(sequences: list[tuple[torch.Tensor, torch.Tensor]], block: int = 16, seed: int = 0):
+    """Sequences' keys/values [Hkv, length, D] as one layer's paged pool, their blocks in a
+    shuffled order: (keys [blocks, Hkv, block, D], values, one table per sequence)."""
+    counts = [-(-k.shape[1] // block) for k, _ in sequences]
+    ids = (torch.randperm(sum(counts), generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    heads, _, dim = sequences[0][0].shape
+    pool_k = sequences[0][0].new_zeros(sum(counts) + 1, heads, block, dim)  # block 0: the null block
+    pool_v = pool_k.clone()
+    tables = []
+    for (keys, values), count in zip(sequences, counts, strict=True):
+        table, ids = ids[:count], ids[count:]
+        for index, block_id in enumerate(table):
+            part = slice(index * block, (index + 1) * block)
+            pool_k[block_id, :, : keys[:, part].shape[1]] = keys[:, part]
+            pool_v[block_id, :, : values[:, part].shape[1]] = values[:, part]
+        tables.append(torch.tensor(table, dtype=torch.long))
+    return pool_k, pool_v, tables
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -103,18 +123,24 @@ def test_invariant_attention_is_attention_up_to_rounding_across_bucket_edges(dty
     keys = torch.randn(3, 200, 64, generator=generator).to(dtype)
     values = torch.randn(3, 200, 64, generator=generator).to(dtype)
     values[:, 150:] = 0  # what a cache holds past its length is weighed by 0 either way
+    pool_k, pool_v, (table,) = paged([(keys, values)])
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for start, n in ((0, 1), (0, 17), (KEY_BLOCK - 3, 7), (120, 20), (149, 1)):
         q = torch.randn(n, 9, 64, generator=generator).to(dtype)
         expected = fused_attention(q, keys, values, start, 0.125).float()
-        got = invariant_attention(q, keys, values, start, 0.125)
+        got = invariant_attention_many(q, pool_k, pool_v, [(table, start, n)], 0.125)
         assert got.shape == (n, 9 * 64) and got.dtype == dtype
         torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
-    # a bucket that reaches past the buffer reads zeros there (a cache sized to its prompt)
+        # the fast path reads the same blocks
+        fast = fused_attention_paged(q, pool_k, pool_v, [(table, start, n)], 0.125)
+        torch.testing.assert_close(fast.float(), expected, rtol=tolerance, atol=tolerance)
+    # a bucket that reaches past a sequence's blocks reads the null block's zeros
     q = torch.randn(2, 9, 64, generator=generator).to(dtype)
     short_k, short_v = keys[:, :70].contiguous(), values[:, :70].contiguous()
+    short_pool_k, short_pool_v, (short_table,) = paged([(short_k, short_v)])
+    assert short_table.shape[0] * 16 < 128  # the bucket of positions 68-69 is 128 keys long
     torch.testing.assert_close(
-        invariant_attention(q, short_k, short_v, 68, 0.125).float(),
+        invariant_attention_many(q, short_pool_k, short_pool_v, [(short_table, 68, 2)], 0.125).float(),
         fused_attention(q, short_k, short_v, 68, 0.125).float(),
         rtol=tolerance,
         atol=tolerance,
@@ -123,7 +149,7 @@ def test_invariant_attention_is_attention_up_to_rounding_across_bucket_edges(dty
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_sequences_attention_equals_each_alone_bit_for_bit_and_fused_up_to_rounding(dtype):
-    from specdec.modeling.attention import attention_rows_invariant, invariant_attention_many
+    from specdec.modeling.attention import attention_rows_invariant
 
     # blocks of 17 rows crossing bucket edges, next to sequences of other lengths (other buckets)
     assert attention_rows_invariant(9, 3, 64, dtype, "cpu", lengths=(5, 64, 65, 200, 2048), block_rows=17)
@@ -132,15 +158,18 @@ def test_many_sequences_attention_equals_each_alone_bit_for_bit_and_fused_up_to_
     for heads, kv_heads in ((4, 2), (4, 4)):
         assert attention_rows_invariant(heads, kv_heads, 64, dtype, "cpu", lengths=(5, 64, 300), block_rows=9)
     generator = torch.Generator().manual_seed(3)
-    segments, queries, expected = [], [], []
+    sequences, rows_of, queries, expected = [], [], [], []
     for start, rows in ((0, 3), (62, 4), (100, 1), (101, 1), (30, 40)):
         keys = torch.randn(3, start + rows + 5, 64, generator=generator).to(dtype)
         values = torch.randn(3, start + rows + 5, 64, generator=generator).to(dtype)
         q = torch.randn(rows, 9, 64, generator=generator).to(dtype)
-        segments.append((keys, values, start, rows))
+        sequences.append((keys, values))
+        rows_of.append((start, rows))
         queries.append(q)
         expected.append(fused_attention(q, keys, values, start, 0.125).float())
-    got = invariant_attention_many(torch.cat(queries), segments, 0.125)
+    pool_k, pool_v, tables = paged(sequences)
+    segments = [(table, start, rows) for table, (start, rows) in zip(tables, rows_of, strict=True)]
+    got = invariant_attention_many(torch.cat(queries), pool_k, pool_v, segments, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), torch.cat(expected), rtol=tolerance, atol=tolerance)
 

@@ -1,20 +1,22 @@
-"""Prefix caching: the KV of token sequences a replica has already computed, kept in blocks so a
-new session whose prompt starts the same way (a shared system prompt, the earlier turns of a
-chat) copies those positions instead of computing them again (docs/batching.md).
+"""Prefix caching: the KV of token sequences a replica has already computed, kept as blocks of
+its paged pool (specdec.modeling.paged) so a new session whose prompt starts the same way (a
+shared system prompt, the earlier turns of a chat) starts from those positions instead of
+computing them again (docs/batching.md). Nothing is copied: the cache and every session that
+starts from a block hold the same pool block, counted by reference.
 
-Exact, not approximate: a position's keys and values depend only on the tokens up to it, and the
-layer kernel computes every row on its own, so they are the same bits whether a prompt is fed in
-one pass, in chunks, alongside other sessions or copied from here. That is why the store serves
-only sessions of the lean pass with the layer kernel (``SessionStore`` decides).
+Exact, not approximate: a position's keys and values depend only on the tokens up to it, and a
+batch-invariant backend computes every row on its own, so they are the same bits whether a prompt
+is fed in one pass, in chunks, alongside other sessions or found here. That is why the store
+serves only sessions of a batch-invariant lean pass (``SessionStore`` decides).
 
-Blocks of ``block`` tokens form chains: a block is keyed by its parent (the block before it, by
-id) and its own tokens, so a lookup walks the prompt block by block and a hit is always a whole
-prefix. A chain starts from its scope (``salt``: a tenant's, or a request's cache_salt), so a
-session never finds the blocks of another scope -- the number of positions it reuses would
-otherwise tell one client whether another sent a prompt. Bounded in bytes; the least recently
-used blocks go first, deepest first (a block is touched after its descendants on every use, so a
+Blocks form chains: a block is keyed by its parent (the block before it, by id) and its own
+tokens, so a lookup walks the prompt block by block and a hit is always a whole prefix. A chain
+starts from its scope (``salt``: a tenant's, or a request's cache_salt), so a session never finds
+the blocks of another scope -- the number of positions it reuses would otherwise tell one client
+whether another sent a prompt. Bounded in bytes (of the blocks it holds); the least recently used
+blocks go first, deepest first (a block is touched after its descendants on every use, so a
 parent outlives its children), and a block that goes takes its descendants with it (nothing could
-reach them).
+reach them). A block that goes is only given back to the pool: a session still holding it keeps it.
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-DEFAULT_BLOCK = 16  # tokens per block: what a hit is counted in
+from specdec.modeling.paged import BlockPool
 
 
 def salt_root(salt: str) -> int:
@@ -43,22 +43,19 @@ def salt_root(salt: str) -> int:
 class Block:
     id: int
     key: tuple[int, tuple[int, ...]]  # (parent id, or salt_root for a first block; this block's tokens)
-    keys: torch.Tensor  # [layers, kv_heads, block, head_dim]
-    values: torch.Tensor
+    pool_block: int  # the pool block holding its positions' keys and values
     children: set[int] = field(default_factory=set)
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
 class PrefixCache:
     """Whole blocks of KV by token prefix, at most ``max_bytes`` of them. Thread-safe."""
 
-    def __init__(self, max_bytes: int, block: int = DEFAULT_BLOCK):
-        if block < 1 or max_bytes < 1:
-            raise ValueError(f"need block >= 1 and max_bytes >= 1, got {block}, {max_bytes}")
-        self.block = block
+    def __init__(self, max_bytes: int, pool: BlockPool):
+        if max_bytes < 1:
+            raise ValueError(f"need max_bytes >= 1, got {max_bytes}")
+        self.pool = pool
+        self.block = pool.block
+        self.block_bytes = pool.block_bytes
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.hit_tokens = 0  # positions served from here, since start
@@ -96,33 +93,32 @@ class PrefixCache:
             self.hit_tokens += len(chain) * self.block
             return chain
 
-    def insert(self, tokens: Sequence[int], keys: torch.Tensor, values: torch.Tensor, salt: str = "") -> int:
-        """Keep the whole blocks of ``tokens`` (whose positions ``keys`` / ``values``
-        [layers, kv_heads, >= len(tokens), head_dim] hold) that are not kept yet, copied, under
-        ``salt``; returns how many blocks were added. Nothing is added that would not fit
-        ``max_bytes``."""
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], salt: str = "") -> int:
+        """Keep the whole blocks of ``tokens`` that are not kept yet, under ``salt``: ``blocks``
+        are the pool blocks holding their positions (block i: positions [i * block, (i + 1) *
+        block)), shared with their holder, not copied. Returns how many blocks were added; none
+        is added that would not fit ``max_bytes``."""
         size = self.block
         with self._lock:
             chain = self._chain(tokens, len(tokens), salt)
             self._touch(chain)  # the chain a new block hangs from is the last to go
             parent = chain[-1].id if chain else salt_root(salt)
             added = 0
-            for start in range(len(chain) * size, len(tokens) - size + 1, size):
-                block_keys = keys[:, :, start : start + size].clone()
-                block_values = values[:, :, start : start + size].clone()
-                block_bytes = block_keys.numel() * block_keys.element_size() * 2
-                if block_bytes > self.max_bytes:
+            for start in range(len(chain) * size, min(len(tokens), len(blocks) * size) - size + 1, size):
+                if self.block_bytes > self.max_bytes:
                     break
-                self._make_room(block_bytes, keep=parent)
+                self._make_room(self.block_bytes, keep=parent)
                 if parent > 0 and parent not in self._by_id:  # evicted to make room: the chain ends here
                     break
-                new = Block(self._next_id, (parent, tuple(tokens[start : start + size])), block_keys, block_values)
+                pool_block = blocks[start // size]
+                self.pool.share([pool_block])
+                new = Block(self._next_id, (parent, tuple(tokens[start : start + size])), pool_block)
                 self._next_id += 1
                 self._by_key[new.key] = new
                 self._by_id[new.id] = new
                 if parent > 0:
                     self._by_id[parent].children.add(new.id)
-                self.nbytes += new.nbytes
+                self.nbytes += self.block_bytes
                 chain.append(new)
                 self._touch(chain)
                 parent, added = new.id, added + 1
@@ -143,7 +139,8 @@ class PrefixCache:
                 self._evict(self._by_id[child])
         del self._by_id[block.id]
         del self._by_key[block.key]
-        self.nbytes -= block.nbytes
+        self.nbytes -= self.block_bytes
+        self.pool.release([block.pool_block])
         parent = self._by_id.get(block.key[0])
         if parent is not None:
             parent.children.discard(block.id)
@@ -155,3 +152,10 @@ class PrefixCache:
             "prefix_cache_hit_tokens": self.hit_tokens,
             "prefix_cache_queried_tokens": self.looked_up_tokens,
         }
+
+    def clear(self) -> None:
+        """Give every block back to the pool."""
+        with self._lock:
+            for block in list(self._by_id.values()):
+                if block.id in self._by_id:
+                    self._evict(block)

@@ -30,6 +30,7 @@ from specdec.errors import (
 )
 from specdec.exact.sampling import SamplingParams, token_counts
 from specdec.modeling.cache import LeanCache
+from specdec.modeling.paged import PagedCache
 from specdec.modeling.dimensions import context_length, kv_bytes_per_token
 from specdec.modeling.lean_llama import LeanLlama, Pass, lean_runner
 
@@ -44,8 +45,13 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# The caches the project's passes keep (paged for the lean pass, contiguous for a feature draft):
+# grown by reserve(), accounted in what they hold allocated
+OWN_CACHES = (PagedCache, LeanCache)
+
+
 def cache_nbytes(cache) -> int:
-    if isinstance(cache, LeanCache):
+    if isinstance(cache, OWN_CACHES):
         return cache.nbytes()
     total = 0
     for layer in getattr(cache, "layers", []):
@@ -62,7 +68,9 @@ class Session:
     tokens: list[int]  # committed sequence: prompt + generated
     prompt_len: int
     params: SamplingParams  # seed already resolved
-    cache: Any  # a LeanCache, or a transformers Cache (models the lean pass does not cover); None once released
+    # a PagedCache (the lean pass), a LeanCache (a feature draft), or a transformers Cache (models
+    # the lean pass does not cover); None once released
+    cache: Any
     counts: torch.Tensor  # token counts of the generated tokens, ``tokens[prompt_len:]`` (penalty history)
     prompt_seen: torch.Tensor  # bool [V]: the prompt's tokens (the repetition penalty's history too)
     cached: list[int] = field(default_factory=list)
@@ -167,11 +175,20 @@ class SessionStore:
         self.pass_errors_fatal = kv_shards > 1
         self.sessions_started = 0
         self._make_cache = new_cache
-        # Only where a copied prefix is the same bits as a computed one: a batch-invariant backend's
-        # passes (each row on its own) into LeanCaches (specdec.engine.prefix).
+        if self.runner is not None:  # what the pool's blocks hold, exactly
+            self.bytes_per_token = self.runner.pool.block_bytes // self.runner.pool.block
+        if self.runner is not None and self.limits.max_total_kv_bytes:
+            # the pool never needs more than the caps let sessions and the prefix cache hold
+            pool = self.runner.pool
+            most = (self.limits.max_total_kv_bytes + self.limits.prefix_cache_bytes) // pool.block_bytes
+            pool.bound(most, preallocate=self.device.type == "cuda")
+        # Only where a shared prefix is the same bits as a computed one: a batch-invariant backend's
+        # passes (each row on its own) into paged caches (specdec.engine.prefix).
         exact_copies = self.batch_invariant and new_cache is None
         self.prefixes = (
-            PrefixCache(self.limits.prefix_cache_bytes) if self.limits.prefix_cache_bytes and exact_copies else None
+            PrefixCache(self.limits.prefix_cache_bytes, self.runner.pool)
+            if self.limits.prefix_cache_bytes and exact_copies and self.runner is not None
+            else None
         )
 
     # -- table --------------------------------------------------------------------------------
@@ -223,13 +240,17 @@ class SessionStore:
             counts=token_counts(prompt[prompt_len:], self.vocab_size),
             prompt_seen=token_counts(prompt[:prompt_len], self.vocab_size) > 0,
         )
-        self._reserve(session, len(prompt))  # the prompt's KV is allocated (and accounted) from the start
-        with self._table_lock:
-            if session_id in self._sessions:
-                raise SessionExistsError(f"{self.name}: session {session_id!r} already exists")
-            self._check_capacity()
-            self._sessions[session_id] = session
-            self.sessions_started += 1
+        try:
+            self._reserve(session, len(prompt))  # the prompt's KV is allocated (and accounted) from the start
+            with self._table_lock:
+                if session_id in self._sessions:
+                    raise SessionExistsError(f"{self.name}: session {session_id!r} already exists")
+                self._check_capacity()
+                self._sessions[session_id] = session
+                self.sessions_started += 1
+        except BaseException:
+            _free(session.cache)  # its blocks go back now, not when the collector finds them
+            raise
         return session
 
     def release(self, session_id: str) -> bool:
@@ -242,6 +263,7 @@ class SessionStore:
                 self.keep_prefix(session)  # a next turn of the chat starts with all of it
             except Exception as exc:  # noqa: BLE001 - an optimization: the release must happen anyway
                 log.error("%s: keeping session %s in the prefix cache failed: %r", self.name, session_id, exc)
+            _free(session.cache)
             session.cache = None
             session.cached = []
             session.features = None
@@ -258,20 +280,16 @@ class SessionStore:
 
     # -- prefix cache -------------------------------------------------------------------------
     def reuse_prefix(self, session: Session, upto: int) -> int:
-        """Copy the longest kept prefix of ``session.tokens[:upto]`` into a session that has
-        cached nothing yet; returns how many positions it now holds."""
-        if self.prefixes is None or session.cached or not isinstance(session.cache, LeanCache):
+        """Start a session that has cached nothing yet from the longest kept prefix of
+        ``session.tokens[:upto]`` (its blocks shared, not copied); returns how many positions it
+        now holds."""
+        if self.prefixes is None or session.cached or not isinstance(session.cache, PagedCache):
             return 0
         chain = self.prefixes.lookup(session.tokens, upto, session.params.cache_salt)
         if not chain:
             return 0
-        cache, size = session.cache, self.prefixes.block
-        length = len(chain) * size
-        self._reserve(session, length)  # within what create reserved for the prompt: no growth
-        for index, block in enumerate(chain):
-            cache.keys[:, :, index * size : (index + 1) * size] = block.keys
-            cache.values[:, :, index * size : (index + 1) * size] = block.values
-        cache.length = length
+        session.cache.adopt([block.pool_block for block in chain])  # in place of blocks create reserved
+        length = session.cache.length
         session.cached = list(session.tokens[:length])
         session.copied = length
         return length
@@ -295,10 +313,10 @@ class SessionStore:
     def keep_prefix(self, session: Session) -> None:
         """Keep the whole blocks of what the session has cached (its positions agree with its
         ``cached`` tokens whatever they are: a rejected proposal's too)."""
-        if self.prefixes is None or not isinstance(session.cache, LeanCache) or not session.cached:
+        if self.prefixes is None or not isinstance(session.cache, PagedCache) or not session.cached:
             return
         cache = session.cache
-        self.prefixes.insert(session.cached[: cache.length], cache.keys, cache.values, session.params.cache_salt)
+        self.prefixes.insert(session.cached[: cache.length], cache.blocks, session.params.cache_salt)
 
     def _new_cache(self) -> Any:
         if self._make_cache is not None:
@@ -372,8 +390,8 @@ class SessionStore:
     def _reserve(self, session: Session | None, tokens_after: int) -> None:
         """Make room for ``tokens_after`` positions in the session's cache (None: a session about
         to start), within the caps, or raise RESOURCE_EXHAUSTED touching nothing. The KV pool is
-        accounted in allocated bytes: a LeanCache grows by a quarter, never past what the caps
-        leave it (then exactly to what it needs)."""
+        accounted in allocated bytes: a paged cache in whole blocks, a contiguous one grown by a
+        quarter, never past what the caps leave it (then exactly to what it needs)."""
         projected = self._projected_bytes(session, tokens_after)
         limits = self.limits
         if limits.max_session_kv_bytes and projected > limits.max_session_kv_bytes:
@@ -388,7 +406,7 @@ class SessionStore:
                 raise ResourceExhaustedError(
                     f"{self.name}: KV caches would need {total} bytes in all, the cap is {limits.max_total_kv_bytes}"
                 )
-        if session is not None and isinstance(session.cache, LeanCache):
+        if session is not None and isinstance(session.cache, OWN_CACHES):
             session.cache.reserve(tokens_after, self._most_tokens(session))
             session.kv_bytes = cache_nbytes(session.cache)
 
@@ -403,9 +421,17 @@ class SessionStore:
         return min(caps) if caps else None
 
     def _projected_bytes(self, session: Session | None, tokens_after: int) -> int:
-        if session is None or not isinstance(session.cache, LeanCache):
-            return tokens_after * self.bytes_per_token
+        if session is None or not isinstance(session.cache, OWN_CACHES):
+            return self._new_cache_bytes(tokens_after)
         return session.cache.planned_capacity(tokens_after, self._most_tokens(session)) * self.bytes_per_token
+
+    def _new_cache_bytes(self, tokens: int) -> int:
+        """What a new cache holding ``tokens`` positions holds allocated: whole blocks of the pool
+        for a paged cache."""
+        pool = self.runner.pool if self.runner is not None and self._make_cache is None else None
+        if pool is None:
+            return tokens * self.bytes_per_token
+        return pool.blocks_for(tokens) * pool.block * self.bytes_per_token
 
     def has_room(self, prompt_tokens: int) -> bool:
         """Whether a session of ``prompt_tokens`` could start now (admission control)."""
@@ -418,7 +444,7 @@ class SessionStore:
 
     def could_ever_fit(self, prompt_tokens: int) -> bool:
         """Whether a session of ``prompt_tokens`` fits an empty pool (else waiting is pointless)."""
-        limits, need = self.limits, prompt_tokens * self.bytes_per_token
+        limits, need = self.limits, self._new_cache_bytes(prompt_tokens)
         return not (limits.max_session_kv_bytes and need > limits.max_session_kv_bytes) and not (
             limits.max_total_kv_bytes and need > limits.max_total_kv_bytes
         )
@@ -535,7 +561,7 @@ class SessionStore:
             results = self._run_many([(s.cache, feed, rows, f) for _, s, feed, rows, f in live])
         except Exception as exc:  # the pass failed: every request in it fails (a shard: the group)
             for index, session, *_ in live:
-                if isinstance(session.cache, LeanCache):
+                if isinstance(session.cache, OWN_CACHES):
                     session.cache.length = len(session.cached)  # whatever the pass wrote is not cached
                 out[index] = exc
             if self.pass_errors_fatal:
@@ -559,8 +585,15 @@ class SessionStore:
             "sessions_started": self.sessions_started,
             "pass_backend": self.pass_backend,
             "batch_invariant": self.batch_invariant,
+            **(self.runner.pool.stats() if self.runner is not None else {}),
             **(self.prefixes.stats() if self.prefixes is not None else {}),
         }
+
+
+def _free(cache) -> None:
+    """Give a paged cache's blocks back to its pool (other caches are simply dropped)."""
+    if isinstance(cache, PagedCache):
+        cache.release()
 
 
 class SessionEngine:

@@ -24,6 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from specdec.modeling.invariant import chunk_bounds
+from specdec.modeling.paged import BLOCK, gather_positions, padded_table
+
+# one sequence's part of a paged pass: (its block table, first position of its rows, rows)
+Segment = tuple[torch.Tensor, int, int]
 
 KEY_BLOCK = 64  # the granularity of the key length a row's reductions run over
 # The fewest query rows one key/value head's products get: with 1 or 2 rows the library takes
@@ -53,30 +57,37 @@ def fused_attention(
     return out[0].transpose(0, 1).reshape(n, heads * dim)
 
 
-def invariant_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scaling: float
+def fused_attention_paged(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segments: list[Segment], scaling: float
 ) -> torch.Tensor:
-    """:func:`fused_attention`, each row computed over its own key bucket (see the module doc);
-    :func:`invariant_attention_many` for one sequence."""
-    return invariant_attention_many(q, [(keys, values, start, q.shape[0])], scaling)
+    """:func:`fused_attention` of each sequence of ``segments`` over its blocks of one layer's
+    pool (keys/values [blocks, Hkv, block, D], see :func:`invariant_attention_many`)."""
+    attended, row = [], 0
+    for table, start, rows in segments:
+        end = start + rows
+        mine = gather_positions(keys, table, end), gather_positions(values, table, end)
+        attended.append(fused_attention(q[row : row + rows], *mine, start, scaling))
+        row += rows
+    return attended[0] if len(attended) == 1 else torch.cat(attended)
 
 
 def invariant_attention_many(
-    q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, int, int]], scaling: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segments: list[Segment], scaling: float
 ) -> torch.Tensor:
-    """The attention of the rows of several sequences, q [N, Hq, D]: ``segments`` lists, in the
-    order of q's rows, each sequence's (keys, values, start, rows) -- its cache buffers
-    [Hkv, capacity, D] and its rows' positions [start, start + rows). -> [N, Hq * D].
+    """The attention of the rows of several sequences, q [N, Hq, D], over one layer's paged
+    pool, keys/values [blocks, Hkv, block, D] (specdec.modeling.paged): ``segments`` lists, in
+    the order of q's rows, each sequence's (block table, start, rows) -- its rows' positions are
+    [start, start + rows), their keys/values already in its blocks. -> [N, Hq * D].
 
     Each row attends over its own key bucket (the module doc). Rows of any sequences whose
     buckets have the same length are computed in one batched product (what makes many decoding
     sequences cheap: one call per bucket length, not per sequence); a row's bits depend on its
-    own query, keys and bucket only. Positions past a sequence's rows may hold anything finite in
-    ``values`` (a rolled-back proposal's, zeros): they are weighed by exactly 0; where a bucket
-    reaches past a buffer, the buffer is padded with zeros for this call."""
+    own query, keys and bucket only. Positions past a sequence's rows may hold anything finite (a
+    rolled-back proposal's, zeros): they are weighed by exactly 0; a bucket reaching past a
+    sequence's blocks reads the pool's null block (zeros)."""
     by_length: dict[int, list[tuple[int, int, int, int]]] = {}  # length -> (segment, row, rows, position)
     row = 0
-    for index, (_, _, start, rows) in enumerate(segments):
+    for index, (_, start, rows) in enumerate(segments):
         done = 0
         while done < rows:
             position = start + done
@@ -85,33 +96,18 @@ def invariant_attention_many(
             by_length.setdefault(length, []).append((index, row + done, piece, position))
             done += piece
         row += rows
-    if len(by_length) == 1 and len(pieces := next(iter(by_length.values()))) == 1:
-        return _lone_piece_attention(q, segments[0], pieces[0][3], next(iter(by_length)), scaling)
     n, heads, dim = q.shape
+    if len(by_length) == 1 and len(pieces := next(iter(by_length.values()))) == 1:
+        return _bucket_attention(q, keys, values, segments, pieces, next(iter(by_length)), scaling)
     out = q.new_empty(n, heads * dim)
     for length, pieces in by_length.items():
-        out[_rows_of(pieces, q.device)] = _bucket_attention(q, segments, pieces, length, scaling)
+        out[_rows_of(pieces, q.device)] = _bucket_attention(q, keys, values, segments, pieces, length, scaling)
     return out
 
 
 def _rows_of(pieces: list[tuple[int, int, int, int]], device) -> torch.Tensor:
     """The rows of q the pieces cover, in piece order."""
     return torch.cat([torch.arange(row, row + rows, device=device) for _, row, rows, _ in pieces])
-
-
-def _lone_piece_attention(
-    q: torch.Tensor, segment: tuple[torch.Tensor, torch.Tensor, int, int], first: int, length: int, scaling: float
-) -> torch.Tensor:
-    """:func:`_bucket_attention` of one piece that is all of q (one sequence, within one bucket:
-    every decode step and most verify blocks alone), by slicing where that gathers: the same
-    operations on the same values."""
-    keys, values, _, _ = segment
-    rows = q.shape[0]
-    most = _padded_rows(rows, q.shape[1] // keys.shape[0])
-    within = torch.clamp(torch.arange(most, device=q.device), max=rows - 1)  # a padding row repeats the last
-    queries = (q[within].float() * scaling).unsqueeze(0)
-    stacked = (_padded(keys, length).unsqueeze(0).float(), _padded(values, length).unsqueeze(0).float())
-    return _attend(queries, *stacked, (first + within).unsqueeze(0))[0, :rows].to(q.dtype)
 
 
 def _padded_rows(rows: int, group: int) -> int:
@@ -122,7 +118,9 @@ def _padded_rows(rows: int, group: int) -> int:
 
 def _bucket_attention(
     q: torch.Tensor,
-    segments: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    segments: list[Segment],
     pieces: list[tuple[int, int, int, int]],
     length: int,
     scaling: float,
@@ -131,17 +129,28 @@ def _bucket_attention(
     bucket of ``length`` keys -- as one batched product: -> [their rows, Hq * D] in piece order.
     Pieces are padded to the most rows of any (a padding row repeats the piece's last row and is
     dropped), so each piece is one batch element of :func:`_attend`."""
-    most = _padded_rows(max(rows for _, _, rows, _ in pieces), q.shape[1] // segments[0][0].shape[0])
+    most = _padded_rows(max(rows for _, _, rows, _ in pieces), q.shape[1] // keys.shape[1])
     # [count, most] rows of q and their positions; a padding row repeats its piece's last one
     offsets = torch.arange(most, device=q.device)
     firsts = torch.tensor([[row, rows, position] for _, row, rows, position in pieces], device=q.device)
     within = torch.minimum(offsets.unsqueeze(0), firsts[:, 1:2] - 1)  # [count, most]
     queries = q[firsts[:, 0:1] + within].float() * scaling  # [count, most, Hq, D]
-    keys = torch.stack([_padded(segments[s][0], length) for s, _, _, _ in pieces]).float()  # [count, Hkv, length, D]
-    values = torch.stack([_padded(segments[s][1], length) for s, _, _, _ in pieces]).float()
-    out = _attend(queries, keys, values, firsts[:, 2:3] + within)
+    count = -(-length // keys.shape[2])
+    tables = torch.stack([padded_table(segments[s][0], count) for s, _, _, _ in pieces])  # [pieces, count]
+    out = _attend(queries, _bucket(keys, tables, length), _bucket(values, tables, length), firsts[:, 2:3] + within)
     kept = offsets.unsqueeze(0) < firsts[:, 1:2]  # [count, most]: the real rows
     return out[kept].to(q.dtype)
+
+
+def _bucket(pool: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of each table's blocks of one layer's pool [blocks, Hkv,
+    block, D], as float32 [tables, Hkv, length, D]: one gather, one converting copy."""
+    pieces, count = tables.shape
+    gathered = pool[tables.reshape(-1)].view(pieces, count, *pool.shape[1:])  # [pieces, count, Hkv, block, D]
+    _, heads, block, dim = pool.shape
+    out = torch.empty(pieces, heads, count, block, dim, dtype=torch.float32, device=pool.device)
+    out.copy_(gathered.permute(0, 2, 1, 3, 4))
+    return out.view(pieces, heads, count * block, dim)[:, :, :length]
 
 
 def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -171,12 +180,6 @@ def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
     return out.view(count, kv_heads, most, group, dim).permute(0, 2, 1, 3, 4).reshape(count, most, heads * dim)
 
 
-def _padded(buffer: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` positions of a [H, capacity, D] buffer, zeros past its capacity."""
-    if buffer.shape[1] >= length:
-        return buffer[:, :length]
-    return F.pad(buffer, (0, 0, 0, length - buffer.shape[1]))
-
 
 def attention_rows_invariant(
     heads: int,
@@ -187,23 +190,32 @@ def attention_rows_invariant(
     lengths: tuple[int, ...] = (40, 300, 1100),
     block_rows: int = 9,
     seed: int = 0,
+    block: int = BLOCK,
 ) -> bool:
     """Whether :func:`invariant_attention_many` gives a block of ``block_rows`` rows ending at each
     of ``lengths``, computed among the other blocks, the bits of the same rows computed one at a
-    time (with the library here)."""
+    time (with the library here), the sequences' blocks scattered over a pool of ``block``
+    positions per block."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    segments, queries = [], []
-    for end in lengths:
+    blocks = [-(-end // block) for end in lengths]
+    ids = (torch.randperm(sum(blocks), generator=generator) + 1).tolist()  # block 0: the null block
+    shape = (sum(blocks) + 1, kv_heads, block, dim)
+    keys = torch.randn(shape, generator=generator).to(dtype=dtype, device=device)
+    values = torch.randn(shape, generator=generator).to(dtype=dtype, device=device)
+    keys[0], values[0] = 0, 0
+    segments: list[Segment] = []
+    queries = []
+    for end, count in zip(lengths, blocks, strict=True):
         start = max(0, end - block_rows)
-        keys = torch.randn(kv_heads, end, dim, generator=generator).to(dtype=dtype, device=device)
-        values = torch.randn(kv_heads, end, dim, generator=generator).to(dtype=dtype, device=device)
+        table = torch.tensor(ids[:count], dtype=torch.long, device=device)
+        del ids[:count]
         queries.append(torch.randn(end - start, heads, dim, generator=generator).to(dtype=dtype, device=device))
-        segments.append((keys, values, start, end - start))
-    together = invariant_attention_many(torch.cat(queries), segments, dim**-0.5)
+        segments.append((table, start, end - start))
+    together = invariant_attention_many(torch.cat(queries), keys, values, segments, dim**-0.5)
     row = 0
-    for q, (keys, values, start, rows) in zip(queries, segments, strict=True):
+    for q, (table, start, rows) in zip(queries, segments, strict=True):
         for i in range(rows):
-            alone = invariant_attention(q[i : i + 1], keys, values, start + i, dim**-0.5)
+            alone = invariant_attention_many(q[i : i + 1], keys, values, [(table, start + i, 1)], dim**-0.5)
             if not torch.equal(alone, together[row + i : row + i + 1]):
                 return False
         row += rows

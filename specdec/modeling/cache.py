@@ -1,6 +1,7 @@
-"""The KV cache of one sequence as the project's own passes keep it (the lean Llama pass, the
-feature draft): preallocated, grown geometrically, cropped in O(1). Its size in bytes is what it
-holds allocated (``nbytes``), which is what a replica's KV pool accounts for."""
+"""The KV cache of one sequence as one contiguous buffer (the feature draft's one layer; the lean
+pass keeps its sessions in a paged pool, ``specdec.modeling.paged``): preallocated, grown
+geometrically, cropped in O(1). Its size in bytes is what it holds allocated (``nbytes``), which
+is what a replica's KV pool accounts for."""
 
 from __future__ import annotations
 

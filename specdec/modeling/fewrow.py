@@ -197,8 +197,8 @@ class LayerWeights(ctypes.Structure):
 class Segment(ctypes.Structure):
     """One sequence's part of a batched pass (kernels/fewrow.c: segment)."""
 
-    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)] + [
-        (name, ctypes.c_int64) for name in ("capacity", "start", "rows")
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("blocks", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("num_blocks", "block", "pool_blocks", "start", "rows")
     ]
 
 
@@ -226,7 +226,9 @@ def layers_available() -> bool:
 def batch_layers(
     x: torch.Tensor,
     layers,
-    segments: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    segments: list[tuple[torch.Tensor, int, int]],
     cos: torch.Tensor,
     sin: torch.Tensor,
     heads: int,
@@ -237,40 +239,50 @@ def batch_layers(
     scale: float,
 ) -> bool:
     """Run ``x`` [n, hidden] (float32, updated in place) through the decoder layers described by
-    ``layers`` (a ctypes array of :class:`LayerWeights`) as ONE pass over several sequences:
-    ``segments`` lists, in the order of x's rows, each sequence's (keys, values, start, rows) --
-    its caches ([layers, kv_heads, capacity, head_dim] each), the positions it has cached, and how
-    many of x's rows are its new positions (written at [start, start + rows) of its caches).
-    ``cos`` / ``sin``: [n, head_dim], each row's rotary row. Each row attends to its own sequence
-    only, and its values do not depend on the other sequences (see kernels/fewrow.c). False where
-    the kernel declines (nothing was touched then). The kernel writes through raw pointers, so
-    every shape and layout is checked here first."""
+    ``layers`` (a ctypes array of :class:`LayerWeights`) as ONE pass over several sequences whose
+    KV lives in one paged pool, ``keys`` / ``values`` [layers, pool blocks, kv_heads, block,
+    head_dim] (specdec.modeling.paged): ``segments`` lists, in the order of x's rows, each
+    sequence's (block table, start, rows) -- its table (int64 block ids), the positions it has
+    cached, and how many of x's rows are its new positions (written at [start, start + rows) of
+    its blocks). ``cos`` / ``sin``: [n, head_dim], each row's rotary row. Each row attends to its
+    own sequence only, and its values do not depend on the other sequences (see
+    kernels/fewrow.c). False where the kernel declines (nothing was touched then). The kernel
+    writes through raw pointers, so every shape, id and layout is checked here first."""
     if _function() is None or "layers" not in _state or not segments:
         return False
     n, hidden = x.shape if x.ndim == 2 else (0, 0)
     if (
         n < 1
-        or sum(rows for _, _, _, rows in segments) != n
+        or sum(rows for _, _, rows in segments) != n
         or cos.shape != (n, head_dim)
         or sin.shape != (n, head_dim)
-        or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (x, cos, sin))
+        or keys.ndim != 5
+        or keys.shape[0] != len(layers)
+        or keys.shape[2:] != (kv_heads, keys.shape[3], head_dim)
+        or values.shape != keys.shape
+        or any(
+            t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (x, cos, sin, keys, values)
+        )
     ):
         return False
+    pool_blocks, block = keys.shape[1], keys.shape[3]
     array = (Segment * len(segments))()
-    for slot, (keys, values, start, rows) in zip(array, segments, strict=True):
-        capacity = keys.shape[2] if keys.ndim == 4 else 0
-        shape = (len(layers), kv_heads, capacity, head_dim)
+    for slot, (table, start, rows) in zip(array, segments, strict=True):
         if (
             rows < 1
             or start < 0
-            or keys.shape != shape
-            or values.shape != shape
-            or start + rows > capacity
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (keys, values))
+            or table.ndim != 1
+            or table.dtype != torch.int64
+            or table.device.type != "cpu"
+            or not table.is_contiguous()
+            or start + rows > table.shape[0] * block
+            or int(table.min()) < 0
+            or int(table.max()) >= pool_blocks
         ):
             return False
-        slot.keys, slot.values = keys.data_ptr(), values.data_ptr()
-        slot.capacity, slot.start, slot.rows = capacity, start, rows
+        slot.keys, slot.values, slot.blocks = keys.data_ptr(), values.data_ptr(), table.data_ptr()
+        slot.num_blocks, slot.block, slot.pool_blocks = table.shape[0], block, pool_blocks
+        slot.start, slot.rows = start, rows
     run, scratch_floats = _state["layers"]
     size = scratch_floats(ctypes.addressof(array), len(segments), hidden, heads, kv_heads, head_dim, intermediate)
     scratch = torch.empty(size, dtype=torch.float32)

@@ -1,5 +1,5 @@
 """A lean forward pass for Llama-architecture models (and Mistral, Qwen2, Qwen3: :data:`ARCHITECTURES`),
-with a preallocated, croppable KV cache.
+its sessions' KV in one paged pool (``specdec.modeling.paged``).
 
 Why: on a small CPU a good part of a transformers SmolLM2 decode step is not the matrix products
 but the small tensor operations around them, dozens per layer (rotary embeddings re-derived
@@ -11,10 +11,13 @@ This pass runs the same model, with the same weights, in far fewer operations
 - q, k and v come from one matrix product and gate/up from another (the module's own weights are
   re-pointed into the fused tensors, so no memory is duplicated and the module stays usable);
 - rotary cos/sin come from a table computed once by the model's own rotary module;
-- keys/values are written in place into a buffer that grows geometrically; cropping is O(1);
-- attention is ``scaled_dot_product_attention`` with ``enable_gqa`` (no ``repeat_kv`` copy);
-- passes of 1-4 rows, and the batched passes of many sequences (:meth:`LeanLlama.forward_batch`,
-  what the engines use), run all their decoder layers in one C call (``specdec.modeling.fewrow``).
+- keys/values are written in place into the blocks of the replica's pool, every row of a pass in
+  one indexed write per layer; a rollback gives whole blocks back;
+- attention reads each sequence's blocks through its block table (``scaled_dot_product_attention``
+  with ``enable_gqa`` on the fast backend: no ``repeat_kv`` copy);
+- on the ``kernel`` backend every pass -- one sequence's or the batched passes of many
+  (:meth:`LeanLlama.forward_batch`, what the engines use) -- runs all its decoder layers in one C
+  call (``specdec.modeling.fewrow``), reading the same pool.
 
 Embedding, RMSNorm, rotary and output head are the model's own modules, called as they are.
 
@@ -35,10 +38,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from specdec.modeling.attention import attention_rows_invariant, fused_attention, invariant_attention_many
-from specdec.modeling.cache import LeanCache
+from specdec.modeling.attention import (
+    Segment,
+    attention_rows_invariant,
+    fused_attention_paged,
+    invariant_attention_many,
+)
 from specdec.modeling.dimensions import context_length
-from specdec.modeling.fewrow import ROWS as FEW_ROWS
 from specdec.modeling.fewrow import (
     LayerWeights,
     batch_layers,
@@ -49,6 +55,7 @@ from specdec.modeling.fewrow import (
 from specdec.modeling.heads import SubsetHead, full_vocab_logits
 from specdec.modeling.invariant import ChunkedLinear, rows_invariant
 from specdec.modeling.ops import RopeTable, apply_rotary, product, rms_norm
+from specdec.modeling.paged import BlockPool, PagedCache
 from specdec.modeling.sharding import Shard
 
 log = logging.getLogger(__name__)
@@ -177,6 +184,8 @@ class LeanLlama:
         self._rope = RopeTable(self._model_rope, self.max_length)
         self.intermediate = int(config.intermediate_size) // world
         self.eps = float(inner.layers[0].input_layernorm.variance_epsilon)
+        # every session's KV, in blocks (specdec.modeling.paged): one pool per replica (per rank)
+        self.pool = BlockPool(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
         self._twins: list[torch.Tensor] = []
         self._kernel_layers = self._layers_for_kernel()
         head_weight = getattr(self.head, "weight", None)
@@ -265,8 +274,9 @@ class LeanLlama:
                 setattr(slot, name, t.data_ptr())
         return array
 
-    def new_cache(self) -> LeanCache:
-        return LeanCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, self.max_length)
+    def new_cache(self) -> PagedCache:
+        """An empty cache of one sequence, its blocks from this model's pool."""
+        return PagedCache(self.pool, self.max_length)
 
     def _model_rope(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions [0, size) from the model's own rotary module, [size, D] each."""
@@ -280,36 +290,21 @@ class LeanLlama:
         return self._rope.upto(length)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: PagedCache, logits_to_keep: int = 1) -> torch.Tensor:
         """Logits [rows, V] of the last ``logits_to_keep`` of ``input_ids`` (1-D), appending their
         keys/values to ``cache``."""
         return self.forward_with_features(input_ids, cache, logits_to_keep)[0]
 
     @torch.inference_mode()
     def forward_with_features(
-        self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1, feature_rows: int = 0
+        self, input_ids: torch.Tensor, cache: PagedCache, logits_to_keep: int = 1, feature_rows: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, and the final normed hidden states (what the head reads) of the last
-        ``feature_rows`` positions, [feature_rows, H] (None for 0). One sequence: the layer kernel
-        for 1-4 rows where it runs, else the torch layers of this model's backend."""
-        n = int(input_ids.shape[-1])
-        start = cache.length
-        end = start + n
-        cache.reserve(end)
-        cos_table, sin_table = self._rope_table(end)
-        cos, sin = cos_table[start:end], sin_table[start:end]  # [n, D]
-        x = self._embed(input_ids.reshape(-1))  # [n, H]
-        # 1-4 rows (decode steps, verify blocks): the layers in one kernel call (kernels/fewrow.c)
-        if not (n in FEW_ROWS and self._kernel_pass(x, [(cache.keys, cache.values, start, n)], cos, sin)):
-            x = self._torch_layers(x, [(cache, start, n)], cos, sin)
-        cache.length = end
-        keep = min(logits_to_keep, n)
-        last = max(keep, feature_rows)  # the norm is per row: norm the rows either output needs once
-        normed = rms_norm(x[n - last :], self.norm)
-        features = normed[last - feature_rows :] if feature_rows else None
-        return self._head(normed[last - keep :]), features
+        ``feature_rows`` positions, [feature_rows, H] (None for 0): one sequence's
+        :meth:`forward_batch`."""
+        return self.forward_batch([Pass(input_ids, cache, logits_to_keep, feature_rows)])[0]
 
-    def _kernel_pass(self, x: torch.Tensor, segments, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    def _kernel_pass(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """The decoder layers over x in the layer kernel (False where it does not run: nothing
         was touched, the caller runs torch's layers); ``segments`` as for fewrow.batch_layers."""
         if self._kernel_layers is None:
@@ -317,6 +312,8 @@ class LeanLlama:
         return batch_layers(
             x,
             self._kernel_layers,
+            self.pool.keys,
+            self.pool.values,
             segments,
             cos,
             sin,
@@ -346,26 +343,24 @@ class LeanLlama:
         passes, one sequence alone included -- so the engines send every pass here."""
         if not passes:
             return []
-        segments, cos_rows, sin_rows = [], [], []
+        caches, segments, cos_rows, sin_rows = [], [], [], []
         for p in passes:
             n, start = int(p.input_ids.shape[-1]), p.cache.length
-            p.cache.reserve(start + n)  # may reallocate: take the buffers after
+            if p.cache.pool is not self.pool:
+                raise ValueError("a cache of another model's pool")
+            p.cache.prepare_write(start, start + n)  # may grow the pool: its tensors are read after
             cos_table, sin_table = self._rope_table(start + n)
             cos_rows.append(cos_table[start : start + n])
             sin_rows.append(sin_table[start : start + n])
-            segments.append((p.cache, start, n))
+            caches.append(p.cache)
+            segments.append((p.cache.table(), start, n))
         x = self._embed(torch.cat([p.input_ids.reshape(-1) for p in passes])).contiguous()
         cos, sin = torch.cat(cos_rows).contiguous(), torch.cat(sin_rows).contiguous()
-        if self.backend == KERNEL:
-            kernel_segments = [(cache.keys, cache.values, start, n) for cache, start, n in segments]
-            if not self._kernel_pass(x, kernel_segments, cos, sin):  # not expected: every shape is checked at load
-                return [
-                    self.forward_with_features(p.input_ids, p.cache, p.logits_to_keep, p.feature_rows) for p in passes
-                ]
-        else:
+        # the kernel where it runs (it checks every shape at load; should it decline, torch's layers)
+        if not (self.backend == KERNEL and self._kernel_pass(x, segments, cos, sin)):
             x = self._torch_layers(x, segments, cos, sin)
         kept, features, offset = [], [], 0
-        for p, (cache, start, n) in zip(passes, segments, strict=True):
+        for p, cache, (_, start, n) in zip(passes, caches, segments, strict=True):
             cache.length = start + n
             keep = min(p.logits_to_keep, n)
             last = max(keep, p.feature_rows)
@@ -403,17 +398,17 @@ class LeanLlama:
                 return subset if plain else full_vocab_logits(subset, head.token_ids, head.vocab_size)
         return torch.cat([self._head(row.unsqueeze(0)) for row in hidden])  # row by row: the same for any batch
 
-    def _torch_layers(
-        self, x: torch.Tensor, segments: list[tuple[LeanCache, int, int]], cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def _torch_layers(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The decoder layers over the rows x [N, H] of several sequences in torch operations:
-        ``segments`` lists, in the order of x's rows, each sequence's (cache, start, rows) -- its
-        rows are its positions [start, start + rows), their keys/values written there in its
-        cache; cos/sin [N, D] are each row's rotary rows. Products over all rows at once; each
-        sequence attends over its own cache. Invariant or fast operations by the backend."""
+        ``segments`` lists, in the order of x's rows, each sequence's (block table, start, rows)
+        -- its rows are its positions [start, start + rows), their keys/values written there in
+        its blocks of the pool; cos/sin [N, D] are each row's rotary rows. Products over all rows
+        at once; each sequence attends over its own positions. Invariant or fast operations by
+        the backend."""
         n = x.shape[0]
         h_q, h_kv, d = self.heads, self.kv_heads, self.head_dim
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, D]: the same rotation for every head of a row
+        blocks, offsets = self._row_slots(segments)
         for index, (norm1, _, _, norm2, _, _) in enumerate(self.layers):
             qkv_of, o_of, gu_of, down_of = self._products(index)
             qkv = qkv_of(rms_norm(x, norm1))  # [N, (h_q + 2 h_kv) d]
@@ -425,18 +420,23 @@ class LeanLlama:
                 q_norm, k_norm = qk_norms
                 qk = torch.cat((rms_norm(qk[:, :h_q], q_norm), rms_norm(qk[:, h_q:], k_norm)), dim=1)
             qk = apply_rotary(qk, cos, sin)  # [N, heads, d]
-            v = qkv[:, (h_q + h_kv) * d :].view(n, h_kv, d)
-            buffers, row = [], 0
-            for cache, start, rows in segments:
-                keys, values = cache.keys[index], cache.values[index]  # [h_kv, capacity, d]
-                keys[:, start : start + rows] = qk[row : row + rows, h_q:].transpose(0, 1)
-                values[:, start : start + rows] = v[row : row + rows].transpose(0, 1)
-                buffers.append((keys, values, start, rows))
-                row += rows
-            x = x + self._across_ranks(o_of(self._attend(qk[:, :h_q], buffers)))
+            keys, values = self.pool.keys[index], self.pool.values[index]  # [blocks, h_kv, block, d]
+            keys[blocks, :, offsets] = qk[:, h_q:]  # every row's key/value into its slot: one write each
+            values[blocks, :, offsets] = qkv[:, (h_q + h_kv) * d :].view(n, h_kv, d)
+            x = x + self._across_ranks(o_of(self._attend(qk[:, :h_q], keys, values, segments)))
             gate, up = gu_of(rms_norm(x, norm2)).chunk(2, dim=-1)
             x = x + self._across_ranks(down_of(F.silu(gate) * up))
         return x
+
+    def _row_slots(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool block and the offset in it of each row of the pass, [N] each."""
+        size = self.pool.block
+        blocks, offsets = [], []
+        for table, start, rows in segments:
+            positions = torch.arange(start, start + rows, device=table.device)
+            blocks.append(table[positions // size])
+            offsets.append(positions % size)
+        return torch.cat(blocks), torch.cat(offsets)
 
     def _across_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-sharded product's output summed over the ranks (itself without a shard)."""
@@ -454,16 +454,12 @@ class LeanLlama:
         rows = F.embedding(torch.where(mine, local, 0), weight)
         return self.shard.sum(torch.where(mine.unsqueeze(-1), rows, 0))
 
-    def _attend(self, q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> torch.Tensor:
-        """Attention of the rows q [N, Hq, D] of several sequences, each over its own cache:
-        ``segments`` lists (keys, values, start, rows) in the order of q's rows."""
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Attention of the rows q [N, Hq, D] of several sequences, each over its own positions
+        of one layer's pool (keys/values [blocks, Hkv, block, D])."""
         if self.backend == TORCH_INVARIANT:
-            return invariant_attention_many(q, segments, self.scaling)
-        attended, row = [], 0
-        for keys, values, start, rows in segments:
-            attended.append(fused_attention(q[row : row + rows], keys, values, start, self.scaling))
-            row += rows
-        return attended[0] if len(attended) == 1 else torch.cat(attended)
+            return invariant_attention_many(q, keys, values, segments, self.scaling)
+        return fused_attention_paged(q, keys, values, segments, self.scaling)
 
     def _products(self, index: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
         """Layer ``index``'s four products (qkv, o, gate/up, down) as the backend computes them."""
@@ -492,7 +488,7 @@ class Pass:
 
     __slots__ = ("cache", "feature_rows", "input_ids", "logits_to_keep")
 
-    def __init__(self, input_ids: torch.Tensor, cache: LeanCache, logits_to_keep: int = 1, feature_rows: int = 0):
+    def __init__(self, input_ids: torch.Tensor, cache: PagedCache, logits_to_keep: int = 1, feature_rows: int = 0):
         self.input_ids = input_ids
         self.cache = cache
         self.logits_to_keep = logits_to_keep

@@ -192,11 +192,21 @@ static void rotate(float *v, const float *cos, const float *sin, int64_t d) {
 
 /* One query row of one head over the first `length` cached positions of its KV head (d a multiple
  * of 16): a softmax of the scaled scores, then their mix of the values. */
-static void attend(const float *q, const float *keys, const float *values, float *out, float *scores,
-                   int64_t length, int64_t d, float scale) {
+/* Where position t of one (layer, kv head) lives in a paged pool: `base` is that (layer, head)'s
+ * slice of block 0, `blocks` the sequence's table, `stride` the floats from one block to the next
+ * (see specdec/modeling/paged.py for the layout). */
+static inline const float *at_position(const float *base, const int64_t *blocks, int64_t block, int64_t stride,
+                                       int64_t t, int64_t d) {
+    return base + blocks[t / block] * stride + (t % block) * d;
+}
+
+/* Attention of one query row over positions [0, length) of its sequence, in position order
+ * whatever blocks hold them (so the bits do not depend on the block layout). */
+static void attend(const float *q, const float *keys, const float *values, const int64_t *blocks, int64_t block,
+                   int64_t stride, float *out, float *scores, int64_t length, int64_t d, float scale) {
     float top = -INFINITY;
     for (int64_t t = 0; t < length; t++) {
-        float s = dot(q, keys + t * d, d) * scale;
+        float s = dot(q, at_position(keys, blocks, block, stride, t, d), d) * scale;
         scores[t] = s;
         if (s > top) top = s;
     }
@@ -211,7 +221,8 @@ static void attend(const float *q, const float *keys, const float *values, float
     for (int64_t c = 0; c < d; c += 16) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t t = 0; t < length; t++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[t]), _mm512_loadu_ps(values + t * d + c), acc);
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[t]),
+                                  _mm512_loadu_ps(at_position(values, blocks, block, stride, t, d) + c), acc);
         _mm512_storeu_ps(out + c, _mm512_mul_ps(acc, _mm512_set1_ps(inverse)));
     }
 }
@@ -225,11 +236,13 @@ static void silu_mul(const float *gate, const float *up, float *act, int64_t wid
     }
 }
 
-/* One sequence's part of a batched pass: its `rows` new positions follow `start` cached ones, and
- * its keys/values live in its own caches ([layers, hkv, capacity, d] each). */
+/* One sequence of a batched pass: its KV in a paged pool shared by every sequence, keys and
+ * values [layers, pool_blocks, hkv, block, d] each; `blocks` its table (block ids, `num_blocks` of
+ * them, covering positions [0, num_blocks * block)); its new rows' positions [start, start + rows). */
 typedef struct {
     float *keys, *values;
-    int64_t capacity, start, rows;
+    const int64_t *blocks;
+    int64_t num_blocks, block, pool_blocks, start, rows;
 } segment;
 
 /* Floats of scratch fewrow_batch needs: the pass's activations for every row, and each row's
@@ -246,7 +259,7 @@ int64_t fewrow_batch_scratch(const segment *segments, int64_t num_segments, int6
 
 /* x [n, hidden] (the residual stream of every segment's rows, one segment after another; updated
  * in place) through `layers` decoder layers. Each segment's new keys/values are written at
- * [start, start + rows) of its own caches, and each row attends to its own segment's cache only.
+ * [start, start + rows) of its own blocks, and each row attends to its own segment's positions only.
  * cos/sin: [n, d], the rotary rows of each row's position. scratch: fewrow_batch_scratch(...)
  * floats. 0 on success; -1 (nothing touched) where a shape is not covered.
  *
@@ -263,7 +276,7 @@ int fewrow_batch(float *x, int64_t hidden, const layer_weights *layers, int64_t 
     int64_t n = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         const segment *g = segments + s;
-        if (g->rows < 1 || g->start < 0 || g->start + g->rows > g->capacity) return -1;
+        if (g->rows < 1 || g->start < 0 || g->block < 1 || g->start + g->rows > g->num_blocks * g->block) return -1;
         n += g->rows;
     }
     /* per row: its segment, its position, where its scores start in scratch */
@@ -289,8 +302,9 @@ int fewrow_batch(float *x, int64_t hidden, const layer_weights *layers, int64_t 
             const segment *g = segments + row_segment[r];
             float *row = qkv + r * width;
             for (int64_t j = 0; j < hq + hkv; j++) rotate(row + j * d, cos + r * d, sin + r * d, d);
+            int64_t p = row_position[r], id = g->blocks[p / g->block];
             for (int64_t j = 0; j < hkv; j++) {
-                int64_t at = ((l * hkv + j) * g->capacity + row_position[r]) * d;
+                int64_t at = (((l * g->pool_blocks + id) * hkv + j) * g->block + p % g->block) * d;
                 for (int64_t c = 0; c < d; c++) {
                     g->keys[at + c] = row[(hq + j) * d + c];
                     g->values[at + c] = row[(hq + hkv + j) * d + c];
@@ -301,9 +315,10 @@ int fewrow_batch(float *x, int64_t hidden, const layer_weights *layers, int64_t 
         for (int64_t job = 0; job < hq * n; job++) {
             int64_t r = job / hq, head = job % hq, kv = head / group;
             const segment *g = segments + row_segment[r];
-            int64_t layer = (l * hkv + kv) * g->capacity * d;
-            attend(qkv + r * width + head * d, g->keys + layer, g->values + layer, attn + r * hq * d + head * d,
-                   scores + row_scores[r] + head * (row_position[r] + 1), row_position[r] + 1, d, scale);
+            int64_t base = ((l * g->pool_blocks) * hkv + kv) * g->block * d, stride = hkv * g->block * d;
+            attend(qkv + r * width + head * d, g->keys + base, g->values + base, g->blocks, g->block, stride,
+                   attn + r * hq * d + head * d, scores + row_scores[r] + head * (row_position[r] + 1),
+                   row_position[r] + 1, d, scale);
         }
         product(w->wo, w->bf16, attn, h, hidden, hq * d, n, threads);
         for (int64_t c = 0; c < n * hidden; c++) x[c] += h[c];

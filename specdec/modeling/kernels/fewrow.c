@@ -192,23 +192,22 @@ static void rotate(float *v, const float *cos, const float *sin, int64_t d) {
 
 /* One query row of one head over the first `length` cached positions of its KV head (d a multiple
  * of 16): a softmax of the scaled scores, then their mix of the values. */
-/* Where position t of one (layer, kv head) lives in a paged pool: `base` is that (layer, head)'s
- * slice of block 0, `blocks` the sequence's table, `stride` the floats from one block to the next
- * (see specdec/modeling/paged.py for the layout). */
-static inline const float *at_position(const float *base, const int64_t *blocks, int64_t block, int64_t stride,
-                                       int64_t t, int64_t d) {
-    return base + blocks[t / block] * stride + (t % block) * d;
-}
-
-/* Attention of one query row over positions [0, length) of its sequence, in position order
- * whatever blocks hold them (so the bits do not depend on the block layout). */
+/* Attention of one query row over positions [0, length) of its sequence, whose keys and values
+ * live in a paged pool (see specdec/modeling/paged.py): `keys` / `values` point at this (layer,
+ * kv head)'s slice of block 0, `blocks` is the sequence's table and `stride` the floats from one
+ * block to the next. Positions are taken in order, block by block (no division per position), so
+ * the sums -- and the bits -- do not depend on which blocks hold them. */
 static void attend(const float *q, const float *keys, const float *values, const int64_t *blocks, int64_t block,
                    int64_t stride, float *out, float *scores, int64_t length, int64_t d, float scale) {
     float top = -INFINITY;
-    for (int64_t t = 0; t < length; t++) {
-        float s = dot(q, at_position(keys, blocks, block, stride, t, d), d) * scale;
-        scores[t] = s;
-        if (s > top) top = s;
+    for (int64_t first = 0, b = 0; first < length; first += block, b++) {
+        const float *k = keys + blocks[b] * stride;
+        int64_t n = length - first < block ? length - first : block;
+        for (int64_t j = 0; j < n; j++) {
+            float s = dot(q, k + j * d, d) * scale;
+            scores[first + j] = s;
+            if (s > top) top = s;
+        }
     }
     __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
     for (int64_t t = 0; t < length; t += 16) {
@@ -220,9 +219,12 @@ static void attend(const float *q, const float *keys, const float *values, const
     float inverse = 1.0f / _mm512_reduce_add_ps(total);
     for (int64_t c = 0; c < d; c += 16) {
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t t = 0; t < length; t++)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[t]),
-                                  _mm512_loadu_ps(at_position(values, blocks, block, stride, t, d) + c), acc);
+        for (int64_t first = 0, b = 0; first < length; first += block, b++) {
+            const float *v = values + blocks[b] * stride + c;
+            int64_t n = length - first < block ? length - first : block;
+            for (int64_t j = 0; j < n; j++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[first + j]), _mm512_loadu_ps(v + j * d), acc);
+        }
         _mm512_storeu_ps(out + c, _mm512_mul_ps(acc, _mm512_set1_ps(inverse)));
     }
 }

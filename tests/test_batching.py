@@ -15,7 +15,7 @@ from specdec.engine.batching import BatchRunner
 from specdec.engine.commits import Commit
 from specdec.engine.draft import DraftEngine
 from specdec.engine.sessions import PassRequest, SessionStore, run_alone
-from specdec.engine.target import TargetEngine
+from specdec.engine.target import TargetEngine, VerifyRows
 from specdec.errors import SessionNotFoundError
 from specdec.exact.sampling import SamplingParams
 from specdec.modeling import fewrow
@@ -188,15 +188,42 @@ def engines(model, draft_model):
     return TargetEngine(model), DraftEngine(draft_model)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_batched_propose_and_verify_equal_the_same_calls_alone(temperature):
+MIXED = [  # one session each: what the verdicts of a pass are computed for together
+    SamplingParams(temperature=0.0, seed=11),
+    SamplingParams(temperature=0.8, seed=12),
+    SamplingParams(temperature=1.0, top_k=5, seed=13),
+    SamplingParams(temperature=0.7, top_p=0.9, seed=14),
+    SamplingParams(temperature=1.2, min_p=0.05, top_k=20, seed=15),
+    SamplingParams(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5, seed=16),
+    SamplingParams(temperature=0.0, logit_bias={3: 5.0}, frequency_penalty=0.4, seed=17),
+    SamplingParams(temperature=0.8, invariant=True, seed=18),
+    SamplingParams(temperature=0.8, logprobs=2, seed=19),
+    SamplingParams(temperature=1.0, top_p=0.5, min_tokens=3, stop_token_ids=(2,), seed=20),
+]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8, "mixed"])
+def test_batched_propose_and_verify_equal_the_same_calls_alone(temperature, monkeypatch):
     """The draft and target engines' works, for 10 sessions of mixed prompts and k, batched
-    (small budget: chunked prefill, partial batches) and alone: the same proposals, q and verdicts."""
+    (small budget: chunked prefill, partial batches) and alone: the same proposals, q and verdicts
+    -- with one set of sampling parameters, or each session its own ("mixed": the verdicts of a
+    pass computed together over rows with different parameters, penalties and modes)."""
     target = kernel_llama(seed=7)
     draft = perturbed(target, 0.05, seed=1)
     rng = random.Random(1)
     prompts = {f"s{i}": [rng.randrange(64) for _ in range(rng.randrange(1, 45))] for i in range(10)}
-    params = SamplingParams(temperature=temperature, seed=11)
+    params_of = {
+        s: MIXED[i] if temperature == "mixed" else SamplingParams(temperature=float(temperature), seed=11)
+        for i, s in enumerate(prompts)
+    }
+    together = []  # blocks per verdict computation (specdec.engine.target.VerifyRows.run_many)
+    run_many = VerifyRows.run_many.__func__
+
+    def spy(cls, requests):
+        together.append(len(requests))
+        return run_many(cls, requests)
+
+    monkeypatch.setattr(VerifyRows, "run_many", classmethod(spy))
 
     def run(batched: bool):
         t, d = engines(target, draft)
@@ -211,8 +238,8 @@ def test_batched_propose_and_verify_equal_the_same_calls_alone(temperature):
             assert all(j.error is None for j in jobs), [j.error for j in jobs]
             return [j.result for j in jobs]
 
-        drive(runners[0], [(s, t.prefill_work(s, p, params)) for s, p in prompts.items()])
-        drive(runners[1], [(s, d.prefill_work(s, p, params)) for s, p in prompts.items()])
+        drive(runners[0], [(s, t.prefill_work(s, p, params_of[s])) for s, p in prompts.items()])
+        drive(runners[1], [(s, d.prefill_work(s, p, params_of[s])) for s, p in prompts.items()])
         commits: dict[str, Commit | None] = dict.fromkeys(prompts)
         log = []
         for step in range(1, 6):
@@ -229,7 +256,10 @@ def test_batched_propose_and_verify_equal_the_same_calls_alone(temperature):
                 commits[s] = Commit(step, len(session.tokens), (*p.tokens[:accepted], 1 + step))
         return log
 
-    assert run(True) == run(False)
+    batched = run(True)
+    assert max(together) > 1  # blocks did share a verdict computation
+    together.clear()
+    assert batched == run(False) and set(together) == {1}
 
 
 def test_session_starts_wait_for_kv_room_then_start_and_past_the_queue_are_refused():

@@ -22,8 +22,8 @@ from specdec.errors import (
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams, probs_from_logits
 from specdec.exact.sparse import SparseDist
-from specdec.modeling.paged import BLOCK
 from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun, generate_async, speculative_generate
+from specdec.modeling.paged import BLOCK
 from specdec.modeling.tiny import tiny_llama, word_tokenizer
 
 PROMPT = [1, 2, 3, 4, 5]

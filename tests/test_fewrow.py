@@ -238,9 +238,10 @@ def test_layer_kernel_refuses_what_does_not_fit_and_touches_nothing():
     pool = lean.pool
     keys_before = pool.keys.clone()
 
-    def layers(x, start=0, keys=pool.keys, table=cache.table(), rows_cos=None, rows=None):
+    def layers(x, start=0, keys=pool.keys, table=None, rows_cos=None, rows=None):
         """The kernel over x as one sequence's ``rows`` (default: all of x's rows)."""
         n = x.shape[0]
+        table = cache.table() if table is None else table
         rows_cos = cos[start : start + n] if rows_cos is None else rows_cos
         segment = (table, start, n if rows is None else rows)
         return fewrow.batch_layers(

@@ -273,3 +273,32 @@ def test_values_that_would_overflow_float32_are_greedy_or_refused():
         SamplingParams(repetition_penalty=1e-38)
     extreme = SamplingParams(temperature=1e-5, logit_bias={2: 100.0}, repetition_penalty=0.01, frequency_penalty=2.0)
     assert torch.isfinite(probs_from_logits(logits, extreme, token_counts([2, 2], 3))).all()
+
+
+def test_rows_of_many_sessions_transform_as_each_alone_bit_for_bit():
+    """The pipeline over the rows of several sessions at once, each row with its own parameters
+    (what a pass's verdicts are computed with: specdec.engine.target.VerifyRows), gives every
+    row the bits it gets with its session alone -- and a step a row's parameters leave out
+    leaves the row as it was."""
+    from specdec.exact.sampling import RowParams, logprobs_from_logits, logprobs_rows
+
+    generator = torch.Generator().manual_seed(4)
+    sessions = [
+        (SamplingParams(temperature=0.8, seed=1), 3),
+        (SamplingParams(temperature=1.0, top_k=7, seed=1), 1),
+        (SamplingParams(temperature=0.6, top_p=0.8, seed=1), 5),
+        (SamplingParams(temperature=1.3, min_p=0.1, top_k=30, top_p=0.95, seed=1), 2),
+        (SamplingParams(temperature=1.0, top_k=500, seed=1), 2),  # k past the vocabulary: no cut
+    ]
+    logits = torch.randn(sum(rows for _, rows in sessions), 200, generator=generator) * 3
+    logits[3, :50] = logits[3].max() + 1.0  # 50 tied at the top of the top_k = 7 row: all kept
+    together = logprobs_rows(logits, RowParams.of(sessions))
+    row = 0
+    for params, rows in sessions:
+        alone = logprobs_from_logits(logits[row : row + rows], params)
+        assert torch.equal(together[row : row + rows], alone)
+        row += rows
+    plain = logprobs_rows(logits[:3], RowParams.of(sessions[:1]))
+    assert torch.equal(plain, torch.log_softmax(logits[:3] / torch.tensor(0.8), dim=-1))
+    assert int(torch.isfinite(together[3]).sum()) == 50
+    assert int(torch.isfinite(together[-1]).sum()) == 200  # top_k past the vocabulary cuts nothing

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.engine.sessions import PassRequest, SessionStore, Work
+from specdec.engine.sessions import PassRequest, RowsRequest, SessionStore, Work, run_rows
 from specdec.errors import ReplicaFaultError, ResourceExhaustedError
 
 log = logging.getLogger("specdec.batching")
@@ -62,7 +62,7 @@ class Job:
     on_start: Callable[[], None] | None = None
     admit_tokens: int | None = None  # a session start: the prompt's tokens (waits for KV room)
     queued: float = 0.0  # when it began waiting for KV room (time.monotonic)
-    request: PassRequest | None = None
+    request: PassRequest | RowsRequest | None = None  # a RowsRequest only between a pass and its rows' math
     finished: bool = False
     result: Any = None
     error: BaseException | None = None
@@ -71,8 +71,8 @@ class Job:
 
     @property
     def pending(self) -> PassRequest:
-        """The request the work waits on (only asked of a work that has one)."""
-        assert self.request is not None
+        """The pass the work waits on (only asked of a work that waits on one)."""
+        assert isinstance(self.request, PassRequest)
         return self.request
 
     def _advance(self, first: bool = False, value: Any = None) -> None:
@@ -201,6 +201,7 @@ class BatchRunner:
             _quietly(job.on_start, "a work's start callback")
         if not job.cancelled:
             job._advance(first=True)
+            self._run_rows([job])
         self._settle(job, finished)
 
     def _fail(self, job: Job, stage: str, exc: BaseException, finished: list[Job]) -> None:
@@ -296,6 +297,7 @@ class BatchRunner:
             chosen, results = [], []
         for (job, _), result in zip(chosen, results, strict=True):
             job._advance(value=result)
+        self._run_rows([job for job, _ in chosen])
         # the iteration's cost: its pass and what the works computed from it (sampling math)
         load = PassLoad(rows, len(chosen), time.perf_counter() - started, len(self.store))
         for job, _ in chosen:
@@ -307,6 +309,14 @@ class BatchRunner:
                 self._settle(job, finished)
         self._forget_quiet()
         return Iteration(len(chosen), rows, prefill_rows, finished)
+
+    @staticmethod
+    def _run_rows(jobs: list[Job]) -> None:
+        """The rows' math the works ask for after the pass (verdicts, draws), all of it at once
+        (``RowsRequest``), until each waits on its next pass or is done."""
+        while asking := [(job, job.request) for job in jobs if isinstance(job.request, RowsRequest)]:
+            for (job, _), result in zip(asking, run_rows([request for _, request in asking]), strict=True):
+                job._advance(value=result)
 
     def _settle(self, job: Job, finished: list[Job]) -> None:
         if job.cancelled and not job.finished:
@@ -333,11 +343,10 @@ class BatchRunner:
         sessions: set[str] = set()
         waiting = sorted((j for j in self._jobs if j.request is not None and not j.cancelled), key=lambda j: j.order)
         # whole requests leave prefills their share of the pass while any prefill waits
-        prefilling = any(j.request is not None and j.request.prefill for j in waiting)
+        prefilling = any(j.pending.prefill for j in waiting)
         whole_budget = budget - (self.prefill_reserve if prefilling and self.store.batches else 0)
         for job in waiting:
-            request = job.request
-            assert request is not None
+            request = job.pending
             if request.prefill or job.session_id in sessions or len(chosen) >= self.max_batch_sessions:
                 continue
             size = self.store.feed_length(request)
@@ -349,8 +358,7 @@ class BatchRunner:
             whole_budget -= size
         splits = self.store.batch_invariant  # else a split prefill would change its bits
         for job in waiting:
-            request = job.request
-            assert request is not None
+            request = job.pending
             if not request.prefill or job.session_id in sessions or len(chosen) >= self.max_batch_sessions:
                 continue
             size = self.store.feed_length(request)

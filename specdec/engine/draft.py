@@ -14,6 +14,7 @@ proposes argmax(log q + g) with the target's Gumbel noise and ships no q. Two ki
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,18 +22,27 @@ from specdec.engine.commits import Commit
 from specdec.engine.sessions import (
     CacheLimits,
     PassRequest,
+    RowsRequest,
     Session,
     SessionEngine,
     SessionStore,
     Work,
+    by_mode,
     cache_nbytes,
     run_alone,
+    unwrap,
 )
 from specdec.errors import InvalidArgumentError
 from specdec.exact.gumbel import gumbel_argmax, gumbel_noise
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import Purpose, uniform
-from specdec.exact.sampling import SamplingParams, greedy_tokens, logprobs_from_logits, probs_from_logits
+from specdec.exact.sampling import (
+    RowParams,
+    RowsOf,
+    SamplingParams,
+    logprobs_from_logits,
+    logprobs_rows,
+)
 from specdec.exact.sparse import SparseDist, sample_sparse, truncate
 
 
@@ -49,21 +59,12 @@ class _Proposer(SessionEngine):
     def _draw(
         self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int
     ) -> tuple[int, SparseDist | None]:
-        """The proposal at ``position`` and the q it ships (None in invariant mode: none travels)."""
-        q: SparseDist | None
-        if session.params.greedy:  # q is the one-hot: skip building (and truncating) the dense row
-            y = int(greedy_tokens(logits, session.params, counts, session.prompt_seen))
-            q = None if session.params.invariant else SparseDist.one_hot(y)
-        elif session.params.invariant:  # y = argmax(log q + g) with the target's noise; q itself is not needed
-            logprobs = logprobs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
-            noise = gumbel_noise(session.seed, [position], logprobs.shape[-1], device=logprobs.device)
-            y, q = gumbel_argmax(logprobs.reshape(1, -1), noise)[0], None
-        else:
-            probs = probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
-            q = truncate(probs, self.top_m, self.eps)
-            y = sample_sparse(q, uniform(session.seed, position, Purpose.DRAFT))
-        counts[y] += 1.0
-        return y, q
+        """The proposal at ``position`` and the q it ships (None in invariant mode: none travels),
+        computed alone (a feature draft's chain; a model draft's works go through DrawRows)."""
+        return unwrap(DrawRows.run_many([self._draw_request(session, logits, counts, position)])[0])
+
+    def _draw_request(self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int) -> DrawRows:
+        return DrawRows(session, logits.reshape(1, -1), counts, position, self.top_m, self.eps)
 
     def _room(self, session: Session, k: int) -> int:
         return max(0, min(k, self.store.context_length - len(session.tokens) - 1))
@@ -99,7 +100,9 @@ class DraftEngine(_Proposer):
             first = len(session.tokens)
             for i in range(self._room(session, k)):
                 logits, _ = yield PassRequest(session, list(tokens), 1)
-                y, q = self._draw(session, logits[0], counts, first + i)
+                # drawn together with the other sessions' proposals of this pass (DrawRows.run_many)
+                y, q = yield self._draw_request(session, logits[0], counts, first + i)
+                counts[y] += 1.0
                 tokens.append(y)
                 if q is not None:
                     qs.append(q)
@@ -211,6 +214,7 @@ class FeatureDraftEngine(_Proposer):
             try:
                 for i in range(k):
                     y, q = self._draw(session, self.model.logits(hidden)[0], counts, first + i)
+                    counts[y] += 1.0
                     tokens.append(y)
                     if q is not None:
                         qs.append(q)
@@ -229,3 +233,55 @@ def draft_engine_for(model, limits: CacheLimits | None = None, **kwargs) -> _Pro
 
     engine = FeatureDraftEngine if isinstance(model, FeatureDraft) else DraftEngine
     return engine(model, limits, **kwargs)
+
+
+@dataclass
+class DrawRows(RowsRequest):
+    """One proposal's draw from its draft logits row (``logits`` [1, V]; ``counts`` the penalty
+    history with the proposals before it), computed by :meth:`run_many` with the other sessions'
+    draws of the same pass. The caller counts the drawn token into ``counts``."""
+
+    session: Session
+    logits: torch.Tensor
+    counts: torch.Tensor
+    position: int
+    top_m: int
+    eps: float
+
+    @property
+    def rows(self) -> RowsOf:
+        return RowsOf(self.logits, self.session.params, self.counts, self.session.prompt_seen)
+
+    @classmethod
+    def run_many(cls, requests: list[DrawRows]) -> list[tuple[int, SparseDist | None] | BaseException]:
+        """Every draw at once (``sessions.by_mode``): one argmax over the greedy rows, the
+        transform with per-row parameters over the sampled rows, then each sampled row's
+        truncated q and its draw with its keyed uniform. Invariant-sampling draws (Gumbel-max
+        with the target's noise) keep their own computation."""
+        return by_mode(requests, _greedy_draws, _sampled_draws, _invariant_draw)
+
+
+def _greedy_draws(requests: list[DrawRows], rows: torch.Tensor) -> list[tuple[int, SparseDist | None]]:
+    """q is the one-hot on the argmax (not shipped in invariant mode)."""
+    tokens = rows.argmax(dim=-1).tolist()
+    return [
+        (y, None if r.session.params.invariant else SparseDist.one_hot(y))
+        for r, y in zip(requests, tokens, strict=True)
+    ]
+
+
+def _sampled_draws(requests: list[DrawRows], rows: torch.Tensor) -> list[tuple[int, SparseDist | None]]:
+    probs = logprobs_rows(rows, RowParams.of([(r.session.params, 1) for r in requests])).exp()
+    draws: list[tuple[int, SparseDist | None]] = []
+    for request, row in zip(requests, probs, strict=True):  # the shipped q is one sparse object per row
+        q = truncate(row, request.top_m, request.eps)
+        draws.append((sample_sparse(q, uniform(request.session.seed, request.position, Purpose.DRAFT)), q))
+    return draws
+
+
+def _invariant_draw(request: DrawRows) -> tuple[int, SparseDist | None]:
+    """y = argmax(log q + g) with the target's noise at this position; q itself is not needed."""
+    session = request.session
+    logprobs = logprobs_from_logits(request.logits[0], session.params, request.counts, prompt_seen=session.prompt_seen)
+    noise = gumbel_noise(session.seed, [request.position], logprobs.shape[-1], device=logprobs.device)
+    return gumbel_argmax(logprobs.reshape(1, -1), noise)[0], None

@@ -11,6 +11,7 @@ commit is refused, never applied.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -28,11 +29,11 @@ from specdec.errors import (
     SessionExistsError,
     SessionNotFoundError,
 )
-from specdec.exact.sampling import SamplingParams, token_counts
+from specdec.exact.sampling import SamplingParams, token_counts, transformed_rows
 from specdec.modeling.cache import LeanCache
-from specdec.modeling.paged import PagedCache
 from specdec.modeling.dimensions import context_length, kv_bytes_per_token
 from specdec.modeling.lean_llama import LeanLlama, Pass, lean_runner
+from specdec.modeling.paged import PagedCache
 
 log = logging.getLogger("specdec.sessions")
 
@@ -115,7 +116,37 @@ class PassRequest:
     upto: int = 0
 
 
-Work = Generator[PassRequest, Any, Any]  # an engine call: yields its passes, receives their results
+class RowsRequest:
+    """What a work computes from its pass's rows (a verdict, a draw) when that math is written
+    for the rows of many works at once: the runner hands every such request of an iteration to
+    one :meth:`run_many` call (of the request's class) right after the pass, so the math runs over
+    all their rows together instead of once per session (docs/batching.md)."""
+
+    @classmethod
+    def run_many(cls, requests: list[Any]) -> list[Any]:
+        """Each request's result (or the exception that refused it), in order."""
+        raise NotImplementedError
+
+
+# an engine call: yields its passes (and its rows' math), receives their results
+Work = Generator["PassRequest | RowsRequest", Any, Any]
+
+
+def run_rows(requests: list[RowsRequest]) -> list[Any]:
+    """:meth:`RowsRequest.run_many` of every request, one call per request class; an exception
+    that call raises is every one of its requests' result."""
+    results: list[Any] = [None] * len(requests)
+    kinds: dict[type[RowsRequest], list[int]] = {}
+    for index, request in enumerate(requests):
+        kinds.setdefault(type(request), []).append(index)
+    for kind, indices in kinds.items():
+        try:
+            out = kind.run_many([requests[i] for i in indices])
+        except Exception as exc:  # noqa: BLE001 - this math failed: its works' error, not the batch's
+            out = [exc] * len(indices)
+        for i, result in zip(indices, out, strict=True):
+            results[i] = result
+    return results
 
 
 def run_alone(store: SessionStore, work: Work) -> Any:
@@ -123,13 +154,67 @@ def run_alone(store: SessionStore, work: Work) -> Any:
     try:
         request = next(work)
         while True:
-            result = store.run_requests([(request, None)])[0]
+            if isinstance(request, RowsRequest):
+                result = run_rows([request])[0]
+            else:
+                result = store.run_requests([(request, None)])[0]
             request = work.throw(result) if isinstance(result, BaseException) else work.send(result)
     except StopIteration as done:
         return done.value
 
 
-def _raise_refusal(result: Any) -> Any:
+def _on_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Logits rows of a pass as float32 on the CPU: where they are not already, one copy for all
+    of them (one device-to-host transfer per pass, not one per session)."""
+    if all(r.device.type == "cpu" and r.dtype == torch.float32 for r in rows):
+        return rows
+    host = torch.cat(rows).to(device="cpu", dtype=torch.float32)
+    return list(host.split([r.shape[0] for r in rows]))
+
+
+def by_mode(
+    requests: Sequence[Any],
+    greedy: Callable[[list[Any], torch.Tensor], list[Any]],
+    sampled: Callable[[list[Any], torch.Tensor], list[Any]],
+    invariant: Callable[[Any], Any],
+) -> list[Any]:
+    """The results of row requests of many sessions (each with ``session`` and ``rows``, a
+    :class:`~specdec.exact.sampling.RowsOf`), computed per sampling mode over all their rows at
+    once: ``greedy`` and ``sampled`` take the requests of that mode and their rows as one tensor
+    after bias, penalties and the finiteness check (``transformed_rows``), and return one result
+    each; ``invariant`` (Gumbel-max keyed by position) takes one request. A request whose rows
+    are refused, or whose computation raises, gets the exception as its result."""
+    out: list[Any] = [None] * len(requests)
+    modes: dict[str, list[int]] = {"greedy": [], "sampled": []}
+    for index, request in enumerate(requests):
+        params = request.session.params
+        if params.greedy:
+            modes["greedy"].append(index)
+        elif params.invariant:
+            out[index] = outcome(functools.partial(invariant, request))
+        else:
+            modes["sampled"].append(index)
+    for indices, compute in ((modes["greedy"], greedy), (modes["sampled"], sampled)):
+        rows, refusals = transformed_rows([requests[i].rows for i in indices])
+        for position, refused in refusals.items():
+            out[indices[position]] = refused
+        live = [i for position, i in enumerate(indices) if position not in refusals]
+        if live:
+            results = outcome(functools.partial(compute, [requests[i] for i in live], rows))
+            for i, result in zip(live, results if isinstance(results, list) else [results] * len(live), strict=True):
+                out[i] = result
+    return out
+
+
+def outcome(compute: Callable[[], Any]) -> Any:
+    """What ``compute`` returns, or the exception it raises."""
+    try:
+        return compute()
+    except Exception as exc:  # noqa: BLE001 - the request's own error, handed to it
+        return exc
+
+
+def unwrap(result: Any) -> Any:
     if isinstance(result, BaseException):
         raise result
     return result
@@ -492,7 +577,7 @@ class SessionStore:
         """:meth:`forward`, and the final hidden states of the same ``rows`` positions (float32,
         CPU, [rows, H]) when ``with_features``: what a feature draft reads."""
         request = PassRequest(session, [int(t) for t in extra], rows, with_features)
-        return _raise_refusal(self.run_requests([(request, None)])[0])
+        return unwrap(self.run_requests([(request, None)])[0])
 
     def warm(self, session: Session, with_features: bool = False) -> torch.Tensor | None:
         """Prefill: cache every committed token but the last (whose logits start the first step).
@@ -500,7 +585,7 @@ class SessionStore:
         request = PassRequest(session, with_features=with_features, prefill=True, upto=len(session.tokens) - 1)
         if self.feed_length(request) == 0:
             return torch.zeros(0, int(self.model.config.hidden_size)) if with_features else None
-        return _raise_refusal(self.run_requests([(request, None)])[0])
+        return unwrap(self.run_requests([(request, None)])[0])
 
     def feed_length(self, request: PassRequest) -> int:
         """How many tokens ``request`` would feed now (its rows in a pass)."""
@@ -567,14 +652,17 @@ class SessionStore:
             if self.pass_errors_fatal:
                 raise
             return out
-        for (index, session, feed, rows, _), (logits, hidden) in zip(live, results, strict=True):
+        host_logits = _on_host(
+            [logits[logits.shape[0] - rows :] for (_, _, _, rows, _), (logits, _) in zip(live, results, strict=True)]
+        )
+        for (index, session, feed, _, _), (_, hidden), logits in zip(live, results, host_logits, strict=True):
             session.cached.extend(feed)
             session.kv_bytes = cache_nbytes(session.cache)
             features = hidden.to(device="cpu", dtype=torch.float32) if hidden is not None else None
             if requests[index][0].prefill:
                 out[index] = features
             else:
-                out[index] = (logits[-rows:].to(device="cpu", dtype=torch.float32), features)
+                out[index] = (logits, features)
         return out
 
     def stats(self) -> dict:

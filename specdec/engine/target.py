@@ -9,24 +9,37 @@ verifier (p_i(y_i), recovered draws, bonus draw). Dense p never leaves this obje
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from specdec.engine.commits import Commit
-from specdec.engine.sessions import CacheLimits, PassRequest, SessionEngine, SessionStore, Work, run_alone
+from specdec.engine.sessions import (
+    CacheLimits,
+    PassRequest,
+    RowsRequest,
+    Session,
+    SessionEngine,
+    SessionStore,
+    Work,
+    by_mode,
+    run_alone,
+)
 from specdec.exact.gumbel import gumbel_argmax, gumbel_noise
 from specdec.exact.logprobs import block_candidates, row_logprobs
+from specdec.exact.rows import BlockRows, verify_rows
 from specdec.exact.sampling import (
+    RowParams,
+    RowsOf,
     SamplingParams,
     block_token_counts,
-    greedy_tokens,
     logprobs_from_logits,
+    logprobs_rows,
     probs_from_logits,
     reported_logprobs,
 )
 from specdec.exact.sparse import SparseDist
-from specdec.exact.verify import TargetVerdict, target_verify, target_verify_greedy, validate_block
+from specdec.exact.verify import TargetVerdict, target_verify_greedy, validate_block
 
 
 class TargetEngine(SessionEngine):
@@ -92,16 +105,60 @@ class TargetEngine(SessionEngine):
             validate_block(proposals, q_block, self.vocab_size, invariant=session.params.invariant)
             logits, features = yield PassRequest(session, proposals, len(proposals) + 1, return_features)
             counts = block_token_counts(session.counts, proposals) if session.params.needs_counts else None
-            if session.params.greedy:  # one-hot rows: their argmaxes are the whole verdict
-                greedy = greedy_tokens(logits, session.params, counts, session.prompt_seen)
-                verdict = target_verify_greedy(greedy.tolist(), proposals)
-            elif session.params.invariant:  # x_t = argmax(log p_t + g_t): a proposal stands iff it is x_t
-                verdict = target_verify_greedy(self._invariant_tokens(session, logits, counts), proposals)
-            else:
-                p_rows = probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
-                verdict = target_verify(p_rows, proposals, q_block, session.seed, len(session.tokens))
+            # the verdict, computed with every other block of the pass (VerifyRows.run_many)
+            verdict = yield VerifyRows(session, logits, counts, proposals, q_block)
             if session.params.logprobs is not None:
                 lp_rows = reported_logprobs(logits, session.params, counts, session.prompt_seen)
                 candidates = block_candidates(proposals, verdict.recovered, verdict.bonus)
                 verdict = replace(verdict, logprobs=row_logprobs(lp_rows, candidates, session.params.logprobs))
             return replace(verdict, features=features) if features is not None else verdict
+
+
+@dataclass
+class VerifyRows(RowsRequest):
+    """One block's verdict from its k + 1 target rows (``logits`` [k + 1, V]; ``counts`` the
+    rows' penalty histories or None), computed by :meth:`run_many` together with the other
+    blocks of its pass."""
+
+    session: Session
+    logits: torch.Tensor
+    counts: torch.Tensor | None
+    proposals: list[int]
+    q_block: Sequence[SparseDist]
+
+    @property
+    def rows(self) -> RowsOf:
+        return RowsOf(self.logits, self.session.params, self.counts, self.session.prompt_seen)
+
+    @classmethod
+    def run_many(cls, requests: list[VerifyRows]) -> list[TargetVerdict | BaseException]:
+        """The verdicts of many blocks over all their rows at once (``sessions.by_mode``): for
+        greedy blocks one argmax over their rows, for sampled blocks the transform with per-row
+        parameters and the target side of the verifier over all of them (specdec.exact.rows).
+        Invariant-sampling blocks (Gumbel-max keyed by position) keep their own computation."""
+        return by_mode(requests, _greedy_verdicts, _sampled_verdicts, _invariant_verdict)
+
+
+def _greedy_verdicts(requests: list[VerifyRows], rows: torch.Tensor) -> list[TargetVerdict]:
+    """Greedy blocks: one-hot rows, whose argmaxes (ties to the lowest id) are the whole verdict."""
+    argmax = rows.argmax(dim=-1).tolist()
+    verdicts, start = [], 0
+    for request in requests:
+        end = start + len(request.proposals) + 1
+        verdicts.append(target_verify_greedy(argmax[start:end], request.proposals))
+        start = end
+    return verdicts
+
+
+def _sampled_verdicts(requests: list[VerifyRows], rows: torch.Tensor) -> list[TargetVerdict]:
+    """Sampled blocks: the transform with each row's parameters, then the verifier over them all."""
+    params = RowParams.of([(r.session.params, len(r.proposals) + 1) for r in requests])
+    p_rows = logprobs_rows(rows, params).exp()
+    blocks = [BlockRows(r.proposals, r.q_block, r.session.seed, len(r.session.tokens)) for r in requests]
+    return verify_rows(p_rows, blocks)
+
+
+def _invariant_verdict(request: VerifyRows) -> TargetVerdict:
+    session = request.session
+    tokens = TargetEngine._invariant_tokens(session, request.logits, request.counts)
+    return target_verify_greedy(tokens, request.proposals)

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from specdec.engine.sessions import PassRequest, SessionStore, run_alone
+from specdec.engine.sessions import PassRequest, RowsRequest, SessionStore, run_alone, run_rows
 from specdec.errors import InvalidArgumentError, SpecdecError
 
 log = logging.getLogger("specdec.tp")
@@ -359,7 +359,11 @@ class _Replay:
 
     def advance(self, job: int, work, action) -> None:
         try:
-            self.works[job] = (work, action())
+            request = action()
+            while isinstance(request, RowsRequest):  # rank 0 ran it right after the pass too
+                result = run_rows([request])[0]
+                request = work.throw(result) if isinstance(result, BaseException) else work.send(result)
+            self.works[job] = (work, request)
         except StopIteration:
             self.works.pop(job, None)
         except Exception as exc:  # noqa: BLE001 - rank 0's copy raised the same: its caller was told

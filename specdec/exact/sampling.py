@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -271,34 +272,105 @@ def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
     return probs
 
 
-def _top_k(logprobs: torch.Tensor, k: int) -> torch.Tensor:
-    if k <= 0 or k >= logprobs.shape[-1]:
-        return logprobs
-    kth = torch.topk(logprobs, k, dim=-1).values[..., -1:]
-    return logprobs.masked_fill(logprobs < kth, -math.inf)
+@dataclass(frozen=True)
+class RowParams:
+    """The truncation parameters of rows of several sessions, one row each ([R, 1] tensors):
+    what lets one call transform the rows of every session in a pass (:func:`logprobs_rows`)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # int64; 0 = off
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def of(cls, groups: Sequence[tuple[SamplingParams, int]], dtype: torch.dtype = torch.float32) -> RowParams:
+        """Per-row tensors for ``groups`` of (params, rows), in row order."""
+
+        def column(values, kind=dtype):
+            return torch.tensor(values, dtype=kind).unsqueeze(-1)
+
+        expand = lambda get: [get(params) for params, rows in groups for _ in range(rows)]  # noqa: E731
+        return cls(
+            column(expand(lambda p: p.temperature)),
+            column(expand(lambda p: p.top_k), torch.long),
+            column(expand(lambda p: p.top_p)),
+            column(expand(lambda p: p.min_p)),
+        )
 
 
-def _top_p(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
-    if top_p >= 1.0:
-        return logprobs
-    # Stable descending sort: equal probabilities keep ascending id order, so ties are
-    # resolved toward lower ids deterministically.
-    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
-    sorted_p = sorted_lp.exp()
-    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-    drop_sorted = mass_before >= top_p  # the first token always has mass_before 0: kept
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logprobs.masked_fill(drop, -math.inf)
+def logprobs_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """Steps 4-7 of the pipeline for rows [R, V] (after bias and penalties), each row with its
+    own parameters: temperature, then top_k, top_p, min_p, renormalised after each truncation --
+    a row that a step leaves alone keeps its values untouched (not renormalised again). A row's
+    result depends on that row alone, so rows of many sessions can share one call."""
+    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    vocab = logprobs.shape[-1]
+    top_k = (params.top_k > 0) & (params.top_k < vocab)
+    if bool(top_k.any()):
+        # the k-th largest value of each row; ties with it are all kept
+        kth = torch.sort(logprobs, dim=-1, descending=True).values.gather(-1, params.top_k.clamp(1, vocab) - 1)
+        logprobs = _renormalised_where(top_k, logprobs, logprobs < kth)
+    top_p = params.top_p < 1.0
+    if bool(top_p.any()):
+        # Stable descending sort: equal probabilities keep ascending id order, so ties are
+        # resolved toward lower ids deterministically.
+        sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+        sorted_p = sorted_lp.exp()
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= params.top_p  # the first token always has mass_before 0: kept
+        logprobs = _renormalised_where(top_p, logprobs, torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted))
+    min_p = params.min_p > 0.0
+    if bool(min_p.any()):
+        threshold = logprobs.max(dim=-1, keepdim=True).values + torch.log(params.min_p)
+        logprobs = _renormalised_where(min_p, logprobs, logprobs < threshold)
+    return logprobs
 
 
-def _min_p(logprobs: torch.Tensor, min_p: float) -> torch.Tensor:
-    if min_p <= 0.0:
-        return logprobs
-    threshold = logprobs.max(dim=-1, keepdim=True).values + math.log(min_p)
-    return logprobs.masked_fill(logprobs < threshold, -math.inf)
+class RowsOf(NamedTuple):
+    """Logits rows of one session and what its transform needs (see :func:`transformed_rows`)."""
+
+    logits: torch.Tensor  # [rows, V]
+    params: SamplingParams
+    counts: torch.Tensor | None  # the rows' penalty histories ([rows, V] or [V]), or None
+    prompt_seen: torch.Tensor | None
 
 
-def _biased_and_penalised(
+def transformed_rows(parts: Sequence[RowsOf]) -> tuple[torch.Tensor, dict[int, BaseException]]:
+    """The rows of several sessions as one float32 tensor after steps 1-3 (bias and penalties,
+    for the sessions that ask for them) and the finiteness check -- without the rows of the parts
+    the check refuses; and those refusals, by part index (one session's bad rows fail that
+    session alone)."""
+    if not parts:
+        return torch.empty(0), {}
+    rows = torch.cat([part.logits.reshape(-1, part.logits.shape[-1]) for part in parts]).to(torch.float32)
+    bounds = [0]
+    for part in parts:
+        bounds.append(bounds[-1] + part.logits.reshape(-1, part.logits.shape[-1]).shape[0])
+    finite = torch.isfinite(rows.amax(dim=-1)).tolist()  # one reduction answers for every row
+    refused: dict[int, BaseException] = {}
+    for index, part in enumerate(parts):
+        start, end = bounds[index], bounds[index + 1]
+        if all(finite[start:end]) and not part.params.logit_bias and not part.params.needs_counts:
+            continue  # nothing to apply: the rows are already what steps 1-3 give
+        try:
+            part_rows = rows[start:end]
+            rows[start:end] = biased_and_penalised(part_rows, part.params, part.counts, torch.float32, part.prompt_seen)
+        except Exception as exc:  # noqa: BLE001 - this part's rows are refused, not the others'
+            refused[index] = exc
+    if refused:
+        kept = [
+            i for index in range(len(parts)) if index not in refused for i in range(bounds[index], bounds[index + 1])
+        ]
+        rows = rows[kept]
+    return rows, refused
+
+
+def _renormalised_where(rows: torch.Tensor, logprobs: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """In ``rows`` ([R, 1] bool), ``logprobs`` without ``drop`` and renormalised; elsewhere as is."""
+    return torch.where(rows, torch.log_softmax(logprobs.masked_fill(drop, -math.inf), dim=-1), logprobs)
+
+
+def biased_and_penalised(
     logits: torch.Tensor,
     params: SamplingParams,
     counts: torch.Tensor | None,
@@ -350,18 +422,12 @@ def logprobs_from_logits(
     (required when the params use penalties); ``prompt_seen``: the prompt's tokens (bool [V], for
     the repetition penalty). For greedy params this returns log of the one-hot.
     """
-    logits = _biased_and_penalised(logits, params, counts, dtype, prompt_seen)
+    logits = biased_and_penalised(logits, params, counts, dtype, prompt_seen)
     if params.greedy:
         # log of the one-hot, written directly: log(0) is a slow path on CPU
         return torch.full_like(logits, -math.inf).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
-    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
-    if params.top_k:
-        logprobs = torch.log_softmax(_top_k(logprobs, params.top_k), dim=-1)
-    if params.top_p < 1.0:
-        logprobs = torch.log_softmax(_top_p(logprobs, params.top_p), dim=-1)
-    if params.min_p > 0.0:
-        logprobs = torch.log_softmax(_min_p(logprobs, params.min_p), dim=-1)
-    return logprobs
+    rows = logits.reshape(-1, logits.shape[-1])
+    return logprobs_rows(rows, RowParams.of([(params, rows.shape[0])], rows.dtype)).reshape(logits.shape)
 
 
 def reported_logprobs(
@@ -375,7 +441,7 @@ def reported_logprobs(
     the logits after bias and penalties, the scores the argmax is taken over."""
     if not params.greedy:
         return logprobs_from_logits(logits, params, counts, prompt_seen=prompt_seen)
-    return torch.log_softmax(_biased_and_penalised(logits, params, counts, torch.float32, prompt_seen), dim=-1)
+    return torch.log_softmax(biased_and_penalised(logits, params, counts, torch.float32, prompt_seen), dim=-1)
 
 
 def greedy_tokens(
@@ -389,7 +455,7 @@ def greedy_tokens(
     puts it, without building the dense one-hot rows. ``logits`` [..., V] -> ids [...]."""
     if not params.greedy:
         raise ValueError("greedy_tokens is for temperature 0")
-    return _biased_and_penalised(logits, params, counts, torch.float32, prompt_seen).argmax(dim=-1)
+    return biased_and_penalised(logits, params, counts, torch.float32, prompt_seen).argmax(dim=-1)
 
 
 def probs_from_logits(
@@ -404,5 +470,5 @@ def probs_from_logits(
     float32 is what the engines use; the selftest passes float64 to enumerate the exact law.
     """
     if params.greedy:  # the one-hot itself (exp of its log, without the slow exp(-inf))
-        return greedy_one_hot(_biased_and_penalised(logits, params, counts, dtype, prompt_seen))
+        return greedy_one_hot(biased_and_penalised(logits, params, counts, dtype, prompt_seen))
     return logprobs_from_logits(logits, params, counts, dtype, prompt_seen).exp()

@@ -180,7 +180,6 @@ def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
     return out.view(count, kv_heads, most, group, dim).permute(0, 2, 1, 3, 4).reshape(count, most, heads * dim)
 
 
-
 def attention_rows_invariant(
     heads: int,
     kv_heads: int,

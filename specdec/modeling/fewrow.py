@@ -261,7 +261,8 @@ def batch_layers(
         or keys.shape[2:] != (kv_heads, keys.shape[3], head_dim)
         or values.shape != keys.shape
         or any(
-            t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (x, cos, sin, keys, values)
+            t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+            for t in (x, cos, sin, keys, values)
         )
     ):
         return False

@@ -398,7 +398,9 @@ class LeanLlama:
                 return subset if plain else full_vocab_logits(subset, head.token_ids, head.vocab_size)
         return torch.cat([self._head(row.unsqueeze(0)) for row in hidden])  # row by row: the same for any batch
 
-    def _torch_layers(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _torch_layers(
+        self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """The decoder layers over the rows x [N, H] of several sequences in torch operations:
         ``segments`` lists, in the order of x's rows, each sequence's (block table, start, rows)
         -- its rows are its positions [start, start + rows), their keys/values written there in
@@ -454,7 +456,9 @@ class LeanLlama:
         rows = F.embedding(torch.where(mine, local, 0), weight)
         return self.shard.sum(torch.where(mine.unsqueeze(-1), rows, 0))
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, segments: list[Segment]
+    ) -> torch.Tensor:
         """Attention of the rows q [N, Hq, D] of several sequences, each over its own positions
         of one layer's pool (keys/values [blocks, Hkv, block, D])."""
         if self.backend == TORCH_INVARIANT:

@@ -275,26 +275,31 @@ def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class RowParams:
     """The truncation parameters of rows of several sessions, one row each ([R, 1] tensors):
-    what lets one call transform the rows of every session in a pass (:func:`logprobs_rows`)."""
+    what lets one call transform the rows of every session in a pass (:func:`logprobs_rows`).
+    A step no row takes is None (no tensor built, nothing computed: a lone session's call costs
+    what it did before the rows were batched)."""
 
     temperature: torch.Tensor
-    top_k: torch.Tensor  # int64; 0 = off
-    top_p: torch.Tensor
-    min_p: torch.Tensor
+    top_k: torch.Tensor | None  # int64; 0 = off for that row
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
 
     @classmethod
     def of(cls, groups: Sequence[tuple[SamplingParams, int]], dtype: torch.dtype = torch.float32) -> RowParams:
         """Per-row tensors for ``groups`` of (params, rows), in row order."""
 
-        def column(values, kind=dtype):
+        def column(values: list, kind: torch.dtype = dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=kind).unsqueeze(-1)
 
-        expand = lambda get: [get(params) for params, rows in groups for _ in range(rows)]  # noqa: E731
+        def per_row(name: str) -> list:
+            return [getattr(params, name) for params, rows in groups for _ in range(rows)]
+
+        used = [params for params, rows in groups if rows]
         return cls(
-            column(expand(lambda p: p.temperature)),
-            column(expand(lambda p: p.top_k), torch.long),
-            column(expand(lambda p: p.top_p)),
-            column(expand(lambda p: p.min_p)),
+            column(per_row("temperature")),
+            column(per_row("top_k"), torch.long) if any(p.top_k > 0 for p in used) else None,
+            column(per_row("top_p")) if any(p.top_p < 1.0 for p in used) else None,
+            column(per_row("min_p")) if any(p.min_p > 0.0 for p in used) else None,
         )
 
 
@@ -305,24 +310,23 @@ def logprobs_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     result depends on that row alone, so rows of many sessions can share one call."""
     logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
     vocab = logprobs.shape[-1]
-    top_k = (params.top_k > 0) & (params.top_k < vocab)
-    if bool(top_k.any()):
+    if params.top_k is not None:
         # the k-th largest value of each row; ties with it are all kept
         kth = torch.sort(logprobs, dim=-1, descending=True).values.gather(-1, params.top_k.clamp(1, vocab) - 1)
-        logprobs = _renormalised_where(top_k, logprobs, logprobs < kth)
-    top_p = params.top_p < 1.0
-    if bool(top_p.any()):
+        cut = (params.top_k > 0) & (params.top_k < vocab)
+        logprobs = _renormalised_where(cut, logprobs, logprobs < kth)
+    if params.top_p is not None:
         # Stable descending sort: equal probabilities keep ascending id order, so ties are
         # resolved toward lower ids deterministically.
         sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)
         sorted_p = sorted_lp.exp()
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
         drop_sorted = mass_before >= params.top_p  # the first token always has mass_before 0: kept
-        logprobs = _renormalised_where(top_p, logprobs, torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted))
-    min_p = params.min_p > 0.0
-    if bool(min_p.any()):
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logprobs = _renormalised_where(params.top_p < 1.0, logprobs, drop)
+    if params.min_p is not None:
         threshold = logprobs.max(dim=-1, keepdim=True).values + torch.log(params.min_p)
-        logprobs = _renormalised_where(min_p, logprobs, logprobs < threshold)
+        logprobs = _renormalised_where(params.min_p > 0.0, logprobs, logprobs < threshold)
     return logprobs
 
 

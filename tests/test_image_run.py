@@ -1,7 +1,7 @@
 """The built image, run (issue 44): `make image-smoke` and `make image-stack` as tests. They need
 a Docker daemon, root for apt and dockerd, ~2 GB of disk and about 3 (warm) to 6 (cold) minutes,
-so they run where SPECDEC_IMAGE_TESTS=1 asks for them (docs/image.md, "In CI"), not in every
-`make test`; each is also the make target a developer runs by hand."""
+so they run where SPECDEC_IMAGE_TESTS=1 asks for them (docs/image.md, "In CI"; marker `image`),
+not in every `make test`; each is also the make target a developer runs by hand."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = [
+    pytest.mark.image,
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.skipif(

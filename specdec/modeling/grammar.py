@@ -1,0 +1,222 @@
+"""Structured output: a request's constraint (JSON schema, JSON object, regex, choice, grammar)
+as llguidance matchers over a tokenizer's vocabulary (issue 45; docs/structured-output.md).
+
+Why llguidance (measured on the default target's 49k vocabulary, docs/structured-output.md): no
+dependencies of its own (xgrammar pulls triton and a TVM runtime), token-level forced runs
+(``compute_ff_tokens``, the free proposals), rollback, and resource limits on every grammar and
+every mask step, so a hostile schema is refused or bounded rather than stalling a replica.
+
+The allowed set at a position is a pure function of (constraint, tokens since the constraint
+began): every replica that holds the same committed tokens computes the same mask, which is what
+keeps the draft's q and the target's p constrained identically.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 64 * 1024  # a schema / regex / grammar text past this is refused
+MAX_CHOICES = 256
+DEFAULT_CACHE_ENTRIES = 128
+
+# Any JSON object: the OpenAI json_object mode (the model chooses the keys).
+_ANY_OBJECT_SCHEMA = {"type": "object"}
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled (the message names the problem: the caller's 400)."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request constrains its output to. ``spec``: the JSON schema text (json_schema), a
+    regex (regex), a JSON list of strings (choice), a Lark or GBNF grammar (grammar); empty for
+    json_object."""
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"constraint kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise GrammarError(f"the {self.kind} is {len(self.spec)} characters; at most {MAX_SPEC_CHARS}")
+        if self.kind != "json_object" and not self.spec.strip():
+            raise GrammarError(f"a {self.kind} constraint needs its {self.kind}")
+
+
+def choices_of(spec: str) -> list[str]:
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as error:
+        raise GrammarError(f"choice: not a JSON list of strings ({error.msg})") from None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("choice: a non-empty JSON list of non-empty strings")
+    if len(choices) > MAX_CHOICES:
+        raise GrammarError(f"choice: {len(choices)} choices; at most {MAX_CHOICES}")
+    return choices
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar of ``constraint`` (not yet checked against a tokenizer)."""
+    import llguidance
+
+    constraint.validate()
+    kind, spec = constraint.kind, constraint.spec
+    if kind in ("json_object", "json_schema"):
+        if kind == "json_object":
+            schema = _ANY_OBJECT_SCHEMA
+        else:
+            try:
+                schema = json.loads(spec)
+            except json.JSONDecodeError as error:
+                raise GrammarError(f"json_schema: not JSON ({error.msg} at character {error.pos})") from None
+            if not isinstance(schema, dict):
+                raise GrammarError("json_schema: a JSON schema is an object")
+        # Python's json.dumps layout (", " and ": "), no free whitespace: a model cannot pad forever
+        layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=layout)  # type: ignore[arg-type]
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        # each choice a Lark string literal (JSON's escapes), the start rule their alternation
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices_of(spec)))
+    lark = spec
+    if "::=" in spec:  # GBNF (llama.cpp's, what vLLM users often send)
+        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+        try:
+            lark = gbnf_to_lark(spec)
+        except GbnfToLarkError as error:
+            raise GrammarError(f"grammar: not valid GBNF ({error})") from None
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def unpack_bitmask(words: bytes, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask (32-bit words, token i at bit i % 32 of word i // 32, least
+    significant first) as a bool tensor of ``vocab_size``."""
+    as_bytes = torch.frombuffer(bytearray(words), dtype=torch.uint8)
+    bits = (as_bytes.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.flatten()[:vocab_size].bool()
+
+
+class Matcher:
+    """One sequence's place in its constraint: the allowed next tokens, advanced by committed
+    tokens and rolled back with the caches."""
+
+    def __init__(self, inner, vocab_size: int):
+        self._inner = inner
+        self.vocab_size = vocab_size
+        self.consumed = 0  # tokens consumed since the constraint began
+
+    def _check(self) -> None:
+        if self._inner.is_error():
+            raise GrammarError(f"the constraint's matcher failed: {self._inner.get_error()}")
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens the constraint admits next (only EOS once it is complete)."""
+        mask = unpack_bitmask(self._inner.compute_bitmask(), self.vocab_size)
+        self._check()
+        return mask
+
+    def admits(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the constraint admits from here (state unchanged)."""
+        return self._inner.validate_tokens(list(tokens))
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume committed ``tokens``; a token the constraint does not admit is a GrammarError
+        (an exactness bug upstream: every committed token was drawn under the mask)."""
+        for token in tokens:
+            if not self._inner.consume_token(int(token)):
+                raise GrammarError(f"token {token} is not admitted here: {self._inner.get_error()}")
+            self.consumed += 1
+
+    def rollback(self, count: int) -> None:
+        if count > self.consumed or not self._inner.rollback(count):
+            raise GrammarError(f"cannot roll back {count} of {self.consumed} tokens")
+        self.consumed -= count
+
+    def forced(self) -> list[int]:
+        """The tokens the constraint forces next (a run with exactly one admitted token each)."""
+        return list(self._inner.compute_ff_tokens())
+
+    def masks_along(self, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens) + 1, vocab_size]: the allowed set before each of ``tokens`` and after the
+        last -- a verify block's k + 1 positions -- with the state restored afterwards. Positions
+        past a token the constraint does not admit repeat that position's mask (their rows are
+        never reached by an exact verifier, which stops at the first rejection)."""
+        masks = [self.allowed()]
+        taken = 0
+        for token in tokens:
+            if not self._inner.consume_token(int(token)):
+                break
+            taken += 1
+            masks.append(self.allowed())
+        if taken:
+            self._inner.rollback(taken)
+        while len(masks) < len(tokens) + 1:
+            masks.append(masks[-1])
+        return torch.stack(masks)
+
+    @property
+    def complete(self) -> bool:
+        """The constraint is satisfied and admits nothing more than EOS."""
+        return self._inner.is_stopped()
+
+
+class Grammars:
+    """Compiled constraints for one tokenizer: each spec compiled once (bounded LRU of template
+    matchers), each session a cheap copy. Thread-safe: replicas compile off their event loop."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_tokens: list[int], max_entries: int = DEFAULT_CACHE_ENTRIES):
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_tokens)
+        )
+        self._templates: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_entries = max_entries
+        self.compiles = 0
+        self.hits = 0
+        self.compile_seconds = 0.0
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh matcher at the start of ``constraint``; GrammarError names what is wrong."""
+        import llguidance
+
+        with self._lock:
+            template = self._templates.get(constraint)
+            if template is not None:
+                self._templates.move_to_end(constraint)
+                self.hits += 1
+        if template is None:
+            started = time.perf_counter()
+            text = grammar_text(constraint)
+            template = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
+            if template.is_error():
+                raise GrammarError(f"{constraint.kind}: {template.get_error()}")
+            with self._lock:
+                self.compiles += 1
+                self.compile_seconds += time.perf_counter() - started
+                self._templates[constraint] = template
+                while len(self._templates) > self.max_entries:
+                    self._templates.popitem(last=False)
+        return Matcher(template.deep_copy(), self.vocab_size)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "grammar_compiles": self.compiles,
+                "grammar_cache_hits": self.hits,
+                "grammar_compile_seconds": self.compile_seconds,
+                "grammar_cache_entries": len(self._templates),
+            }

@@ -1,0 +1,154 @@
+"""specdec.modeling.grammar: constraints compiled by llguidance over the default target's real
+tokenizer (49k tokens) -- what they admit, refuse and force, how a matcher follows commits and
+rollbacks, the k+1 masks of a verify block, the bounded compile cache, and the errors a caller
+turns into 400s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec.modeling.grammar import MAX_SPEC_CHARS, Constraint, GrammarError, Grammars, unpack_bitmask
+from specdec.modeling.loading import load_tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer, vocab_size=49152, eos_tokens=[tokenizer.eos_token_id])
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_bitmask_bit_order():
+    words = (0b1010 | (1 << 31)).to_bytes(4, "little") + (1).to_bytes(4, "little")
+    mask = unpack_bitmask(words, 40)
+    assert mask.nonzero().flatten().tolist() == [1, 3, 31, 32]
+
+
+def test_a_schema_admits_a_valid_document_token_by_token_and_then_only_eos(grammars, tokenizer):
+    matcher = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+    document = encode(tokenizer, json.dumps({"name": "Ada", "age": 36}))
+    for token in document:
+        assert matcher.allowed()[token], tokenizer.decode([token])
+        matcher.advance([token])
+    assert matcher.complete
+    assert matcher.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+def test_a_schema_refuses_a_wrong_type_where_it_goes_wrong(grammars, tokenizer):
+    matcher = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+    good = encode(tokenizer, '{"name": "Ada", "age": ')
+    bad = good + encode(tokenizer, '"36"}')
+    assert matcher.admits(bad) == len(good)
+    assert matcher.consumed == 0  # admits() leaves the state alone
+    with pytest.raises(GrammarError, match="not admitted"):
+        matcher.advance(bad)
+
+
+def test_masks_along_a_block_equal_stepwise_masks_and_leave_the_state(grammars, tokenizer):
+    matcher = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+    matcher.advance(encode(tokenizer, '{"name": "'))
+    before = matcher.allowed()
+    block = encode(tokenizer, 'Ada", "age')
+    masks = matcher.masks_along(block)
+    assert masks.shape == (len(block) + 1, 49152)
+    assert torch.equal(matcher.allowed(), before) and matcher.consumed == len(encode(tokenizer, '{"name": "'))
+    stepwise = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+    stepwise.advance(encode(tokenizer, '{"name": "'))
+    for i, token in enumerate(block):
+        assert torch.equal(masks[i], stepwise.allowed())
+        stepwise.advance([token])
+    assert torch.equal(masks[-1], stepwise.allowed())
+    # a refused token: the rows past it repeat the row where it was refused
+    refused = [block[0], tokenizer.eos_token_id, block[1]]
+    rows = matcher.masks_along(refused)
+    assert torch.equal(rows[2], rows[1]) and torch.equal(rows[3], rows[1])
+
+
+def test_rollback_returns_to_the_earlier_mask(grammars, tokenizer):
+    matcher = grammars.matcher(Constraint("regex", r"[a-z]+@[a-z]+\.(com|org)"))
+    tokens = encode(tokenizer, "ada@example.org")
+    matcher.advance(tokens[:2])
+    at_two = matcher.allowed()
+    matcher.advance(tokens[2:])
+    assert matcher.complete
+    matcher.rollback(len(tokens) - 2)
+    assert torch.equal(matcher.allowed(), at_two) and not matcher.complete
+    with pytest.raises(GrammarError, match="cannot roll back"):
+        matcher.rollback(3)
+
+
+def test_forced_runs(grammars, tokenizer):
+    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}
+    matcher = grammars.matcher(Constraint("json_schema", json.dumps(schema)))
+    forced = matcher.forced()
+    # one key, required: all of it is forced -- up to the space, which the model's next token may
+    # carry (" true" is one token), so a forced run stops short of a token boundary it cannot know
+    assert tokenizer.decode(forced) in ('{"answer":', '{"answer": ')
+    matcher.advance(forced)
+    assert not matcher.forced()  # true or false: the model's choice
+    choice = grammars.matcher(Constraint("choice", json.dumps(["positive", "negative"])))
+    assert choice.forced() == []
+    for token in encode(tokenizer, "pos"):
+        choice.advance([token])
+    assert tokenizer.decode(choice.forced()) == "itive"
+
+
+def test_json_object_and_grammars(grammars, tokenizer):
+    anything = grammars.matcher(Constraint("json_object"))
+    assert anything.admits(encode(tokenizer, '{"x": [1, 2]}')) == len(encode(tokenizer, '{"x": [1, 2]}'))
+    assert anything.admits(encode(tokenizer, "[1]")) == 0  # an object, not any JSON
+    lark = grammars.matcher(Constraint("grammar", 'start: "yes" | "no"'))
+    gbnf = grammars.matcher(Constraint("grammar", 'root ::= "yes" | "no"'))
+    for matcher in (lark, gbnf):
+        assert matcher.admits(encode(tokenizer, "yes")) == len(encode(tokenizer, "yes"))
+        assert matcher.admits(encode(tokenizer, "maybe")) == 0
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (Constraint("yaml", "a: 1"), "not one of"),
+        (Constraint("json_schema", "{not json"), "json_schema: not JSON"),
+        (Constraint("json_schema", "[1, 2]"), "a JSON schema is an object"),
+        (Constraint("json_schema", json.dumps({"type": "no-such-type"})), "json_schema"),
+        (Constraint("regex", "(unclosed"), "regex"),
+        (Constraint("regex", ""), "needs its regex"),
+        (Constraint("choice", "[]"), "non-empty JSON list"),
+        (Constraint("choice", '["a", 3]'), "non-empty JSON list"),
+        (Constraint("grammar", "start: undefined_rule"), "grammar"),
+        (Constraint("grammar", 'root ::= "unclosed'), "not valid GBNF"),
+        (Constraint("regex", "a" * (MAX_SPEC_CHARS + 1)), "at most"),
+    ],
+)
+def test_bad_constraints_are_named(grammars, constraint, message):
+    with pytest.raises(GrammarError, match=message):
+        grammars.matcher(constraint)
+
+
+def test_the_compile_cache_is_bounded_and_counted(tokenizer):
+    grammars = Grammars(tokenizer, vocab_size=49152, eos_tokens=[tokenizer.eos_token_id], max_entries=2)
+    for spec in ("a+", "b+", "a+", "c+", "b+"):
+        grammars.matcher(Constraint("regex", spec))
+    stats = grammars.stats()
+    # a+ compiled, b+ compiled, a+ hit, c+ compiled (evicts b+), b+ compiled again
+    assert (stats["grammar_compiles"], stats["grammar_cache_hits"], stats["grammar_cache_entries"]) == (4, 1, 2)
+    first, second = grammars.matcher(Constraint("regex", "b+")), grammars.matcher(Constraint("regex", "b+"))
+    first.advance(encode(tokenizer, "b"))
+    assert second.consumed == 0 and not torch.equal(first.allowed(), second.allowed())  # copies, not shared

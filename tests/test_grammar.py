@@ -10,7 +10,9 @@ import json
 import pytest
 import torch
 
-from specdec.modeling.grammar import MAX_SPEC_CHARS, Constraint, GrammarError, Grammars, unpack_bitmask
+from specdec.errors import InvalidArgumentError
+from specdec.exact.constraint import MAX_SPEC_CHARS, Constraint, constrained
+from specdec.modeling.grammar import GrammarError, Grammars, MatcherError, unpack_bitmask
 from specdec.modeling.loading import load_tokenizer
 
 SCHEMA = {
@@ -57,7 +59,7 @@ def test_a_schema_refuses_a_wrong_type_where_it_goes_wrong(grammars, tokenizer):
     bad = good + encode(tokenizer, '"36"}')
     assert matcher.admits(bad) == len(good)
     assert matcher.consumed == 0  # admits() leaves the state alone
-    with pytest.raises(GrammarError, match="not admitted"):
+    with pytest.raises(MatcherError, match="not admitted"):
         matcher.advance(bad)
 
 
@@ -90,7 +92,7 @@ def test_rollback_returns_to_the_earlier_mask(grammars, tokenizer):
     assert matcher.complete
     matcher.rollback(len(tokens) - 2)
     assert torch.equal(matcher.allowed(), at_two) and not matcher.complete
-    with pytest.raises(GrammarError, match="cannot roll back"):
+    with pytest.raises(MatcherError, match="cannot roll back"):
         matcher.rollback(3)
 
 
@@ -122,24 +124,43 @@ def test_json_object_and_grammars(grammars, tokenizer):
 
 
 @pytest.mark.parametrize(
+    ("kind", "spec", "message"),
+    [
+        ("yaml", "a: 1", "not one of"),
+        ("regex", "", "needs its regex"),
+        ("choice", "[]", "non-empty JSON list"),
+        ("choice", '["a", 3]', "non-empty JSON list"),
+        ("choice", "not json", "not a JSON list"),
+        ("regex", "a" * (MAX_SPEC_CHARS + 1), "at most"),
+    ],
+)
+def test_bad_constraints_are_refused_as_data(kind, spec, message):
+    with pytest.raises(InvalidArgumentError, match=f"constraint: .*{message}"):
+        Constraint(kind, spec)
+
+
+@pytest.mark.parametrize(
     ("constraint", "message"),
     [
-        (Constraint("yaml", "a: 1"), "not one of"),
         (Constraint("json_schema", "{not json"), "json_schema: not JSON"),
         (Constraint("json_schema", "[1, 2]"), "a JSON schema is an object"),
         (Constraint("json_schema", json.dumps({"type": "no-such-type"})), "json_schema"),
         (Constraint("regex", "(unclosed"), "regex"),
-        (Constraint("regex", ""), "needs its regex"),
-        (Constraint("choice", "[]"), "non-empty JSON list"),
-        (Constraint("choice", '["a", 3]'), "non-empty JSON list"),
         (Constraint("grammar", "start: undefined_rule"), "grammar"),
         (Constraint("grammar", 'root ::= "unclosed'), "not valid GBNF"),
-        (Constraint("regex", "a" * (MAX_SPEC_CHARS + 1)), "at most"),
     ],
 )
-def test_bad_constraints_are_named(grammars, constraint, message):
-    with pytest.raises(GrammarError, match=message):
+def test_constraints_that_do_not_compile_are_named(grammars, constraint, message):
+    with pytest.raises(GrammarError, match=message) as raised:
         grammars.matcher(constraint)
+    assert isinstance(raised.value, InvalidArgumentError) and raised.value.field == "constraint"  # a 400
+
+
+def test_the_transform_leaves_allowed_logits_and_forbids_the_rest():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 4.0]])
+    allowed = torch.tensor([[True, False, True], [False, True, False]])
+    out = constrained(logits, allowed)
+    assert out[0].tolist() == [1.0, float("-inf"), 3.0] and out[1].tolist() == [float("-inf"), -1.0, float("-inf")]
 
 
 def test_the_compile_cache_is_bounded_and_counted(tokenizer):

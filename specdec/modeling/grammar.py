@@ -17,58 +17,32 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
-MAX_SPEC_CHARS = 64 * 1024  # a schema / regex / grammar text past this is refused
-MAX_CHOICES = 256
+from specdec.errors import InvalidArgumentError
+from specdec.exact.constraint import Constraint, choices_of
+
 DEFAULT_CACHE_ENTRIES = 128
 
 # Any JSON object: the OpenAI json_object mode (the model chooses the keys).
 _ANY_OBJECT_SCHEMA = {"type": "object"}
 
 
-class GrammarError(ValueError):
-    """A constraint that cannot be compiled (the message names the problem: the caller's 400)."""
+class GrammarError(InvalidArgumentError):
+    """A constraint that does not compile (field "constraint"; the message names the problem:
+    the caller's 400)."""
 
 
-@dataclass(frozen=True)
-class Constraint:
-    """What a request constrains its output to. ``spec``: the JSON schema text (json_schema), a
-    regex (regex), a JSON list of strings (choice), a Lark or GBNF grammar (grammar); empty for
-    json_object."""
-
-    kind: str
-    spec: str = ""
-
-    def validate(self) -> None:
-        if self.kind not in KINDS:
-            raise GrammarError(f"constraint kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if len(self.spec) > MAX_SPEC_CHARS:
-            raise GrammarError(f"the {self.kind} is {len(self.spec)} characters; at most {MAX_SPEC_CHARS}")
-        if self.kind != "json_object" and not self.spec.strip():
-            raise GrammarError(f"a {self.kind} constraint needs its {self.kind}")
-
-
-def choices_of(spec: str) -> list[str]:
-    try:
-        choices = json.loads(spec)
-    except json.JSONDecodeError as error:
-        raise GrammarError(f"choice: not a JSON list of strings ({error.msg})") from None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise GrammarError("choice: a non-empty JSON list of non-empty strings")
-    if len(choices) > MAX_CHOICES:
-        raise GrammarError(f"choice: {len(choices)} choices; at most {MAX_CHOICES}")
-    return choices
+class MatcherError(RuntimeError):
+    """A matcher asked to consume a token its constraint does not admit, or to roll back past
+    its start: a bug upstream, since every committed token was drawn under the mask."""
 
 
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of ``constraint`` (not yet checked against a tokenizer)."""
     import llguidance
 
-    constraint.validate()
     kind, spec = constraint.kind, constraint.spec
     if kind in ("json_object", "json_schema"):
         if kind == "json_object":
@@ -77,9 +51,11 @@ def grammar_text(constraint: Constraint) -> str:
             try:
                 schema = json.loads(spec)
             except json.JSONDecodeError as error:
-                raise GrammarError(f"json_schema: not JSON ({error.msg} at character {error.pos})") from None
+                raise GrammarError(
+                    "constraint", f"json_schema: not JSON ({error.msg} at character {error.pos})"
+                ) from None
             if not isinstance(schema, dict):
-                raise GrammarError("json_schema: a JSON schema is an object")
+                raise GrammarError("constraint", "json_schema: a JSON schema is an object")
         # Python's json.dumps layout (", " and ": "), no free whitespace: a model cannot pad forever
         layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=layout)  # type: ignore[arg-type]
@@ -95,7 +71,7 @@ def grammar_text(constraint: Constraint) -> str:
         try:
             lark = gbnf_to_lark(spec)
         except GbnfToLarkError as error:
-            raise GrammarError(f"grammar: not valid GBNF ({error})") from None
+            raise GrammarError("constraint", f"grammar: not valid GBNF ({error})") from None
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
@@ -118,7 +94,7 @@ class Matcher:
 
     def _check(self) -> None:
         if self._inner.is_error():
-            raise GrammarError(f"the constraint's matcher failed: {self._inner.get_error()}")
+            raise MatcherError(f"the constraint's matcher failed: {self._inner.get_error()}")
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the constraint admits next (only EOS once it is complete)."""
@@ -131,16 +107,15 @@ class Matcher:
         return self._inner.validate_tokens(list(tokens))
 
     def advance(self, tokens: list[int]) -> None:
-        """Consume committed ``tokens``; a token the constraint does not admit is a GrammarError
-        (an exactness bug upstream: every committed token was drawn under the mask)."""
+        """Consume committed ``tokens``; a token the constraint does not admit is a MatcherError."""
         for token in tokens:
             if not self._inner.consume_token(int(token)):
-                raise GrammarError(f"token {token} is not admitted here: {self._inner.get_error()}")
+                raise MatcherError(f"token {token} is not admitted here: {self._inner.get_error()}")
             self.consumed += 1
 
     def rollback(self, count: int) -> None:
         if count > self.consumed or not self._inner.rollback(count):
-            raise GrammarError(f"cannot roll back {count} of {self.consumed} tokens")
+            raise MatcherError(f"cannot roll back {count} of {self.consumed} tokens")
         self.consumed -= count
 
     def forced(self) -> list[int]:
@@ -203,7 +178,7 @@ class Grammars:
             text = grammar_text(constraint)
             template = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
             if template.is_error():
-                raise GrammarError(f"{constraint.kind}: {template.get_error()}")
+                raise GrammarError("constraint", f"{constraint.kind}: {template.get_error()}")
             with self._lock:
                 self.compiles += 1
                 self.compile_seconds += time.perf_counter() - started

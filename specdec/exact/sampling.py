@@ -15,7 +15,9 @@ Order of transforms, each on the result of the previous one:
                                   tokens (as vLLM and transformers)
 3. ``presence_penalty`` and ``frequency_penalty``  OpenAI style: ``- presence * [count > 0]
                                   - frequency * count``, counting the *generated* tokens only
-                                  (as OpenAI and vLLM: the prompt does not count)
+                                  (as OpenAI and vLLM: the prompt does not count); then a
+                                  structured-output constraint: tokens outside the row's
+                                  ``allowed`` set get -inf (specdec.exact.constraint)
 4. temperature                    ``temperature == 0`` (or below 1e-5, as vLLM) means greedy: a one-hot on the argmax
                                   (ties broken toward the lowest id); steps 5-7 are then moot
 5. ``top_k``                      keep tokens whose probability is >= the k-th largest (so ties
@@ -45,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.errors import InvalidArgumentError, NonFiniteLogitsError
+from specdec.exact.constraint import constrained
 
 # Generous but finite: a single request must not be able to ask for unbounded work.
 MAX_NEW_TOKENS_LIMIT = 1 << 20
@@ -337,6 +340,7 @@ class RowsOf(NamedTuple):
     params: SamplingParams
     counts: torch.Tensor | None  # the rows' penalty histories ([rows, V] or [V]), or None
     prompt_seen: torch.Tensor | None
+    allowed: torch.Tensor | None = None  # the rows' constraint masks ([rows, V] bool), or None
 
 
 def transformed_rows(parts: Sequence[RowsOf]) -> tuple[torch.Tensor, dict[int, BaseException]]:
@@ -354,11 +358,13 @@ def transformed_rows(parts: Sequence[RowsOf]) -> tuple[torch.Tensor, dict[int, B
     refused: dict[int, BaseException] = {}
     for index, part in enumerate(parts):
         start, end = bounds[index], bounds[index + 1]
-        if all(finite[start:end]) and not part.params.logit_bias and not part.params.needs_counts:
-            continue  # nothing to apply: the rows are already what steps 1-3 give
+        nothing_to_apply = not part.params.logit_bias and not part.params.needs_counts and part.allowed is None
+        if all(finite[start:end]) and nothing_to_apply:
+            continue  # the rows are already what steps 1-3 give
         try:
-            part_rows = rows[start:end]
-            rows[start:end] = biased_and_penalised(part_rows, part.params, part.counts, torch.float32, part.prompt_seen)
+            rows[start:end] = biased_and_penalised(
+                rows[start:end], part.params, part.counts, torch.float32, part.prompt_seen, part.allowed
+            )
         except Exception as exc:  # noqa: BLE001 - this part's rows are refused, not the others'
             refused[index] = exc
     if refused:
@@ -380,8 +386,10 @@ def biased_and_penalised(
     counts: torch.Tensor | None,
     dtype: torch.dtype,
     prompt_seen: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The finiteness check, then steps 1-3 of the pipeline (logit bias, penalties)."""
+    """The finiteness check, then steps 1-3 of the pipeline (logit bias, penalties) and the
+    constraint's ``allowed`` mask (bool, broadcastable to ``logits``; None: unconstrained)."""
     logits = logits.to(dtype)
     _check_finite(logits)
     if params.logit_bias:
@@ -396,6 +404,8 @@ def biased_and_penalised(
             logits = _before_min_tokens(logits, params, counts)
         if params.uses_penalties:
             logits = _apply_penalties(logits, params, counts.to(dtype), prompt_seen)
+    if allowed is not None:
+        logits = constrained(logits, allowed)
     return logits
 
 
@@ -419,14 +429,16 @@ def logprobs_from_logits(
     counts: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     prompt_seen: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Transformed log-probabilities (float32, -inf where filtered) for rows of ``logits``.
 
     ``logits``: [..., V]. ``counts``: the generated tokens' counts, broadcastable to ``logits``
     (required when the params use penalties); ``prompt_seen``: the prompt's tokens (bool [V], for
-    the repetition penalty). For greedy params this returns log of the one-hot.
+    the repetition penalty); ``allowed``: the rows' constraint masks (bool, broadcastable). For
+    greedy params this returns log of the one-hot.
     """
-    logits = biased_and_penalised(logits, params, counts, dtype, prompt_seen)
+    logits = biased_and_penalised(logits, params, counts, dtype, prompt_seen, allowed)
     if params.greedy:
         # log of the one-hot, written directly: log(0) is a slow path on CPU
         return torch.full_like(logits, -math.inf).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
@@ -439,13 +451,15 @@ def reported_logprobs(
     params: SamplingParams,
     counts: torch.Tensor | None = None,
     prompt_seen: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The log-probabilities a request's ``logprobs`` reports (specdec.exact.logprobs): the
     transformed distribution for sampled params; for greedy ones (a one-hot) the log-softmax of
-    the logits after bias and penalties, the scores the argmax is taken over."""
+    the logits after bias, penalties and the constraint, the scores the argmax is taken over."""
     if not params.greedy:
-        return logprobs_from_logits(logits, params, counts, prompt_seen=prompt_seen)
-    return torch.log_softmax(biased_and_penalised(logits, params, counts, torch.float32, prompt_seen), dim=-1)
+        return logprobs_from_logits(logits, params, counts, prompt_seen=prompt_seen, allowed=allowed)
+    scores = biased_and_penalised(logits, params, counts, torch.float32, prompt_seen, allowed)
+    return torch.log_softmax(scores, dim=-1)
 
 
 def greedy_tokens(
@@ -453,13 +467,14 @@ def greedy_tokens(
     params: SamplingParams,
     counts: torch.Tensor | None = None,
     prompt_seen: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """For greedy params: the token each row's one-hot puts its mass on (the argmax after logit
     bias and penalties, ties toward the lowest id) -- exactly where :func:`probs_from_logits`
     puts it, without building the dense one-hot rows. ``logits`` [..., V] -> ids [...]."""
     if not params.greedy:
         raise ValueError("greedy_tokens is for temperature 0")
-    return biased_and_penalised(logits, params, counts, torch.float32, prompt_seen).argmax(dim=-1)
+    return biased_and_penalised(logits, params, counts, torch.float32, prompt_seen, allowed).argmax(dim=-1)
 
 
 def probs_from_logits(
@@ -468,11 +483,12 @@ def probs_from_logits(
     counts: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     prompt_seen: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """THE transform: rows of logits -> rows of probabilities (each row sums to 1).
 
     float32 is what the engines use; the selftest passes float64 to enumerate the exact law.
     """
     if params.greedy:  # the one-hot itself (exp of its log, without the slow exp(-inf))
-        return greedy_one_hot(biased_and_penalised(logits, params, counts, dtype, prompt_seen))
-    return logprobs_from_logits(logits, params, counts, dtype, prompt_seen).exp()
+        return greedy_one_hot(biased_and_penalised(logits, params, counts, dtype, prompt_seen, allowed))
+    return logprobs_from_logits(logits, params, counts, dtype, prompt_seen, allowed).exp()

@@ -173,3 +173,32 @@ def test_the_compile_cache_is_bounded_and_counted(tokenizer):
     first, second = grammars.matcher(Constraint("regex", "b+")), grammars.matcher(Constraint("regex", "b+"))
     first.advance(encode(tokenizer, "b"))
     assert second.consumed == 0 and not torch.equal(first.allowed(), second.allowed())  # copies, not shared
+
+
+def test_the_wire_carries_each_constraint_kind_and_names_a_bad_one():
+    from specdec.exact.sampling import SamplingParams
+    from specdec.runtime import wire
+    from specdec.v1 import coordinator_pb2
+
+    for constraint in (
+        Constraint("json_object"),
+        Constraint("json_schema", json.dumps(SCHEMA)),
+        Constraint("regex", "[0-9]+"),
+        Constraint("choice", json.dumps(["yes", "no"])),
+        Constraint("grammar", 'start: "a"'),
+    ):
+        params = SamplingParams(temperature=0.0, constraint=constraint)
+        assert wire.sampling_from_proto(wire.sampling_to_proto(params)).constraint == constraint
+    assert wire.sampling_from_proto(coordinator_pb2.SamplingParams()).constraint is None
+    bad = [
+        coordinator_pb2.SamplingParams(structured_output=coordinator_pb2.StructuredOutput()),
+        coordinator_pb2.SamplingParams(structured_output=coordinator_pb2.StructuredOutput(json_object=False)),
+        coordinator_pb2.SamplingParams(structured_output=coordinator_pb2.StructuredOutput(regex="")),
+        coordinator_pb2.SamplingParams(
+            structured_output=coordinator_pb2.StructuredOutput(choice=coordinator_pb2.ChoiceList())
+        ),
+    ]
+    for msg in bad:
+        with pytest.raises(InvalidArgumentError, match=r"sampling\.structured_output: ") as raised:
+            wire.sampling_from_proto(msg)
+        assert raised.value.field == "sampling.structured_output"

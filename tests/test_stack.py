@@ -15,6 +15,7 @@ from stack_util import generate_many, live_sessions, request, save_selftest_pair
 
 from specdec.apps.launcher import local_stack
 from specdec.apps.selftest import BASE_SEED, CASES, case_params, case_runs, exact_law, judge
+from specdec.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -392,6 +393,16 @@ BAD = [
     ("prompt longer than the context", {"prompt_ids": [1] * 200}, "prompt"),
     ("token ids outside the vocabulary", {"prompt_ids": [1, 16]}, "prompt_token_ids"),
     ("logit bias outside the vocabulary", {"prompt_ids": [1, 2], "logit_bias": {99: 1.0}}, "sampling.logit_bias"),
+    (
+        "an empty structured output",
+        {"prompt_ids": [1, 2], "structured_output": pb.StructuredOutput()},
+        "sampling.structured_output",
+    ),
+    (  # a valid constraint is refused too until the replicas apply it (docs/structured-output.md)
+        "a constraint, not served yet",
+        {"prompt_ids": [1, 2], "structured_output": pb.StructuredOutput(regex="[0-9]+")},
+        "sampling.structured_output",
+    ),
 ]
 
 

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.errors import InvalidArgumentError, NonFiniteLogitsError
-from specdec.exact.constraint import constrained
+from specdec.exact.constraint import Constraint, constrained
 
 # Generous but finite: a single request must not be able to ask for unbounded work.
 MAX_NEW_TOKENS_LIMIT = 1 << 20
@@ -96,6 +96,9 @@ class SamplingParams:
     # salt (the tenant and the request's cache_salt; "" = shared). Not sampling, but per session,
     # and it travels with the rest of what a session starts with.
     cache_salt: str = ""
+    # Structured output: the generated tokens are constrained to this (specdec.exact.constraint);
+    # the masks come from each replica's matcher at the session's committed tokens.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers so the object is hashable-ish and immutable in spirit.
@@ -174,6 +177,8 @@ class SamplingParams:
             raise InvalidArgumentError("logprobs", f"must be an integer in [0, 20] (the top-n), got {self.logprobs!r}")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise InvalidArgumentError("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidArgumentError("constraint", f"must be a Constraint, got {type(self.constraint).__name__}")
         if len(self.eos_token_ids) > MAX_STOP_TOKEN_IDS or any(
             not isinstance(t, int) or t < 0 for t in self.eos_token_ids
         ):

@@ -328,6 +328,10 @@ class CoordinatorCore:
                 f"{request.sampling.max_new_tokens} exceeds this server's limit of {cfg.max_new_tokens_limit}",
             )
         params = wire.sampling_from_proto(request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT))
+        if params.constraint is not None:  # parsed and validated, but the replicas do not mask yet
+            raise InvalidArgumentError(
+                "sampling.structured_output", "not served yet: the replicas do not apply constraints (issue 45)"
+            )
         spec = request.speculation
         invariant, replayable = resolve_reproducibility(
             seeded=request.sampling.HasField("seed"),

@@ -4,6 +4,7 @@ field), so servicers stay thin."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 
@@ -13,6 +14,7 @@ import torch
 from specdec.engine.batching import PassLoad
 from specdec.engine.commits import Commit
 from specdec.errors import InvalidArgumentError, MalformedProposalError
+from specdec.exact.constraint import Constraint
 from specdec.exact.logprobs import RowLogprobs
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
@@ -50,9 +52,37 @@ def sampling_from_proto(msg: coordinator_pb2.SamplingParams, default_max_new_tok
             min_tokens=int(msg.min_tokens),
             logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
             invariant=bool(msg.invariant),  # unset: the coordinator resolves it (resolve_reproducibility)
+            constraint=constraint_from_proto(msg.structured_output) if msg.HasField("structured_output") else None,
         )
     except InvalidArgumentError as exc:  # name the field as the client spells it
         raise InvalidArgumentError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
+
+
+def constraint_from_proto(msg: coordinator_pb2.StructuredOutput) -> Constraint:
+    """The oneof as a validated Constraint (errors name the field ``structured_output``)."""
+    kind = msg.WhichOneof("constraint")
+    try:
+        if kind is None or (kind == "json_object" and not msg.json_object):
+            raise InvalidArgumentError(
+                "structured_output", "set one of json_schema, json_object, regex, choice, grammar"
+            )
+        if kind == "json_object":
+            return Constraint("json_object")
+        if kind == "choice":
+            return Constraint("choice", json.dumps(list(msg.choice.choices)))
+        return Constraint(kind, getattr(msg, kind))
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError("structured_output", str(exc).split(": ", 1)[-1]) from None
+
+
+def constraint_to_proto(constraint: Constraint) -> coordinator_pb2.StructuredOutput:
+    if constraint.kind == "json_object":
+        return coordinator_pb2.StructuredOutput(json_object=True)
+    if constraint.kind == "choice":
+        return coordinator_pb2.StructuredOutput(choice=coordinator_pb2.ChoiceList(choices=json.loads(constraint.spec)))
+    msg = coordinator_pb2.StructuredOutput()
+    setattr(msg, constraint.kind, constraint.spec)  # json_schema, regex, grammar: a string field each
+    return msg
 
 
 def sampling_to_proto(params: SamplingParams) -> coordinator_pb2.SamplingParams:
@@ -76,6 +106,8 @@ def sampling_to_proto(params: SamplingParams) -> coordinator_pb2.SamplingParams:
         msg.invariant = True
     if params.seed is not None:
         msg.seed = params.seed
+    if params.constraint is not None:
+        msg.structured_output.CopyFrom(constraint_to_proto(params.constraint))
     for token, bias in params.logit_bias.items():
         msg.logit_bias[token] = bias
     return msg

@@ -81,6 +81,7 @@ def test_masks_along_a_block_equal_stepwise_masks_and_leave_the_state(grammars, 
     refused = [block[0], tokenizer.eos_token_id, block[1]]
     rows = matcher.masks_along(refused)
     assert torch.equal(rows[2], rows[1]) and torch.equal(rows[3], rows[1])
+    assert torch.equal(matcher.allowed(), before)  # and the matcher is still usable
 
 
 def test_rollback_returns_to_the_earlier_mask(grammars, tokenizer):
@@ -202,3 +203,28 @@ def test_the_wire_carries_each_constraint_kind_and_names_a_bad_one():
         with pytest.raises(InvalidArgumentError, match=r"sampling\.structured_output: ") as raised:
             wire.sampling_from_proto(msg)
         assert raised.value.field == "sampling.structured_output"
+
+
+def test_follow_catches_up_with_commits_and_steps_back_after_a_shorter_restart(grammars, tokenizer):
+    document = encode(tokenizer, json.dumps({"name": "Ada", "age": 36}))
+    matcher = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+    reference = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+    for end in (3, 3, 7, 5, len(document)):  # commits extend; a restart from fewer tokens steps back
+        matcher.follow(document[:end])
+        fresh = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+        fresh.advance(document[:end])
+        assert matcher.consumed == end and torch.equal(matcher.allowed(), fresh.allowed())
+    reference.advance(document[:4])
+    expected = reference.allowed()
+
+    def reference_at(n: int) -> torch.Tensor:
+        at = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+        at.advance(document[:n])
+        return at.allowed()
+
+    matcher.follow(document[:2])
+    assert torch.equal(matcher.allowed_after(document[2:4]), expected) and matcher.consumed == 2
+    for refused in ([tokenizer.eos_token_id], [document[2], tokenizer.eos_token_id]):
+        with pytest.raises(MatcherError):
+            matcher.allowed_after(refused)  # EOS is not admitted inside a document
+        assert matcher.consumed == 2 and torch.equal(matcher.allowed(), reference_at(2))

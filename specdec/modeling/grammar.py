@@ -17,6 +17,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -107,16 +108,41 @@ class Matcher:
         return self._inner.validate_tokens(list(tokens))
 
     def advance(self, tokens: list[int]) -> None:
-        """Consume committed ``tokens``; a token the constraint does not admit is a MatcherError."""
-        for token in tokens:
-            if not self._inner.consume_token(int(token)):
-                raise MatcherError(f"token {token} is not admitted here: {self._inner.get_error()}")
-            self.consumed += 1
+        """Consume committed ``tokens``; a token the constraint does not admit is a MatcherError,
+        with nothing consumed (llguidance's matcher never leaves an error state, so a token is
+        checked before it is offered)."""
+        tokens = [int(t) for t in tokens]
+        admitted = self._inner.validate_tokens(tokens)
+        if admitted < len(tokens):
+            raise MatcherError(f"token {tokens[admitted]} (index {admitted}) is not admitted here")
+        if tokens and not self._inner.consume_tokens(tokens):
+            raise MatcherError(f"the matcher refused tokens it had admitted: {self._inner.get_error()}")
+        self.consumed += len(tokens)
 
     def rollback(self, count: int) -> None:
         if count > self.consumed or not self._inner.rollback(count):
             raise MatcherError(f"cannot roll back {count} of {self.consumed} tokens")
         self.consumed -= count
+
+    def follow(self, generated: Sequence[int]) -> None:
+        """Bring the matcher to the end of ``generated`` (the session's committed generated tokens,
+        which a commit extends and nothing rewrites): consume what it has not seen; after a
+        rollback of committed state (a resumed session restarting shorter), step back. Called at
+        each use, so commits, rollbacks and resumes need no hook of their own."""
+        if self.consumed > len(generated):
+            self.rollback(self.consumed - len(generated))
+        self.advance(list(generated[self.consumed :]))
+
+    def allowed_after(self, tokens: Sequence[int]) -> torch.Tensor:
+        """[vocab_size] bool: the allowed set after ``tokens`` (a draft's own proposals so far),
+        the state restored afterwards; a token the constraint does not admit is a MatcherError."""
+        start = self.consumed
+        try:
+            self.advance(list(tokens))
+            return self.allowed()
+        finally:  # also after a refused token: what was consumed before it goes back
+            if self.consumed > start:
+                self.rollback(self.consumed - start)
 
     def forced(self) -> list[int]:
         """The tokens the constraint forces next (a run with exactly one admitted token each)."""
@@ -128,14 +154,13 @@ class Matcher:
         past a token the constraint does not admit repeat that position's mask (their rows are
         never reached by an exact verifier, which stops at the first rejection)."""
         masks = [self.allowed()]
-        taken = 0
-        for token in tokens:
-            if not self._inner.consume_token(int(token)):
-                break
-            taken += 1
+        admitted = self._inner.validate_tokens([int(t) for t in tokens])
+        for token in tokens[:admitted]:
+            self._inner.consume_token(int(token))
             masks.append(self.allowed())
-        if taken:
-            self._inner.rollback(taken)
+        if admitted:
+            self._inner.rollback(admitted)
+        self._check()
         while len(masks) < len(tokens) + 1:
             masks.append(masks[-1])
         return torch.stack(masks)

@@ -119,12 +119,18 @@ def main(args) -> int:
     apply_pass_arguments(args)
     import os
 
-    from specdec.modeling.loading import tokenizer_fingerprint, try_load_tokenizer
+    from specdec.engine.draft import DraftEngine
+    from specdec.modeling.grammar import Grammars
+    from specdec.modeling.loading import eos_token_ids, tokenizer_fingerprint, try_load_tokenizer
     from specdec.runtime.registry import Replica, new_replica_id
 
     def spec() -> ServiceSpec:
         engine = build_engine(args)
-        fingerprint = "" if args.model == "ngram" else tokenizer_fingerprint(try_load_tokenizer(args.model))
+        tokenizer = None if args.model == "ngram" else try_load_tokenizer(args.model)
+        fingerprint = "" if args.model == "ngram" else tokenizer_fingerprint(tokenizer)
+        if isinstance(engine, DraftEngine) and tokenizer is not None:  # structured output: masked proposals
+            eos = sorted(eos_token_ids(engine.store.model, tokenizer))
+            engine.store.grammars = Grammars(tokenizer, engine.vocab_size, eos)
         servicer = DraftServicer(engine, args.model, fingerprint)
         batch = batch_runner_for(engine, args)
         servicer.cost_points = profiled_costs(engine, batch, args)

@@ -145,6 +145,7 @@ def main(args) -> int:
         import torch
 
         from specdec.engine.target import TargetEngine
+        from specdec.modeling.grammar import Grammars
         from specdec.modeling.loading import (
             default_device,
             eos_token_ids,
@@ -177,7 +178,10 @@ def main(args) -> int:
             engine = TargetEngine(model, cache_limits(args, device))
         tokenizer = try_load_tokenizer(args.model)
         fingerprint = tokenizer_fingerprint(tokenizer)
-        servicer = TargetServicer(engine, args.model, eos_token_ids(model, tokenizer), fingerprint, tp)
+        eos = eos_token_ids(model, tokenizer)
+        if isinstance(engine, TargetEngine) and tokenizer is not None:  # structured output (not yet sharded)
+            engine.store.grammars = Grammars(tokenizer, engine.vocab_size, sorted(eos))
+        servicer = TargetServicer(engine, args.model, eos, fingerprint, tp)
         batch = batch_runner_for(engine, args)
         servicer.cost_points = profiled_costs(engine, batch, args)
         replica_id = args.replica_id or new_replica_id()

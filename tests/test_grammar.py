@@ -82,6 +82,15 @@ def test_masks_along_a_block_equal_stepwise_masks_and_leave_the_state(grammars, 
     rows = matcher.masks_along(refused)
     assert torch.equal(rows[2], rows[1]) and torch.equal(rows[3], rows[1])
     assert torch.equal(matcher.allowed(), before)  # and the matcher is still usable
+    # an admitted EOS ends the sequence: only EOS after it, and nothing of it is consumed
+    done = grammars.matcher(Constraint("regex", "ab"))
+    tokens = [*encode(tokenizer, "ab"), tokenizer.eos_token_id, tokenizer.eos_token_id]
+    rows = done.masks_along(tokens)
+    eos_only = rows[-1].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    assert eos_only and torch.equal(rows[-2], rows[-1]) and done.consumed == 0
+    assert done.allowed_after(tokens[:-1]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    done.follow(tokens)  # a committed EOS is not consumed either
+    assert done.consumed == len(tokens) - 2 and done.complete
 
 
 def test_rollback_returns_to_the_earlier_mask(grammars, tokenizer):

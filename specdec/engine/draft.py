@@ -63,8 +63,12 @@ class _Proposer(SessionEngine):
         computed alone (a feature draft's chain; a model draft's works go through DrawRows)."""
         return unwrap(DrawRows.run_many([self._draw_request(session, logits, counts, position)])[0])
 
-    def _draw_request(self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int) -> DrawRows:
-        return DrawRows(session, logits.reshape(1, -1), counts, position, self.top_m, self.eps)
+    def _draw_request(
+        self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int, proposed: Sequence[int] = ()
+    ) -> DrawRows:
+        """``proposed``: this block's proposals before this one (the constraint's state)."""
+        allowed = session.allowed_after(proposed)
+        return DrawRows(session, logits.reshape(1, -1), counts, position, self.top_m, self.eps, allowed)
 
     def _room(self, session: Session, k: int) -> int:
         return max(0, min(k, self.store.context_length - len(session.tokens) - 1))
@@ -101,7 +105,7 @@ class DraftEngine(_Proposer):
             for i in range(self._room(session, k)):
                 logits, _ = yield PassRequest(session, list(tokens), 1)
                 # drawn together with the other sessions' proposals of this pass (DrawRows.run_many)
-                y, q = yield self._draw_request(session, logits[0], counts, first + i)
+                y, q = yield self._draw_request(session, logits[0], counts, first + i, tokens)
                 counts[y] += 1.0
                 tokens.append(y)
                 if q is not None:
@@ -247,10 +251,12 @@ class DrawRows(RowsRequest):
     position: int
     top_m: int
     eps: float
+    allowed: torch.Tensor | None = None  # the constraint's mask of the row ([V] bool)
 
     @property
     def rows(self) -> RowsOf:
-        return RowsOf(self.logits, self.session.params, self.counts, self.session.prompt_seen)
+        allowed = None if self.allowed is None else self.allowed.reshape(1, -1)
+        return RowsOf(self.logits, self.session.params, self.counts, self.session.prompt_seen, allowed)
 
     @classmethod
     def run_many(cls, requests: list[DrawRows]) -> list[tuple[int, SparseDist | None] | BaseException]:

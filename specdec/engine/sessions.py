@@ -83,6 +83,9 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.RLock = field(default_factory=threading.RLock)
     ledger: CommitLedger = field(init=False)  # where the session stands in the commit protocol
+    # structured output: the constraint's matcher, following the committed generated tokens
+    # (specdec.modeling.grammar; None: unconstrained)
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         self.ledger = CommitLedger(self.session_id)
@@ -95,6 +98,22 @@ class Session:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    def allowed_along(self, extra: Sequence[int]) -> torch.Tensor | None:
+        """The constraint's masks ([len(extra) + 1, V] bool) at the committed end and after each
+        of ``extra`` (a verify block's proposals), or None when the session has no constraint."""
+        if self.matcher is None:
+            return None
+        self.matcher.follow(self.generated)
+        return self.matcher.masks_along(list(extra))
+
+    def allowed_after(self, extra: Sequence[int]) -> torch.Tensor | None:
+        """The constraint's mask ([V] bool) after the committed tokens and ``extra`` (a draft's
+        own proposals so far), or None when the session has no constraint."""
+        if self.matcher is None:
+            return None
+        self.matcher.follow(self.generated)
+        return self.matcher.allowed_after(list(extra))
 
 
 @dataclass
@@ -260,6 +279,9 @@ class SessionStore:
         self.pass_errors_fatal = kv_shards > 1
         self.sessions_started = 0
         self._make_cache = new_cache
+        # structured output: compiled constraints over this replica's tokenizer (the service sets
+        # it; None: sessions with a constraint are refused)
+        self.grammars: Any = None
         if self.runner is not None:  # what the pool's blocks hold, exactly
             self.bytes_per_token = self.runner.pool.block_bytes // self.runner.pool.block
         if self.runner is not None and self.limits.max_total_kv_bytes:
@@ -311,6 +333,7 @@ class SessionStore:
                 "prompt", f"{len(prompt)} tokens leave no room in the model context of {self.context_length}"
             )
         params.validate_for_vocab(self.vocab_size)
+        matcher = self._matcher(params)
         self._check_capacity()
         self._reserve(None, len(prompt))
         # a session started from prompt + generated tokens (resume, failover, a late draft) is
@@ -324,6 +347,7 @@ class SessionStore:
             cache=self._new_cache(),
             counts=token_counts(prompt[prompt_len:], self.vocab_size),
             prompt_seen=token_counts(prompt[:prompt_len], self.vocab_size) > 0,
+            matcher=matcher,
         )
         try:
             self._reserve(session, len(prompt))  # the prompt's KV is allocated (and accounted) from the start
@@ -337,6 +361,23 @@ class SessionStore:
             _free(session.cache)  # its blocks go back now, not when the collector finds them
             raise
         return session
+
+    def _matcher(self, params: SamplingParams) -> Any:
+        """A fresh matcher for the session's constraint (None without one)."""
+        if params.constraint is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgumentError("sampling.structured_output", f"{self.name} does not serve constraints")
+        # what the masks cannot be combined with yet: invariant draws (Gumbel-max over the whole
+        # vocabulary), and settings that forbid the EOS a complete constraint allows alone
+        for conflict, present in (
+            ("invariant sampling", params.invariant),
+            ("ignore_eos", params.ignore_eos),
+            ("min_tokens", params.min_tokens > 0),
+        ):
+            if present:
+                raise InvalidArgumentError("sampling.structured_output", f"cannot be combined with {conflict}")
+        return self.grammars.matcher(params.constraint)
 
     def release(self, session_id: str) -> bool:
         with self._table_lock:

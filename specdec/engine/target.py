@@ -105,10 +105,11 @@ class TargetEngine(SessionEngine):
             validate_block(proposals, q_block, self.vocab_size, invariant=session.params.invariant)
             logits, features = yield PassRequest(session, proposals, len(proposals) + 1, return_features)
             counts = block_token_counts(session.counts, proposals) if session.params.needs_counts else None
+            allowed = session.allowed_along(proposals)  # the constraint's k + 1 masks (None: none)
             # the verdict, computed with every other block of the pass (VerifyRows.run_many)
-            verdict = yield VerifyRows(session, logits, counts, proposals, q_block)
+            verdict = yield VerifyRows(session, logits, counts, proposals, q_block, allowed)
             if session.params.logprobs is not None:
-                lp_rows = reported_logprobs(logits, session.params, counts, session.prompt_seen)
+                lp_rows = reported_logprobs(logits, session.params, counts, session.prompt_seen, allowed)
                 candidates = block_candidates(proposals, verdict.recovered, verdict.bonus)
                 verdict = replace(verdict, logprobs=row_logprobs(lp_rows, candidates, session.params.logprobs))
             return replace(verdict, features=features) if features is not None else verdict
@@ -125,10 +126,11 @@ class VerifyRows(RowsRequest):
     counts: torch.Tensor | None
     proposals: list[int]
     q_block: Sequence[SparseDist]
+    allowed: torch.Tensor | None = None  # the constraint's masks of the k + 1 rows
 
     @property
     def rows(self) -> RowsOf:
-        return RowsOf(self.logits, self.session.params, self.counts, self.session.prompt_seen)
+        return RowsOf(self.logits, self.session.params, self.counts, self.session.prompt_seen, self.allowed)
 
     @classmethod
     def run_many(cls, requests: list[VerifyRows]) -> list[TargetVerdict | BaseException]:

@@ -88,10 +88,22 @@ class Matcher:
     """One sequence's place in its constraint: the allowed next tokens, advanced by committed
     tokens and rolled back with the caches."""
 
-    def __init__(self, inner, vocab_size: int):
+    def __init__(self, inner, vocab_size: int, eos_tokens: Sequence[int] = ()):
         self._inner = inner
         self.vocab_size = vocab_size
         self.consumed = 0  # tokens consumed since the constraint began
+        # EOS ends the sequence: it is never consumed (llguidance does not count it in what a
+        # rollback undoes), and after it only EOS is allowed
+        self.eos = frozenset(int(t) for t in eos_tokens)
+
+    def _until_eos(self, tokens: Sequence[int]) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        return next((tokens[:i] for i, t in enumerate(tokens) if t in self.eos), tokens)
+
+    def _eos_only(self) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[[t for t in self.eos if t < self.vocab_size]] = True
+        return mask
 
     def _check(self) -> None:
         if self._inner.is_error():
@@ -129,17 +141,24 @@ class Matcher:
         which a commit extends and nothing rewrites): consume what it has not seen; after a
         rollback of committed state (a resumed session restarting shorter), step back. Called at
         each use, so commits, rollbacks and resumes need no hook of their own."""
+        generated = self._until_eos(generated)
         if self.consumed > len(generated):
             self.rollback(self.consumed - len(generated))
-        self.advance(list(generated[self.consumed :]))
+        self.advance(generated[self.consumed :])
 
     def allowed_after(self, tokens: Sequence[int]) -> torch.Tensor:
         """[vocab_size] bool: the allowed set after ``tokens`` (a draft's own proposals so far),
         the state restored afterwards; a token the constraint does not admit is a MatcherError."""
+        before_eos = self._until_eos(tokens)
         start = self.consumed
         try:
-            self.advance(list(tokens))
-            return self.allowed()
+            self.advance(before_eos)
+            allowed = self.allowed()
+            if len(before_eos) == len(tokens):
+                return allowed
+            if not allowed[int(tokens[len(before_eos)])]:
+                raise MatcherError(f"EOS (index {len(before_eos)}) is not admitted here")
+            return self._eos_only()
         finally:  # also after a refused token: what was consumed before it goes back
             if self.consumed > start:
                 self.rollback(self.consumed - start)
@@ -148,19 +167,22 @@ class Matcher:
         """The tokens the constraint forces next (a run with exactly one admitted token each)."""
         return list(self._inner.compute_ff_tokens())
 
-    def masks_along(self, tokens: list[int]) -> torch.Tensor:
+    def masks_along(self, tokens: Sequence[int]) -> torch.Tensor:
         """[len(tokens) + 1, vocab_size]: the allowed set before each of ``tokens`` and after the
         last -- a verify block's k + 1 positions -- with the state restored afterwards. Positions
         past a token the constraint does not admit repeat that position's mask (their rows are
         never reached by an exact verifier, which stops at the first rejection)."""
         masks = [self.allowed()]
-        admitted = self._inner.validate_tokens([int(t) for t in tokens])
-        for token in tokens[:admitted]:
-            self._inner.consume_token(int(token))
+        before_eos = self._until_eos(tokens)
+        admitted = self._inner.validate_tokens(before_eos)
+        for token in before_eos[:admitted]:
+            self._inner.consume_token(token)
             masks.append(self.allowed())
         if admitted:
             self._inner.rollback(admitted)
         self._check()
+        if admitted == len(before_eos) < len(tokens) and bool(masks[-1][int(tokens[admitted])]):
+            masks.append(self._eos_only())  # an admitted EOS: only EOS after it
         while len(masks) < len(tokens) + 1:
             masks.append(masks[-1])
         return torch.stack(masks)
@@ -173,15 +195,17 @@ class Matcher:
 
 class Grammars:
     """Compiled constraints for one tokenizer: each spec compiled once (bounded LRU of template
-    matchers), each session a cheap copy. Thread-safe: replicas compile off their event loop."""
+    matchers), each session a cheap copy. Thread-safe: replicas compile off their event loop.
+    The tokenizer's llguidance form is built on the first constraint (a third of a second for a
+    49k vocabulary): a replica no request constrains never pays it, and a tokenizer llguidance
+    cannot read fails those requests, not the replica's start."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_tokens: list[int], max_entries: int = DEFAULT_CACHE_ENTRIES):
         import llguidance
 
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.LLTokenizer(
-            tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_tokens)
-        )
+        self._source, self._eos = tokenizer, sorted(eos_tokens)
+        self._tokenizer: llguidance.LLTokenizer | None = None
         self._templates: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.max_entries = max_entries
@@ -201,7 +225,7 @@ class Grammars:
         if template is None:
             started = time.perf_counter()
             text = grammar_text(constraint)
-            template = llguidance.LLMatcher(self._tokenizer, text, log_level=0)
+            template = llguidance.LLMatcher(self._llg_tokenizer(), text, log_level=0)
             if template.is_error():
                 raise GrammarError("constraint", f"{constraint.kind}: {template.get_error()}")
             with self._lock:
@@ -210,7 +234,25 @@ class Grammars:
                 self._templates[constraint] = template
                 while len(self._templates) > self.max_entries:
                     self._templates.popitem(last=False)
-        return Matcher(template.deep_copy(), self.vocab_size)
+        return Matcher(template.deep_copy(), self.vocab_size, self._eos)
+
+    def _llg_tokenizer(self):
+        import llguidance
+
+        with self._lock:
+            if self._tokenizer is None:
+                backend = getattr(self._source, "backend_tokenizer", None)
+                if backend is None:
+                    raise GrammarError("constraint", "this replica's tokenizer is not a fast (Rust) tokenizer")
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(
+                        backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos
+                    )
+                except (ValueError, RuntimeError) as error:  # what llguidance raises for a tokenizer it cannot read
+                    raise GrammarError(
+                        "constraint", f"this replica's tokenizer cannot serve constraints: {error}"
+                    ) from None
+            return self._tokenizer
 
     def stats(self) -> dict[str, float]:
         with self._lock:

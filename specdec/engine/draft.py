@@ -104,8 +104,13 @@ class DraftEngine(_Proposer):
             first = len(session.tokens)
             for i in range(self._room(session, k)):
                 logits, _ = yield PassRequest(session, list(tokens), 1)
+                draw = self._draw_request(session, logits[0], counts, first + i, tokens)
+                if draw.allowed is not None and not bool((draw.allowed & torch.isfinite(logits[0])).any()):
+                    # a reduced head with no token the constraint admits here (modeling.heads): the
+                    # block ends, and the target's residual supplies the token
+                    break
                 # drawn together with the other sessions' proposals of this pass (DrawRows.run_many)
-                y, q = yield self._draw_request(session, logits[0], counts, first + i, tokens)
+                y, q = yield draw
                 counts[y] += 1.0
                 tokens.append(y)
                 if q is not None:

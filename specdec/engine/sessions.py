@@ -29,7 +29,7 @@ from specdec.errors import (
     SessionExistsError,
     SessionNotFoundError,
 )
-from specdec.exact.sampling import SamplingParams, token_counts, transformed_rows
+from specdec.exact.sampling import SamplingParams, constraint_conflict, token_counts, transformed_rows
 from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import context_length, kv_bytes_per_token
 from specdec.modeling.lean_llama import LeanLlama, Pass, lean_runner
@@ -368,15 +368,9 @@ class SessionStore:
             return None
         if self.grammars is None:
             raise InvalidArgumentError("sampling.structured_output", f"{self.name} does not serve constraints")
-        # what the masks cannot be combined with yet: invariant draws (Gumbel-max over the whole
-        # vocabulary), and settings that forbid the EOS a complete constraint allows alone
-        for conflict, present in (
-            ("invariant sampling", params.invariant),
-            ("ignore_eos", params.ignore_eos),
-            ("min_tokens", params.min_tokens > 0),
-        ):
-            if present:
-                raise InvalidArgumentError("sampling.structured_output", f"cannot be combined with {conflict}")
+        conflict = constraint_conflict(params)
+        if conflict:
+            raise InvalidArgumentError("sampling.structured_output", f"cannot be combined with {conflict}")
         return self.grammars.matcher(params.constraint)
 
     def release(self, session_id: str) -> bool:

@@ -311,6 +311,21 @@ class RowParams:
         )
 
 
+def constraint_conflict(params: SamplingParams, invariant: bool | None = None) -> str | None:
+    """What a constrained request sets that a constraint cannot be combined with yet (None:
+    nothing): invariant draws (Gumbel-max over the whole vocabulary, no mask), and settings that
+    forbid the EOS a complete constraint allows alone. ``invariant``: the request's own ask when
+    it is not resolved into ``params`` yet."""
+    for conflict, present in (
+        ("invariant sampling", params.invariant if invariant is None else invariant),
+        ("ignore_eos", params.ignore_eos),
+        ("min_tokens", params.min_tokens > 0),
+    ):
+        if present:
+            return conflict
+    return None
+
+
 def logprobs_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """Steps 4-7 of the pipeline for rows [R, V] (after bias and penalties), each row with its
     own parameters: temperature, then top_k, top_p, min_p, renormalised after each truncation --

@@ -28,7 +28,7 @@ from specdec.errors import (
 )
 from specdec.exact.proposal import MAX_BLOCK
 from specdec.exact.rng import new_seed
-from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams
+from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams, constraint_conflict
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
 from specdec.loop.policy import StepCost
 from specdec.loop.reproducible import SEEDED_SAMPLING, resolve_reproducibility
@@ -53,6 +53,17 @@ LEASE_CHECK_POLLS = 20  # ... and how many waits between looks at the lease
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id: a Redis key and a log field, so bounded
 MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the context)
 MAX_CACHE_SALT_CHARS = 256  # a client's cache_salt (the front may prefix its tenant's)
+
+
+def constrained_reproducibility(params: SamplingParams, asked_invariant: bool | None) -> bool:
+    """A constrained request's sampling mode: rejection sampling under the masks (invariant draws
+    run over the whole vocabulary and do not take a mask yet), so a seed fixes its tokens through
+    a replayable schedule; what a constraint cannot be combined with is refused here, before any
+    replica is asked (docs/structured-output.md)."""
+    conflict = constraint_conflict(params, bool(asked_invariant))
+    if conflict:
+        raise InvalidArgumentError("sampling.structured_output", f"cannot be combined with {conflict}")
+    return False
 
 
 @dataclass(frozen=True)
@@ -213,6 +224,7 @@ class CoordinatorCore:
         self.readers = 0  # resumed streams reading the session log
         self.live_ids: set[str] = set()  # without a session log: the client-given ids in flight
         self.ngram: NgramDraft | None = None
+        self.grammars: Any = None  # structured output: constraints compiled over the tokenizer
 
     async def setup(self) -> None:
         """Find a target (registry or static), learn its model, load the tokenizer."""
@@ -273,6 +285,8 @@ class CoordinatorCore:
         """A text prompt's or a conversation's token ids, tokenized off the event loop (a long
         text would stall every other request), after refusing text that cannot fit the context
         whatever it tokenizes to; None for a request of token ids."""
+        if request.sampling.HasField("structured_output"):
+            await self.check_constraint(request.sampling.structured_output)
         if not (request.prompt or request.messages) or request.prompt_token_ids:
             return None
         chars = self._text_chars(request)
@@ -284,6 +298,22 @@ class CoordinatorCore:
                 f"(no token is longer than {self.max_token_chars} characters)",
             )
         return await asyncio.to_thread(self._encode_text, request)
+
+    async def check_constraint(self, msg: coordinator_pb2.StructuredOutput) -> None:
+        """Compile a request's constraint here, off the event loop, before any replica is asked:
+        a schema or grammar that does not compile is the client's 400 naming the problem, and
+        the replicas' compile caches then hold only constraints that compile."""
+        try:
+            constraint = wire.constraint_from_proto(msg)
+            if self.tokenizer is None:
+                raise InvalidArgumentError("structured_output", "this server has no tokenizer to compile it with")
+            if self.grammars is None:
+                from specdec.modeling.grammar import Grammars
+
+                self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            await asyncio.to_thread(self.grammars.matcher, constraint)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError("sampling.structured_output", str(exc).split(": ", 1)[-1]) from None
 
     def _encode_text(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
         if request.messages:
@@ -328,15 +358,14 @@ class CoordinatorCore:
                 f"{request.sampling.max_new_tokens} exceeds this server's limit of {cfg.max_new_tokens_limit}",
             )
         params = wire.sampling_from_proto(request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT))
-        if params.constraint is not None:  # parsed and validated, but the replicas do not mask yet
-            raise InvalidArgumentError(
-                "sampling.structured_output", "not served yet: the replicas do not apply constraints (issue 45)"
-            )
+        asked_invariant = request.sampling.invariant if request.sampling.HasField("invariant") else None
+        if params.constraint is not None:
+            asked_invariant = constrained_reproducibility(params, asked_invariant)
         spec = request.speculation
         invariant, replayable = resolve_reproducibility(
             seeded=request.sampling.HasField("seed"),
             sampled=params.temperature > 0,
-            invariant=request.sampling.invariant if request.sampling.HasField("invariant") else None,
+            invariant=asked_invariant,
             replayable=spec.replayable if spec.HasField("replayable") else None,
             seeded_sampling=cfg.seeded_sampling,
             invariant_default=cfg.invariant_sampling,

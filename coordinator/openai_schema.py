@@ -9,6 +9,7 @@ a client that asks for something gets it or is told it cannot.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
@@ -50,6 +51,31 @@ class StreamOptions(_Strict):
     continuous_usage_stats: StrictBool = False  # vLLM's: the usage so far on every chunk
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema`` (``strict`` is accepted: the schema is always
+    enforced)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+
+
 class _Common(_Strict):
     """The sampling fields both endpoints take (OpenAI's, then vLLM's extras)."""
 
@@ -74,6 +100,8 @@ class _Common(_Strict):
     cache_salt: Annotated[str, Field(max_length=256)] | None = None  # vLLM's: the prefix cache's scope
     user: str | None = None  # accepted and ignored, as by vLLM
     speculation: SpeculationOptions | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's structured output
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
 
     @field_validator("logit_bias")
     @classmethod
@@ -167,7 +195,49 @@ def _sampling(req: _Common, max_tokens: int | None) -> coordinator_pb2.SamplingP
     s.min_tokens = req.min_tokens
     if req.invariant is not None:
         s.invariant = req.invariant
+    structured = _structured_output(req)
+    if structured is not None:
+        s.structured_output.CopyFrom(structured)
     return s
+
+
+def _structured_output(req: _Common) -> coordinator_pb2.StructuredOutput | None:
+    """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM) as the gRPC constraint; the
+    constraint itself is compiled and checked by the request path (a 400 naming the problem)."""
+    fmt, vllm = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and vllm is not None:
+        raise InvalidArgumentError("structured_outputs", "set response_format or structured_outputs, not both")
+    out = coordinator_pb2.StructuredOutput()
+    if fmt is not None and fmt.type == "json_object":
+        out.json_object = True
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidArgumentError("response_format.json_schema", "required when type is json_schema")
+        out.json_schema = json.dumps(fmt.json_schema.schema_)
+    elif vllm is not None:
+        given = [
+            name
+            for name in ("json_", "json_object", "regex", "choice", "grammar")
+            if getattr(vllm, name) not in (None, False)
+        ]
+        if len(given) != 1:
+            names = ", ".join(name.rstrip("_") for name in given) or "none"
+            raise InvalidArgumentError(
+                "structured_outputs", f"set exactly one of json, json_object, regex, choice, grammar; got {names}"
+            )
+        if vllm.json_ is not None:
+            out.json_schema = vllm.json_ if isinstance(vllm.json_, str) else json.dumps(vllm.json_)
+        elif vllm.json_object:
+            out.json_object = True
+        elif vllm.choice is not None:
+            out.choice.choices.extend(vllm.choice)
+        elif vllm.regex is not None:
+            out.regex = vllm.regex
+        elif vllm.grammar is not None:
+            out.grammar = vllm.grammar
+    else:
+        return None
+    return out
 
 
 def _speculation(req: _Common, out: coordinator_pb2.GenerateRequest) -> None:

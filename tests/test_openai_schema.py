@@ -77,6 +77,15 @@ def test_chat_messages_and_speculation_extension():
         ({"prompt": "hi", "logit_bias": {"x": 1.0}}, "logit_bias"),
         ({"prompt": ["x"] * 17}, "prompt"),
         ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"prompt": "hi", "structured_outputs": {}}, "structured_outputs"),
+        ({"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"prompt": "hi", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        (
+            {"prompt": "hi", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+        ),
     ],
 )
 def test_unknown_unsupported_or_bad_fields_name_themselves(body, field):
@@ -94,3 +103,35 @@ def test_failures_map_to_http_statuses_with_the_field_as_http_spells_it():
     assert error_of(SessionNotFoundError("gone")).status == 404
     crash = error_of(RuntimeError("boom"))
     assert crash.status == 500 and "error id" in crash.message and "boom" not in crash.message  # logged, not sent
+
+
+def test_structured_output_reaches_the_grpc_constraint():
+    import json
+
+    schema_ = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema_, "strict": True},
+                }
+            },
+            "json_schema",
+            schema_,
+        ),
+        ({"structured_outputs": {"json": schema_}}, "json_schema", schema_),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+        ({"structured_outputs": {"grammar": 'start: "a"'}}, "grammar", 'start: "a"'),
+    ]
+    for body, kind, value in cases:
+        (req,) = completion(**body)
+        out = req.sampling.structured_output
+        assert out.WhichOneof("constraint") == kind
+        got = getattr(out, kind)
+        got = json.loads(got) if kind == "json_schema" else list(got.choices) if kind == "choice" else got
+        assert got == value
+    (plain,) = completion(response_format={"type": "text"})
+    assert not plain.sampling.HasField("structured_output")

@@ -3,7 +3,8 @@ separate services, the coordinator on Ray, gRPC requests with `sampling.structur
 Greedy constrained output with speculation equals target-only's, token for token, and is what
 the constraint admits (a schema-valid JSON document, a regex match, one of the choices); a seed
 fixes a sampled constrained request's tokens; a constraint that does not compile is
-INVALID_ARGUMENT naming it."""
+INVALID_ARGUMENT naming it; the real `openai` client gets the same document through
+`response_format` (and vLLM's `structured_outputs`), and a 400 for a bad schema."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ PROMPT = "Describe a cat called Tom as JSON with its name, age and colour."
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with local_stack(log_dir=tmp_path_factory.mktemp("structured"), http_port=0) as running:
+    with local_stack(log_dir=tmp_path_factory.mktemp("structured")) as running:
         yield running
 
 
@@ -92,3 +93,37 @@ def test_a_constraint_that_cannot_be_served_is_invalid_argument(stack, structure
         generate(stack, structured, 4, temperature=0.0, max_new_tokens=8, ignore_eos=ignore_eos)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("sampling.structured_output: ") and message in info.value.details()
+
+
+def test_the_openai_client_gets_the_same_schema_valid_json(stack):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+    grpc_text = generate(stack, CASES["json_schema"], 4, temperature=0.0, max_new_tokens=64).text
+    response_format = {"type": "json_schema", "json_schema": {"name": "cat", "schema": SCHEMA, "strict": True}}
+    chat = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": PROMPT}],
+        temperature=0,
+        max_tokens=64,
+        response_format=response_format,  # type: ignore[arg-type]
+    )
+    content = chat.choices[0].message.content
+    assert content == grpc_text and chat.choices[0].finish_reason == "stop"
+    assert set(json.loads(content)) == {"name", "age", "colour"}
+    vllm_style = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": PROMPT}],
+        temperature=0,
+        max_tokens=64,
+        extra_body={"structured_outputs": {"choice": ["a cat", "a dog"]}},
+    )
+    assert vllm_style.choices[0].message.content in ("a cat", "a dog")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=8,
+            extra_body={"structured_outputs": {"regex": "(unclosed"}},
+        )
+    assert "structured_output" in str(info.value)

@@ -181,6 +181,9 @@ def tp_rank(rank: int, world: int, port: int, device: str, dtype_name: str, leve
             )
             for sessions, seconds in times.items():
                 print(f"gpu-check: TP={world} pass of {sessions:>3} decode rows {seconds * 1e3:8.2f} ms", flush=True)
+        # the ranks leave together: a rank that tore its group down while rank 0 was still
+        # comparing with the whole model was seen to abort in gloo's teardown on a busy machine
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

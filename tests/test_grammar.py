@@ -120,6 +120,8 @@ def test_forced_runs(grammars, tokenizer):
     for token in encode(tokenizer, "pos"):
         choice.advance([token])
     assert tokenizer.decode(choice.forced()) == "itive"
+    choice.advance(choice.forced())
+    assert choice.complete and choice.forced() == [tokenizer.eos_token_id]  # EOS, the only token left
 
 
 def test_json_object_and_grammars(grammars, tokenizer):

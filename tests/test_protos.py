@@ -41,7 +41,13 @@ def test_public_api_names_are_pinned():
         "ignore_eos",
         "stop_token_ids",
     }
-    assert fields("SpeculationParams") == {"num_speculative_tokens", "method", "adaptive", "replayable"}
+    assert fields("SpeculationParams") == {
+        "num_speculative_tokens",
+        "method",
+        "adaptive",
+        "replayable",
+        "forced_tokens",
+    }
     assert "cache_salt" in fields("GenerateRequest") and "invariant" in fields("SamplingParams")
     assert fields("GenerateResponse") >= {"request_id", "token_ids", "text", "finish_reason", "seed", "stats"}
     assert "prompt_tokens" in fields("GenerateResponse") and "prompt_tokens" in fields("GenerateChunk")
@@ -56,5 +62,6 @@ def test_public_api_names_are_pinned():
         "draft_seconds",
         "verify_seconds",
         "total_seconds",
+        "forced_tokens",
     } <= fields("SpeculationStats")
     assert len(proto_files()) == 4

@@ -39,9 +39,13 @@ def stack(tmp_path_factory):
         yield running
 
 
-def generate(stack, structured: pb.StructuredOutput, k: int | None, **sampling) -> pb.GenerateResponse:
+def generate(
+    stack, structured: pb.StructuredOutput, k: int | None, forced: bool | None = None, **sampling
+) -> pb.GenerateResponse:
     req = request(None, prompt=PROMPT, k=k, method="none" if k == 0 else "", adaptive=False, **sampling)
     req.apply_chat_template = True
+    if forced is not None:
+        req.speculation.forced_tokens = forced
     req.sampling.structured_output.CopyFrom(structured)
     return stub(stack.coordinator_address).Generate(req, timeout=600)
 
@@ -57,7 +61,11 @@ CASES = {
 def test_greedy_constrained_output_with_speculation_is_target_onlys_and_admitted(stack, kind):
     speculative = generate(stack, CASES[kind], 4, temperature=0.0, max_new_tokens=64)
     alone = generate(stack, CASES[kind], 0, temperature=0.0, max_new_tokens=64)
-    assert list(speculative.token_ids) == list(alone.token_ids)
+    unforced = generate(stack, CASES[kind], 4, forced=False, temperature=0.0, max_new_tokens=64)
+    assert list(speculative.token_ids) == list(alone.token_ids) == list(unforced.token_ids)
+    assert unforced.stats.forced_tokens == 0 and alone.stats.forced_tokens == 0
+    if kind != "choice":  # the fixed text (keys, punctuation, "Tom is ", the EOS) is forced
+        assert speculative.stats.forced_tokens >= 3, speculative.stats
     assert speculative.finish_reason == "eos", speculative.text  # the constraint completed: EOS
     text = speculative.text
     if kind == "json_schema":
@@ -69,7 +77,7 @@ def test_greedy_constrained_output_with_speculation_is_target_onlys_and_admitted
     else:
         assert text in ("a cat", "a dog", "a bird")
     assert speculative.stats.draft_fallbacks == 0  # the draft served every step (none dropped)
-    assert speculative.stats.accepted_tokens > 0  # and its masked proposals were accepted
+    assert unforced.stats.accepted_tokens > 0  # and its masked proposals were accepted
 
 
 def test_a_seed_fixes_a_sampled_constrained_request(stack):

@@ -33,6 +33,9 @@ BASE_SEED = 20231130
 VOCAB = 16
 TARGET_SEED, DRAFT_SEED = 11, 23
 DEFAULT_RUNS = 1000
+# The constrained case's vocabulary, as text: a byte-level BPE over the 16 ids that the grammar
+# engine can read (specdec.modeling.tiny.char_tokenizer); id 0 is its EOS.
+CHAR_TOKENS = ("<eos>", "a", "b", "c", "d", "x", "y", "z", "-", ".", "ab", "ba", "cd", "dc", "xy", "yz")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class Case:
     # The load-aware policy (specdec.loop.goodput), fed a pseudo-random batch load every step so
     # that k in 0..k follows something outside the request, as it does under real load.
     load_aware: bool = False
+    # Structured output: (kind, spec) of a constraint over CHAR_TOKENS; p and q are masked, and
+    # the loop proposes what the constraint forces itself (docs/structured-output.md).
+    constraint: tuple[str, str] | None = None
 
 
 CASES: tuple[Case, ...] = (
@@ -154,6 +160,15 @@ CASES: tuple[Case, ...] = (
         tokens=4,
         load_aware=True,
     ),
+    Case(
+        "constrained_forced_runs",
+        "structured output: a regex masks p and q; where it admits one token (after 'ab': '-', 'z') "
+        "the loop proposes the run itself with a one-hot q, elsewhere the draft's k=3 blocks cross "
+        "forced positions; temperature 2.5 spreads the tiny law; T=5",
+        {"temperature": 2.5},
+        tokens=5,
+        constraint=("regex", r"[ab]{1,2}-z[cd]{1,2}-z[xy]+\."),
+    ),
 )
 SUBSET_HEAD = (0, 1, 2, 3, 5, 8, 9, 11, 12, 14)
 
@@ -213,20 +228,41 @@ def build_draft(kind: str, target, top_m: int):
     return DraftEngine(model, top_m=top_m, eps=0.0)
 
 
+def case_grammars(case: Case):
+    """The compiled constraints over CHAR_TOKENS for a constrained case (None otherwise)."""
+    if case.constraint is None:
+        return None
+    from specdec.modeling.grammar import Grammars
+    from specdec.modeling.tiny import char_tokenizer
+
+    return Grammars(char_tokenizer(list(CHAR_TOKENS)), VOCAB, [0])
+
+
 @torch.inference_mode()
-def exact_law(model, prompt: tuple[int, ...], params: SamplingParams, length: int) -> dict[tuple[int, ...], float]:
+def exact_law(
+    model, prompt: tuple[int, ...], params: SamplingParams, length: int, grammars=None
+) -> dict[tuple[int, ...], float]:
     """P(first ``length`` tokens = x) under the target alone, enumerated in float64 over the
-    support of each step (so a large vocabulary is fine when top-k / top-p keep the support small)."""
+    support of each step (so a large vocabulary is fine when top-k / top-p keep the support small).
+    With ``params.constraint``, each step is masked by the constraint after its prefix (compiled
+    by ``grammars``), and an EOS ends its sequence there."""
     vocab = model.config.vocab_size
+    ends = set() if params.ignore_eos else set(params.eos_token_ids)
     law: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):
-        prefixes = [x for x, w in law.items() if w > 0]
+        done = {x: w for x, w in law.items() if x and x[-1] in ends}
+        prefixes = [x for x, w in law.items() if w > 0 and x not in done]
+        if not prefixes:
+            break
         batch = torch.tensor([list(prompt) + list(x) for x in prefixes], dtype=torch.long)
         logits = model(input_ids=batch).logits[:, -1, :].to(torch.float64)
         counts = torch.stack([token_counts(list(x), vocab) for x in prefixes])  # the generated tokens
         prompt_seen = token_counts(list(prompt), vocab) > 0
-        probs = probs_from_logits(logits, params, counts, dtype=torch.float64, prompt_seen=prompt_seen)
-        law = {
+        allowed = None
+        if params.constraint is not None:
+            allowed = torch.stack([grammars.matcher(params.constraint).allowed_after(x) for x in prefixes])
+        probs = probs_from_logits(logits, params, counts, dtype=torch.float64, prompt_seen=prompt_seen, allowed=allowed)
+        law = done | {
             (*x, int(v)): law[x] * float(probs[row, v])
             for row, x in enumerate(prefixes)
             for v in torch.nonzero(probs[row] > 0).flatten().tolist()
@@ -275,6 +311,11 @@ def judge(
 
 
 def case_params(case: Case) -> SamplingParams:
+    if case.constraint is not None:  # a complete constraint admits EOS alone: EOS is not ignored
+        from specdec.exact.constraint import Constraint
+
+        constraint = Constraint(*case.constraint)
+        return SamplingParams(max_new_tokens=case.tokens, eos_token_ids=(0,), constraint=constraint, **case.params)
     return SamplingParams(max_new_tokens=case.tokens, ignore_eos=True, **case.params)
 
 
@@ -298,7 +339,11 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     started = time.perf_counter()
     target = TargetEngine(target_model)
     base = case_params(case)
-    law = exact_law(target_model, case.prompt, base, case.tokens)
+    grammars = case_grammars(case)
+    for engine in (target, draft):
+        if grammars is not None:
+            engine.store.grammars = grammars
+    law = exact_law(target_model, case.prompt, base, case.tokens, grammars)
     n = case_runs(case, runs)
     observed: Counter = Counter()
     proposed = accepted = target_only = 0
@@ -307,8 +352,11 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
         policy = {"adaptive": True, "step_cost": StepCost(*case.adaptive_cost)}
     chosen_ks: set[int] = set()
     diverged = 0  # invariant runs whose tokens are not the target-only run's
+    forced = 0  # tokens the constraint forced, proposed by the loop
     for i in range(n):
         params = base.with_seed(BASE_SEED + i)
+        if grammars is not None:
+            policy = {"eos_token_ids": base.eos_token_ids, "constraint": grammars.matcher(base.constraint)}
         if case.load_aware:
             result = _load_aware_run(target, draft, case, params, random.Random(i), chosen_ks)
         else:
@@ -320,6 +368,7 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
         proposed += result.stats.proposed_tokens
         accepted += result.stats.accepted_tokens
         target_only += result.stats.target_passes - result.stats.drafts
+        forced += result.stats.forced_tokens
     verdict = judge(case, observed, law, n, proposed, accepted, time.perf_counter() - started)
     if diverged and verdict.passed:
         verdict.passed, verdict.detail = False, f"{diverged} of {n} invariant runs differ from target-only"
@@ -327,6 +376,8 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
         verdict.passed, verdict.detail = False, "the adaptive policy never chose k = 0: its path was not exercised"
     if case.load_aware and verdict.passed and len(chosen_ks) < 3:
         verdict.passed, verdict.detail = False, f"the load-aware policy chose only k in {sorted(chosen_ks)}"
+    if grammars is not None and verdict.passed and not forced:
+        verdict.passed, verdict.detail = False, "no forced run was proposed: that path was not exercised"
     if len(draft.store if hasattr(draft, "store") else []) or len(target.store):
         verdict.passed, verdict.detail = False, "sessions left behind in an engine after the runs"
     return verdict

@@ -710,6 +710,7 @@ class SessionStore:
             "batch_invariant": self.batch_invariant,
             **(self.runner.pool.stats() if self.runner is not None else {}),
             **(self.prefixes.stats() if self.prefixes is not None else {}),
+            **(self.grammars.stats() if self.grammars is not None else {}),
         }
 
 

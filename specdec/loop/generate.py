@@ -41,6 +41,37 @@ from specdec.telemetry.tracing import tracer
 log = logging.getLogger("specdec.loop.generate")
 
 EMPTY = DraftProposal([], [])
+# The most tokens of a forced run committed at once: each is a row of the next target pass.
+FORCED_RUN_MAX = 16
+
+
+class ConstraintFollower(Protocol):
+    """The request's constraint, following its committed tokens (specdec.modeling.grammar.Matcher)."""
+
+    def follow(self, generated: Sequence[int]) -> None: ...
+    def forced(self) -> list[int]: ...
+    def admits(self, tokens: list[int]) -> int: ...
+
+
+def forced_run(forced: Sequence[int], room: int) -> list[int]:
+    """Of the tokens a constraint forces next, those committed at once (within ``room`` and
+    FORCED_RUN_MAX). Each is the only token the constraint admits at its position, so the
+    target's constrained law there is a point mass on it: verifying it (as a proposal with a
+    one-hot q) would accept it with probability one, and drawing it needs no randomness. The loop
+    commits the run without a draft call or a target pass; the next pass computes its KV among
+    its rows, and every other position keeps its keyed draws."""
+    return [int(t) for t in forced[: max(0, min(room, FORCED_RUN_MAX))]]
+
+
+def cut_where_forbidden(proposal: DraftProposal, admitted: int) -> DraftProposal:
+    """``proposal`` up to its first token the constraint forbids (``admitted`` of its tokens
+    pass), where that token's q is one-hot: such a token is a function of the block before it
+    (an n-gram lookup), so ending the block there is a stop the draft could have made itself and
+    the law stays exact. A sampled token is left in: cutting on a draw would bias the step (the
+    verifier rejects it, exactly)."""
+    if admitted >= len(proposal) or not proposal.q or len(proposal.q[admitted]) != 1:
+        return proposal
+    return DraftProposal(proposal.tokens[:admitted], proposal.q[:admitted])
 
 
 # -- peers -----------------------------------------------------------------------------------
@@ -154,6 +185,8 @@ class SpeculativeRun:
         adaptive: bool = False,
         step_cost: StepCost = StepCost(),
         load_aware: bool = False,
+        constraint: ConstraintFollower | None = None,
+        forced_runs: bool = True,
     ):
         """``committed``: tokens this request already committed in an earlier run (a resumed or
         taken-over request continues from them, with the same seed, hence the same tokens);
@@ -163,7 +196,10 @@ class SpeculativeRun:
         ``load_aware`` (with ``adaptive``): instead, each step's k in 0 .. num_speculative_tokens
         maximises the batch's expected goodput from the load the replicas report
         (specdec.loop.goodput), where the target reports its pass cost; seeded sampled output
-        then depends on the load."""
+        then depends on the load. ``constraint``: a matcher of the request's structured-output
+        constraint, which the loop follows to end an n-gram block at a token it forbids, and with
+        ``forced_runs`` to commit the runs it forces without a draft call or a target pass
+        (:func:`forced_run`); None: neither."""
         if num_speculative_tokens < 0:
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
         if committed_steps is None:
@@ -183,13 +219,20 @@ class SpeculativeRun:
         self.target = target
         self.draft = draft if num_speculative_tokens > 0 else None
         self.policy: Any = make_policy(num_speculative_tokens, adaptive, step_cost)
-        self.policy.replay(committed_steps)
-        self.committed_steps = list(committed_steps)
+        # A forced run is committed without a target pass: it has no logprob rows and no target
+        # features for a feature draft, so those requests verify every token.
+        wants_features = draft is not None and bool(getattr(draft, "wants_features", False))
+        self.constraint = constraint
+        self.forced_runs = forced_runs and params.logprobs is None and not wants_features
+        self.prompt = [int(t) for t in prompt]
+        self.context_length = target.context_length
+        # the policy chose k at the steps the constraint forced nothing; only those replay
+        self.committed_steps = self._policy_steps([int(t) for t in committed], list(committed_steps))
+        self.policy.replay(self.committed_steps)
         self.adaptive = adaptive and num_speculative_tokens > 0
         self.load_aware = load_aware and self.adaptive
         self.k_max = num_speculative_tokens
         self.draft_load: PassLoad | None = None  # the latest draft pass this request was in
-        self.prompt = [int(t) for t in prompt]
         self.session_id = session_id or uuid.uuid4().hex
         self.stopper = StopChecker(self.params, eos_token_ids, tokenizer)
         self.stopper.resume(committed)
@@ -318,6 +361,14 @@ class SpeculativeRun:
                 if room < 0:
                     self.stopper.finish(FINISH_LENGTH)
                     break
+                forced = self._forced_run(self.stopper.generated, room)
+                if forced:  # committed as they are: no draft, no pass, not a step of the policy
+                    self.step += 1  # (a number of its own: the next step's commit carries the run)
+                    emitted = self.stopper.feed(forced)
+                    self.sequence.extend(emitted)
+                    self.stats.forced_tokens += len(emitted)
+                    yield emitted
+                    continue
                 self.step += 1
                 # The span ends before the yield: a span must not stay current across a suspension.
                 with tracer().start_as_current_span("specdec.step") as span:
@@ -327,8 +378,9 @@ class SpeculativeRun:
                     step_start = time.perf_counter()
                     cycle, last_start = (step_start - last_start if last_start else 0.0), step_start
                     draft_before = self.stats.draft_seconds
-                    proposal, verdict = await self._propose_and_verify(min(k, room))
+                    proposal = await self._propose(min(k, room))
                     proposing = self.stats.draft_seconds - draft_before if len(proposal) else 0.0
+                    proposal, verdict = await self._verify(proposal)
                     decision = self._decide(proposal, verdict)
                     # What the policy chose, not what the draft managed: a replay from the
                     # committed tokens (which cannot see a short or dropped block) agrees.
@@ -353,6 +405,27 @@ class SpeculativeRun:
                 regime.request_finished()
             self.stats.total_seconds = time.perf_counter() - started
             await self._release_all()
+
+    def _forced_run(self, generated: Sequence[int], room: int) -> list[int]:
+        """The run the constraint forces after ``generated`` (empty: a step of the policy and the
+        draft comes next). A pure function of the committed tokens, so a replay finds the same."""
+        if self.constraint is None or not self.forced_runs or room <= 0:
+            return []
+        self.constraint.follow(generated)
+        return forced_run(self.constraint.forced(), room)
+
+    def _policy_steps(self, committed: list[int], committed_steps: list[int]) -> list[int]:
+        """Of the chunks that committed ``committed`` (tokens per step or forced run), the steps
+        whose k the policy chose: a forced run is skipped, as it was when it ran."""
+        if self.constraint is None or not self.forced_runs:
+            return committed_steps
+        chosen, at = [], 0
+        for n in committed_steps:
+            room = self.context_length - (len(self.prompt) + at) - 1
+            if not self._forced_run(committed[:at], room):
+                chosen.append(n)
+            at += n
+        return chosen
 
     def _decide(self, proposal: DraftProposal, verdict: TargetVerdict) -> StepDecision:
         """The exact rule of the session's mode: invariant sampling matches the proposals against
@@ -410,7 +483,8 @@ class SpeculativeRun:
             )
         self.policy.observe_load(load)
 
-    async def _propose_and_verify(self, k: int) -> tuple[DraftProposal, TargetVerdict]:
+    async def _propose(self, k: int) -> DraftProposal:
+        """The draft's block of up to ``k`` (EMPTY without a draft); a draft that fails is dropped."""
         sid, step, proposal = self.session_id, self.step, EMPTY
         if self.draft is not None and k > 0 and not self.draft_started:
             await self._start_draft_or_drop()  # (its prefill is not a proposal's time)
@@ -431,6 +505,15 @@ class SpeculativeRun:
                 proposal = EMPTY
                 await self._drop_draft(f"propose: {exc}")
         self.stats.draft_seconds += time.perf_counter() - t0
+        if self.constraint is not None and proposal.tokens:  # an n-gram block's forbidden tail
+            self.constraint.follow(self.stopper.generated)
+            proposal = cut_where_forbidden(proposal, self.constraint.admits(proposal.tokens))
+        return proposal
+
+    async def _verify(self, proposal: DraftProposal) -> tuple[DraftProposal, TargetVerdict]:
+        """The target's verdict on ``proposal`` (the block it verified: a drafted block the target
+        refuses drops the draft and verifies none), moving to another target replica if it is lost."""
+        sid, step = self.session_id, self.step
         t0 = time.perf_counter()
         while True:
             commit = self._commit(self.target_len)
@@ -509,6 +592,8 @@ async def generate_async(
     adaptive: bool = False,
     step_cost: StepCost = StepCost(),
     load_aware: bool = False,
+    constraint: ConstraintFollower | None = None,
+    forced_runs: bool = True,
 ) -> GenerationResult:
     run = SpeculativeRun(
         target,
@@ -522,6 +607,8 @@ async def generate_async(
         adaptive=adaptive,
         step_cost=step_cost,
         load_aware=load_aware,
+        constraint=constraint,
+        forced_runs=forced_runs,
     )
     async for _ in run.steps():
         pass
@@ -539,8 +626,11 @@ def speculative_generate(
     session_id: str | None = None,
     adaptive: bool = False,
     step_cost: StepCost = StepCost(),
+    constraint: ConstraintFollower | None = None,
+    forced_runs: bool = True,
 ) -> GenerationResult:
-    """In process, over engines: generate with speculative decoding; the law is the target's."""
+    """In process, over engines: generate with speculative decoding; the law is the target's.
+    ``constraint``: a matcher of ``params.constraint`` for the loop (SpeculativeRun)."""
     target_peer = LocalTarget(target)
     draft_peer = LocalDraft(draft) if draft is not None else None
     return asyncio.run(
@@ -555,5 +645,7 @@ def speculative_generate(
             session_id,
             adaptive,
             step_cost,
+            constraint=constraint,
+            forced_runs=forced_runs,
         )
     )

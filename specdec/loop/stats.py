@@ -25,6 +25,8 @@ class StepStats:
     policy: str = "fixed"  # fixed / adaptive / load_aware: how each step's k was chosen
     steps_by_k: list[int] = field(default_factory=list)  # [k] = steps whose policy chose k
     cached_prompt_tokens: int = 0  # prompt positions the target copied from its prefix cache
+    # tokens a constraint forced, committed by the loop without a pass (not the draft's proposals)
+    forced_tokens: int = 0
 
     def record_choice(self, k: int) -> None:
         if len(self.steps_by_k) <= k:

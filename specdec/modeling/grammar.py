@@ -164,8 +164,24 @@ class Matcher:
                 self.rollback(self.consumed - start)
 
     def forced(self) -> list[int]:
-        """The tokens the constraint forces next (a run with exactly one admitted token each)."""
-        return list(self._inner.compute_ff_tokens())
+        """The run of tokens the constraint forces next: at each position the mask admits that
+        token alone, so the constrained law there is a point mass (checked on the mask itself,
+        not taken on trust from llguidance's fast-forward tokens); once the constraint is
+        complete, the EOS when the model has one alone. The state is unchanged."""
+        if self.complete:
+            return list(self.eos) if len(self.eos) == 1 else []
+        run: list[int] = []
+        try:
+            for token in self._inner.compute_ff_tokens():
+                mask = self.allowed()
+                if not mask[token] or int(mask.sum()) != 1:
+                    break
+                self.advance([token])
+                run.append(token)
+        finally:
+            if run:
+                self.rollback(len(run))
+        return run
 
     def masks_along(self, tokens: Sequence[int]) -> torch.Tensor:
         """[len(tokens) + 1, vocab_size]: the allowed set before each of ``tokens`` and after the

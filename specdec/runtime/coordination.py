@@ -115,6 +115,7 @@ class ParsedRequest:
     method: str
     adaptive: bool
     replayable: bool = False  # k from its own past only (else the load-aware policy may choose it)
+    forced_tokens: bool = True  # a constraint's forced runs proposed by the loop (with k > 0)
 
     def resolved(self) -> coordinator_pb2.GenerateRequest:
         """The server defaults this request was given (seed, invariant, k, method, adaptive,
@@ -127,6 +128,7 @@ class ParsedRequest:
         out.speculation.method = self.method
         out.speculation.adaptive = self.adaptive
         out.speculation.replayable = self.replayable
+        out.speculation.forced_tokens = self.forced_tokens
         return out
 
 
@@ -146,7 +148,7 @@ def canonical(
         if not sampling.HasField(name):
             setattr(sampling, name, getattr(default_sampling, name))
     spec, default_spec = copy.speculation, defaults.speculation
-    for name in ("num_speculative_tokens", "adaptive", "replayable"):
+    for name in ("num_speculative_tokens", "adaptive", "replayable", "forced_tokens"):
         if not spec.HasField(name):
             setattr(spec, name, getattr(default_spec, name))
     if not spec.method:
@@ -393,7 +395,8 @@ class CoordinatorCore:
         adaptive = spec.adaptive if spec.HasField("adaptive") else cfg.default_adaptive and method == "draft_model"
         if params.seed is None:
             params = params.with_seed(new_seed())
-        return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive, replayable)
+        forced = spec.forced_tokens if spec.HasField("forced_tokens") else True
+        return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive, replayable, forced)
 
     def _encode_messages(self, messages) -> list[int]:
         """A conversation through the model's chat template, the assistant's turn to follow."""
@@ -697,6 +700,10 @@ class CoordinatorCore:
                 missing = draft is None
             else:
                 draft = LocalDraft(self.ngram)
+        constraint = None
+        if parsed.params.constraint is not None and parsed.k > 0:
+            # compiled when the request was checked: a cache hit, a copy of the template
+            constraint = await asyncio.to_thread(self.grammars.matcher, parsed.params.constraint)
         run = SpeculativeRun(
             target,
             draft,
@@ -715,6 +722,8 @@ class CoordinatorCore:
             adaptive=parsed.adaptive,
             step_cost=self.config.step_cost,
             load_aware=not parsed.replayable,
+            constraint=constraint,
+            forced_runs=parsed.forced_tokens,
         )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)

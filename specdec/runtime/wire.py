@@ -289,6 +289,7 @@ def stats_to_proto(stats: StepStats) -> coordinator_pb2.SpeculationStats:
         policy=stats.policy,
         steps_by_k=list(stats.steps_by_k),
         cached_prompt_tokens=stats.cached_prompt_tokens,
+        forced_tokens=stats.forced_tokens,
     )
 
 

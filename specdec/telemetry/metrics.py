@@ -9,6 +9,8 @@ in the responses exactly):
   specdec_accepted_tokens_total                    accepted proposals
   specdec_accepted_tokens_by_position_total{position}
   specdec_target_passes_total                      target passes (verify calls)
+  specdec_forced_tokens_total                      tokens a structured-output constraint forced,
+                                                   proposed by the coordinator (no draft call)
   specdec_emitted_tokens_total                     tokens sent to clients
   specdec_time_to_first_token_seconds              histogram
   specdec_inter_token_latency_seconds              histogram (per token, between chunks)
@@ -24,6 +26,10 @@ Draft and target:
   specdec_batch_prefill_rows_total                 prefill rows fed (chunked prefill)
   specdec_iterations_total                         batched passes run
   specdec_queue_wait_seconds                       histogram: submission to first pass of a work
+  specdec_grammar_compiles, specdec_grammar_cache_hits, specdec_grammar_compile_seconds
+                                                   structured-output constraints compiled, served
+                                                   from the compile cache, and the seconds spent
+                                                   compiling, since start (only grow)
 
 vLLM's names for the same (model_name and engine labels): vllm:spec_decode_num_drafts_total,
 vllm:spec_decode_num_draft_tokens_total, vllm:spec_decode_num_accepted_tokens_total,
@@ -55,6 +61,9 @@ REQUEST_ERRORS = Counter("specdec_request_errors", "Failed requests by gRPC stat
 DRAFTS = Counter("specdec_drafts", "Target passes that verified a non-empty draft block", registry=REGISTRY)
 DRAFT_TOKENS = Counter("specdec_draft_tokens", "Proposed draft tokens", registry=REGISTRY)
 ACCEPTED_TOKENS = Counter("specdec_accepted_tokens", "Accepted draft tokens", registry=REGISTRY)
+FORCED_TOKENS = Counter(
+    "specdec_forced_tokens", "Tokens a constraint forced, proposed by the coordinator itself", registry=REGISTRY
+)
 ACCEPTED_BY_POSITION = Counter(
     "specdec_accepted_tokens_by_position", "Accepted draft tokens by block position", ["position"], registry=REGISTRY
 )
@@ -129,6 +138,17 @@ PASS_BACKEND = Gauge(
 KV_BYTES = Gauge("specdec_kv_cache_bytes", "KV-cache bytes held by this replica", registry=REGISTRY)
 PREFIX_CACHE_BYTES = Gauge(
     "specdec_prefix_cache_bytes", "Bytes of KV the prefix cache holds (outside the KV pool)", registry=REGISTRY
+)
+GRAMMAR_COMPILES = Gauge(
+    "specdec_grammar_compiles", "Structured-output constraints compiled since start (only grows)", registry=REGISTRY
+)
+GRAMMAR_CACHE_HITS = Gauge(
+    "specdec_grammar_cache_hits",
+    "Structured-output constraints served from the compile cache since start (only grows)",
+    registry=REGISTRY,
+)
+GRAMMAR_COMPILE_SECONDS = Gauge(
+    "specdec_grammar_compile_seconds", "Seconds spent compiling constraints since start (only grows)", registry=REGISTRY
 )
 PREFIX_CACHE_HIT_TOKENS = Gauge(
     "specdec_prefix_cache_hit_tokens",
@@ -219,6 +239,9 @@ def watch_engine(engine) -> None:
     PREFIX_CACHE_BYTES.set_function(lambda: engine.stats().get("prefix_cache_bytes", 0))
     PREFIX_CACHE_HIT_TOKENS.set_function(lambda: engine.stats().get("prefix_cache_hit_tokens", 0))
     PREFIX_CACHE_QUERIED_TOKENS.set_function(lambda: engine.stats().get("prefix_cache_queried_tokens", 0))
+    GRAMMAR_COMPILES.set_function(lambda: engine.stats().get("grammar_compiles", 0))
+    GRAMMAR_CACHE_HITS.set_function(lambda: engine.stats().get("grammar_cache_hits", 0))
+    GRAMMAR_COMPILE_SECONDS.set_function(lambda: engine.stats().get("grammar_compile_seconds", 0.0))
 
 
 @contextmanager
@@ -265,6 +288,7 @@ class RequestRecorder:
             TARGET_PASSES.inc(s.target_passes)
             DRAFT_TOKENS.inc(s.proposed_tokens)
             ACCEPTED_TOKENS.inc(s.accepted_tokens)
+            FORCED_TOKENS.inc(s.forced_tokens)
             DRAFTS.inc(s.drafts)
             for position, count in enumerate(s.accepted_per_position):
                 ACCEPTED_BY_POSITION.labels(str(position)).inc(count)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdec.apps.bench import Mode, Sample, predicted_speedup, summarize
-from specdec.modeling.tiny import perturbed, tiny_llama, word_tokenizer
+from specdec.modeling.tiny import char_tokenizer, perturbed, tiny_llama, word_tokenizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -94,6 +94,74 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     assert "best:" in proc.stdout and "tok/s" in proc.stdout
 
 
+# a vocabulary JSON can be written in (a grammar engine reads its byte-level tokenizer)
+JSON_TOKENS = ["<eos>", "{", "}", '"', ":", ",", " ", "a", "b", "c", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]
+JSON_TOKENS += [": ", ", ", '{"', '":', "ab", "ba"]
+
+
+def test_bench_structured_compares_forced_runs_on_and_off_against_target_only(tmp_path):
+    target = tiny_llama(len(JSON_TOKENS), seed=6, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    for name, model in (("target", target), ("draft", perturbed(target, 0.04, seed=2))):
+        model.save_pretrained(tmp_path / name)
+        tokenizer = char_tokenizer(JSON_TOKENS)
+        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        tokenizer.save_pretrained(tmp_path / name)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 22, 3]}, "b": {"enum": ["ab", "c"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    workload = tmp_path / "workload.jsonl"
+    workload.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "text": text, "schema": schema}) + "\n" for i, text in enumerate(["ab", "ba c"])
+        )
+    )
+    out = tmp_path / "structured.json"
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("specdec")),
+            "bench",
+            "--structured",
+            str(workload),
+            "--target-model",
+            str(tmp_path / "target"),
+            "--draft-model",
+            str(tmp_path / "draft"),
+            "--repeats",
+            "2",
+            "--default-k",
+            "3",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    modes = {(m["mode"], m["temperature"]): m for m in report["modes"]}
+    assert set(modes) == {(mode, t) for mode in ("target-only", "speculative", "speculative+forced") for t in (0, 0.7)}
+    assert report["greedy_differs_from_target_only"] == []
+    for (mode, _), m in modes.items():
+        assert m["outputs"] == 4 and m["complete_documents"] == 4  # every output a whole document
+        assert (m["forced_share"] > 0) == (mode == "speculative+forced"), m
+        assert (m["acceptance_rate"] is None) == (mode == "target-only"), m
+    # forced runs take tokens off the passes: fewer passes per token than the draft proposing them
+    assert (
+        modes[("speculative+forced", 0)]["target_passes_per_token"]
+        < modes[("speculative", 0)]["target_passes_per_token"]
+    )
+    assert "speculative+forced" in proc.stdout and "every mode's tokens equal target-only's" in proc.stdout
+
+
 def test_summaries_and_the_leviathan_prediction():
     mode = Mode("speculative", 3, "draft_model")
     samples = [
@@ -152,3 +220,24 @@ def test_k_lists_take_empty_and_refuse_what_is_not_a_k():
     for bad in ("two", "0", "-1", "1.5"):
         with pytest.raises(SystemExit, match=repr(bad)):
             _ks(bad)
+
+
+def test_a_structured_workload_is_a_jsonl_of_schemas_or_one_schema_for_every_prompt(tmp_path):
+    from specdec.apps.bench_structured import load_workload
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "text": "one"}\n{"id": "b", "text": "two"}\n')
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    rows = load_workload(str(schema), str(prompts), None, None)
+    assert [(r["id"], r["schema"]) for r in rows] == [("a", {"type": "object"}), ("b", {"type": "object"})]
+    bundled = load_workload(str(Path(__file__).parents[1] / "benchmarks" / "structured.jsonl"), "", 2, None)
+    assert len(bundled) == 2 and all(isinstance(r["schema"], dict) for r in bundled)
+    for text, message in (('["not", "a schema"]', "not a JSON schema"), ("{oops", "is not JSON")):
+        schema.write_text(text)
+        with pytest.raises(SystemExit, match=message):
+            load_workload(str(schema), str(prompts), None, None)
+    with pytest.raises(SystemExit, match="have no schema object"):
+        load_workload(str(prompts.rename(tmp_path / "rows.jsonl")), "", None, None)
+    with pytest.raises(SystemExit, match="no file"):
+        load_workload(str(tmp_path / "missing.json"), str(prompts), None, None)

@@ -32,35 +32,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.apps.bench_stream import Sample, percentile, replica_flags, stream_one
 from specdec.apps.cli import SERVE_DEFAULT_K
 from specdec.loop.reproducible import SEEDED_SAMPLING
 from specdec.runtime.flags import positive_int
 from specdec.runtime.grpc_server import client_channel
-from specdec.training.prompts import BENCH_PROMPTS, load_prompts
-
-
-@dataclass
-class Sample:
-    tokens: int
-    seconds: float
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
-    passes: int = 0
-    drafts: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    per_position: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    server_s: float = 0.0
-    token_ids: list[int] = field(default_factory=list)
+from specdec.training.prompts import BENCH_PROMPTS, STRUCTURED_WORKLOAD, load_prompts
 
 
 @dataclass(frozen=True)
@@ -72,42 +55,7 @@ class Mode:
     server_default: bool = False  # the request leaves speculation to the server
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
 # -- running one request -------------------------------------------------------------------
-async def stream_one(stub, request) -> Sample:
-    started = time.perf_counter()
-    last, tokens, sample = None, 0, Sample(0, 0.0)
-    async for chunk in stub.GenerateStream(request, timeout=600):
-        now = time.perf_counter()
-        n = len(chunk.token_ids)
-        if n:
-            if last is None:
-                sample.ttft = now - started
-            else:
-                sample.itl.extend([(now - last) / n] * n)
-            last = now
-            tokens += n
-            sample.token_ids.extend(chunk.token_ids)
-        if chunk.finish_reason:
-            s = chunk.stats
-            sample.passes, sample.drafts, sample.proposed, sample.accepted = (
-                s.target_passes,
-                s.drafts,
-                s.proposed_tokens,
-                s.accepted_tokens,
-            )
-            sample.per_position = list(s.accepted_per_position)
-            sample.draft_s, sample.verify_s, sample.server_s = s.draft_seconds, s.verify_seconds, s.total_seconds
-    sample.tokens, sample.seconds = tokens, time.perf_counter() - started
-    return sample
-
-
 def hf_one(model, prompt_ids, max_new_tokens, temperature, seed, assistant=None, k=0) -> Sample:
     """transformers generate(); with ``assistant`` assisted generation drafting ``k`` tokens per
     round (as the stack's k; transformers' own default is adaptive), else with ``k`` prompt lookup."""
@@ -277,8 +225,8 @@ def run(args) -> dict:
         + (["--invariant-sampling"] if args.invariant else [])
         + (["--seeded-sampling", args.seeded_sampling] if getattr(args, "seeded_sampling", None) else []),
         log_dir=Path(args.log_dir) if args.log_dir else None,
-        extra_target=_replica_flags(args) + _tp_flags(args),
-        extra_draft=_replica_flags(args),
+        extra_target=replica_flags(args) + _tp_flags(args),
+        extra_draft=replica_flags(args),
     ) as stack:
 
         async def measure():
@@ -686,12 +634,6 @@ def plot(rep: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def _replica_flags(args) -> list[str]:
-    """The replicas' pass flags of this bench (their dtype, batch invariance)."""
-    flags = ["--dtype", args.dtype] if getattr(args, "dtype", None) else []
-    return flags + (["--no-batch-invariant"] if getattr(args, "no_batch_invariant", False) else [])
-
-
 def _tp_flags(args) -> list[str]:
     """The target's tensor-parallel flag of this bench (none for one rank)."""
     tp = getattr(args, "target_tp", 1)
@@ -767,12 +709,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-python", default=".venv-peer/bin/python", help="the Python of the peer's venv")
     p.add_argument("--no-hf", action="store_true", help="skip the in-process transformers baselines")
     p.add_argument("--quick", action="store_true", help="a few minutes: 4 prompts, k in 2,4, 2 repeats, 24 tokens")
+    p.add_argument(
+        "--structured",
+        nargs="?",
+        const=str(STRUCTURED_WORKLOAD),
+        default=None,
+        metavar="FILE",
+        help="structured output instead: target-only vs speculation with and without forced runs over prompts "
+        "with JSON schemas (a JSONL of {id, text, schema}, or a schema file for every prompt of --prompts; "
+        "no FILE: the bundled workload)",
+    )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write tokens/s and acceptance vs k here (PNG)")
     p.add_argument("--log-dir", default=None, help="service logs (default: inherited output)")
 
 
 def main(args) -> int:
+    if args.structured is not None:
+        from specdec.apps.bench_structured import run_structured, structured_table
+
+        if args.quick:
+            args.num_prompts, args.repeats = args.num_prompts or 3, 1
+        srep = run_structured(args, lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
+        print(structured_table(srep))
+        if args.json:
+            Path(args.json).write_text(json.dumps(srep, indent=2))
+        return 0 if not srep["greedy_differs_from_target_only"] else 1
     if args.quick:
         args.num_prompts = args.num_prompts or 4
         args.ks, args.repeats, args.max_new_tokens = "2,4", 2, min(args.max_new_tokens, 24)

@@ -76,8 +76,8 @@ def word_tokenizer(vocab_size: int):
 
 def char_tokenizer(tokens: list[str], eos: str = "<eos>"):
     """A byte-level BPE tokenizer over exactly ``tokens`` (id = index): ``eos`` is a special token,
-    every other token one printable ASCII character (not a space: byte-level BPE maps those to
-    other characters) or two of the one-character tokens (a merge). Unlike
+    every other token one printable ASCII character (or a space) or two of the one-character
+    tokens (a merge). Unlike
     :func:`word_tokenizer`, a grammar engine can read it (each token's bytes are known), so tests
     and the selftest can constrain a tiny model's output (issue 45)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -85,11 +85,13 @@ def char_tokenizer(tokens: list[str], eos: str = "<eos>"):
 
     singles = {t for t in tokens if len(t) == 1}
     for t in tokens:
-        plain = t.isascii() and t.isprintable() and " " not in t
+        plain = t.isascii() and t.isprintable()
         if t != eos and not (plain and (len(t) == 1 or (len(t) == 2 and set(t) <= singles))):
             raise ValueError(f"token {t!r}: one printable ASCII character, or two of the one-character tokens")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [(t[0], t[1]) for t in tokens if t != eos and len(t) == 2]
+    # byte-level BPE spells a space "Ġ" (GPT-2's byte-to-character map; other printable ASCII is itself)
+    spelled = [t if t == eos else t.replace(" ", "Ġ") for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    merges = [(t[0], t[1]) for t in spelled if t != eos and len(t) == 2]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -9,6 +9,7 @@ from pathlib import Path
 from specdec.paths import BENCHMARKS_DIR
 
 BENCH_PROMPTS = BENCHMARKS_DIR / "prompts.jsonl"
+STRUCTURED_WORKLOAD = BENCHMARKS_DIR / "structured.jsonl"  # prompts with JSON schemas (bench --structured)
 DISTILL_PROMPT_FILES = ("distill_prompts.v1.jsonl", "distill_prompts_extra.v1.jsonl", "distill_prompts_more.v1.jsonl")
 DEFAULT_DISTILL_PROMPTS = ",".join(str(BENCHMARKS_DIR / name) for name in DISTILL_PROMPT_FILES)
 

@@ -1,0 +1,70 @@
+"""What ``specdec bench`` measures of one streamed request (shared by its workloads)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    tokens: int
+    seconds: float
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    passes: int = 0
+    drafts: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    per_position: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    server_s: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+    forced: int = 0  # tokens a structured-output constraint forced (committed without a pass)
+    text: str = ""
+    finish_reason: str = ""
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+async def stream_one(stub, request) -> Sample:
+    started = time.perf_counter()
+    last, tokens, sample = None, 0, Sample(0, 0.0)
+    async for chunk in stub.GenerateStream(request, timeout=600):
+        now = time.perf_counter()
+        n = len(chunk.token_ids)
+        if n:
+            if last is None:
+                sample.ttft = now - started
+            else:
+                sample.itl.extend([(now - last) / n] * n)
+            last = now
+            tokens += n
+            sample.token_ids.extend(chunk.token_ids)
+        sample.text += chunk.text
+        if chunk.finish_reason:
+            sample.finish_reason, sample.forced = chunk.finish_reason, chunk.stats.forced_tokens
+            s = chunk.stats
+            sample.passes, sample.drafts, sample.proposed, sample.accepted = (
+                s.target_passes,
+                s.drafts,
+                s.proposed_tokens,
+                s.accepted_tokens,
+            )
+            sample.per_position = list(s.accepted_per_position)
+            sample.draft_s, sample.verify_s, sample.server_s = s.draft_seconds, s.verify_seconds, s.total_seconds
+    sample.tokens, sample.seconds = tokens, time.perf_counter() - started
+    return sample
+
+
+def replica_flags(args) -> list[str]:
+    """The replicas' pass flags of this bench (their dtype, batch invariance)."""
+    flags = ["--dtype", args.dtype] if getattr(args, "dtype", None) else []
+    return flags + (["--no-batch-invariant"] if getattr(args, "no_batch_invariant", False) else [])

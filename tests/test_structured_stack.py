@@ -135,3 +135,24 @@ def test_the_openai_client_gets_the_same_schema_valid_json(stack):
             extra_body={"structured_outputs": {"regex": "(unclosed"}},
         )
     assert "structured_output" in str(info.value)
+
+
+def test_specdec_generate_takes_a_constraint_from_its_flags(stack, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    specdec = str(Path(sys.executable).with_name("specdec"))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    base = [specdec, "generate", "--addr", stack.coordinator_address, PROMPT, "--max-new-tokens", "64"]
+    proc = subprocess.run([*base, "--json-schema", str(schema)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert set(json.loads(proc.stdout)) == {"name", "age", "colour"}
+    assert "tokens forced by the constraint" in proc.stderr and "finish=eos" in proc.stderr
+    proc = subprocess.run(
+        [*base, "--choice", "a cat", "--choice", "a dog"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() in ("a cat", "a dog"), proc.stderr
+    proc = subprocess.run([*base, "--json-schema", "{not json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "INVALID_ARGUMENT: sampling.structured_output: json_schema: not JSON" in proc.stderr

@@ -33,6 +33,45 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--raw", action="store_true", help="send the prompt as is (default: as a chat user message)")
+    structured = parser.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE|JSON", help="the output is a JSON document of this schema")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--regex", help="the output matches this regular expression")
+    structured.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    structured.add_argument("--grammar", metavar="FILE|TEXT", help="the output follows this Lark or GBNF grammar")
+    parser.add_argument(
+        "--no-forced-tokens",
+        dest="forced_tokens",
+        action="store_false",
+        help="with structured output: let the draft propose what the constraint forces (measuring)",
+    )
+
+
+def _text_or_file(value: str) -> str:
+    """A flag that takes inline text or a file of it."""
+    from pathlib import Path
+
+    path = Path(value)
+    return path.read_text() if len(value) < 4096 and path.is_file() else value
+
+
+def constraint_from_args(args):
+    """The structured-output constraint the flags ask for (None: none)."""
+    import json
+
+    from specdec.exact.constraint import Constraint
+
+    if args.json_schema:
+        return Constraint("json_schema", _text_or_file(args.json_schema))
+    if args.json_object:
+        return Constraint("json_object")
+    if args.regex:
+        return Constraint("regex", args.regex)
+    if args.choice:
+        return Constraint("choice", json.dumps(args.choice))
+    if args.grammar:
+        return Constraint("grammar", _text_or_file(args.grammar))
+    return None
 
 
 def sampling_from_args(args):
@@ -50,6 +89,7 @@ def sampling_from_args(args):
         max_new_tokens=args.max_new_tokens,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        constraint=constraint_from_args(args),
     )
 
 
@@ -57,7 +97,13 @@ def cmd_run(args) -> int:
     """Bring the local stack up, stream one answer through the public API, print stats, tear down."""
     from specdec.apps.client import build_request, stream_to, summary
     from specdec.apps.launcher import local_stack
+    from specdec.errors import InvalidArgumentError
 
+    try:
+        sampling_from_args(args)  # a bad flag (a constraint that is not valid) before the stack starts
+    except InvalidArgumentError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
     with local_stack(
         args.target_model,
         None if args.draft_model == "none" else args.draft_model,
@@ -71,6 +117,7 @@ def cmd_run(args) -> int:
         request = build_request(
             prompt=args.prompt, params=sampling_from_args(args), k=args.num_speculative_tokens, chat=not args.raw
         )
+        request.speculation.forced_tokens = args.forced_tokens
         if args.compare:  # neither measured request should pay the stack's first-request costs
             warm_up(stack.coordinator_address, args)
         print(f"\n> {args.prompt}\n", flush=True)
@@ -199,16 +246,23 @@ def cmd_generate(args) -> int:
     import grpc
 
     from specdec.apps.client import build_request, stream_to, summary
+    from specdec.errors import InvalidArgumentError
 
+    try:
+        params = sampling_from_args(args)
+    except InvalidArgumentError as exc:  # a bad constraint, named before anything is sent
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
     request = build_request(
         prompt=args.prompt,
-        params=sampling_from_args(args),
+        params=params,
         k=args.num_speculative_tokens,
         method=args.method,
         request_id=args.request_id,
         chat=not args.raw,
         adaptive=args.adaptive,
     )
+    request.speculation.forced_tokens = args.forced_tokens
     try:
         answer = stream_to(args.addr, request, timeout=args.timeout, api_key=args.api_key)
     except grpc.RpcError as exc:  # print the status, not a traceback

@@ -90,6 +90,8 @@ def summary(answer: StreamedAnswer) -> str:
     paused = f" ({passes - drafts} without a draft block)" if drafts and passes > drafts else ""
     cached = s.cached_prompt_tokens if s else 0
     copied = f" ({cached} prompt tokens from the prefix cache)" if cached else ""
+    if s and s.forced_tokens:
+        speculation += f", {s.forced_tokens} tokens forced by the constraint"
     return (
         f"[{len(answer.token_ids)} tokens, finish={answer.finish_reason}, seed={answer.seed}]\n"
         f"{speculation}, {rate:.1f} tokens/s, {passes} target passes{paused}, "

@@ -146,13 +146,17 @@ def test_specdec_generate_takes_a_constraint_from_its_flags(stack, tmp_path):
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
     base = [specdec, "generate", "--addr", stack.coordinator_address, PROMPT, "--max-new-tokens", "64"]
-    proc = subprocess.run([*base, "--json-schema", str(schema)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*base, "--json-schema", str(schema)], capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert set(json.loads(proc.stdout)) == {"name", "age", "colour"}
     assert "tokens forced by the constraint" in proc.stderr and "finish=eos" in proc.stderr
     proc = subprocess.run(
-        [*base, "--choice", "a cat", "--choice", "a dog"], capture_output=True, text=True, timeout=300
+        [*base, "--choice", "a cat", "--choice", "a dog"], capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 0 and proc.stdout.strip() in ("a cat", "a dog"), proc.stderr
-    proc = subprocess.run([*base, "--json-schema", "{not json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*base, "--json-schema", "{not json"], capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 2 and "INVALID_ARGUMENT: sampling.structured_output: json_schema: not JSON" in proc.stderr

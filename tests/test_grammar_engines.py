@@ -225,11 +225,19 @@ def test_sampled_output_is_always_admitted(engines, tokenizer, seed):
         assert admitted(tokenizer, constraint, result.token_ids), tokenizer.decode(result.token_ids)
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [{"invariant": True, "temperature": 1.0}, {"ignore_eos": True}, {"min_tokens": 2}],
-    ids=["invariant", "ignore_eos", "min_tokens"],
-)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_invariant_sampling_under_a_constraint_depends_on_the_seed_alone(engines, tokenizer, seed):
+    """Gumbel-max under the masks on both sides: with speculation (and forced runs committed
+    without a pass) every token is the target-only run's of the same seed, and admitted."""
+    for constraint in CONSTRAINTS[:2]:
+        params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=30, constraint=constraint, invariant=True)
+        alone = run(engines, tokenizer, params, 0)
+        speculative = run(engines, tokenizer, params, 3)
+        assert speculative.token_ids == alone.token_ids
+        assert speculative.stats.drafts > 0 and admitted(tokenizer, constraint, alone.token_ids)
+
+
+@pytest.mark.parametrize("settings", [{"ignore_eos": True}, {"min_tokens": 2}], ids=["ignore_eos", "min_tokens"])
 def test_what_a_constraint_cannot_be_combined_with_is_refused(engines, tokenizer, settings):
     params = SamplingParams(seed=1, max_new_tokens=8, constraint=CONSTRAINTS[1], **{"temperature": 0.0, **settings})
     with pytest.raises(InvalidArgumentError, match=r"sampling\.structured_output: cannot be combined"):

@@ -110,3 +110,18 @@ def test_greedy_is_target_onlys_with_forced_runs_on_and_off(stack):
     assert on.stats.target_passes <= off.stats.target_passes  # (a run's tokens need no pass)
     # what the regex admits so far ([xy]+ may go on past 30 tokens)
     assert re.fullmatch(r"[ab]{1,2}-z[cd]{1,2}-z[xy]+\.?", on.text), on.text
+
+
+def test_invariant_sampling_under_the_constraint_depends_on_the_seed_alone(stack):
+    """The selftest's invariant_constrained case through the stack: each seed's tokens with
+    speculation (forced runs on and off) are its target-only tokens."""
+    s = stub(stack.coordinator_address)
+    sampling = {"temperature": 2.5, "invariant": True, "max_new_tokens": 16}
+    drafted = 0
+    for seed in range(12):
+        alone = s.Generate(constrained(seed, 0, **sampling), timeout=60)
+        for forced in (True, False):
+            speculative = s.Generate(constrained(seed, 3, forced=forced, **sampling), timeout=60)
+            assert list(speculative.token_ids) == list(alone.token_ids), (seed, forced)
+            drafted += speculative.stats.drafts
+    assert drafted > 0

@@ -169,6 +169,14 @@ CASES: tuple[Case, ...] = (
         tokens=5,
         constraint=("regex", r"[ab]{1,2}-z[cd]{1,2}-z[xy]+\."),
     ),
+    Case(
+        "invariant_constrained",
+        "invariant sampling under the same regex: Gumbel-max over the masked law on both sides, forced "
+        "runs committed as they are; the target's law, and every run the target-only run of its seed",
+        {"temperature": 2.5, "invariant": True},
+        tokens=5,
+        constraint=("regex", r"[ab]{1,2}-z[cd]{1,2}-z[xy]+\."),
+    ),
 )
 SUBSET_HEAD = (0, 1, 2, 3, 5, 8, 9, 11, 12, 14)
 

@@ -291,8 +291,11 @@ def _sampled_draws(requests: list[DrawRows], rows: torch.Tensor) -> list[tuple[i
 
 
 def _invariant_draw(request: DrawRows) -> tuple[int, SparseDist | None]:
-    """y = argmax(log q + g) with the target's noise at this position; q itself is not needed."""
+    """y = argmax(log q + g) with the target's noise at this position, q under the constraint's
+    mask of the row where there is one; q itself is not needed."""
     session = request.session
-    logprobs = logprobs_from_logits(request.logits[0], session.params, request.counts, prompt_seen=session.prompt_seen)
+    logprobs = logprobs_from_logits(
+        request.logits[0], session.params, request.counts, prompt_seen=session.prompt_seen, allowed=request.allowed
+    )
     noise = gumbel_noise(session.seed, [request.position], logprobs.shape[-1], device=logprobs.device)
     return gumbel_argmax(logprobs.reshape(1, -1), noise)[0], None

@@ -66,9 +66,12 @@ class TargetEngine(SessionEngine):
             return probs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
 
     @staticmethod
-    def _invariant_tokens(session, logits, counts) -> list[int]:
-        """The target's Gumbel-max token at each row's absolute position (specdec.exact.gumbel)."""
-        logprobs = logprobs_from_logits(logits, session.params, counts, prompt_seen=session.prompt_seen)
+    def _invariant_tokens(session, logits, counts, allowed=None) -> list[int]:
+        """The target's Gumbel-max token at each row's absolute position (specdec.exact.gumbel),
+        under the constraint's masks of the rows (``allowed``; None: none)."""
+        logprobs = logprobs_from_logits(
+            logits, session.params, counts, prompt_seen=session.prompt_seen, allowed=allowed
+        )
         first = len(session.tokens)
         positions = list(range(first, first + logprobs.shape[0]))
         return gumbel_argmax(logprobs, gumbel_noise(session.seed, positions, logprobs.shape[-1], logprobs.device))
@@ -162,5 +165,5 @@ def _sampled_verdicts(requests: list[VerifyRows], rows: torch.Tensor) -> list[Ta
 
 def _invariant_verdict(request: VerifyRows) -> TargetVerdict:
     session = request.session
-    tokens = TargetEngine._invariant_tokens(session, request.logits, request.counts)
+    tokens = TargetEngine._invariant_tokens(session, request.logits, request.counts, request.allowed)
     return target_verify_greedy(tokens, request.proposals)

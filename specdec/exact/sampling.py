@@ -311,13 +311,10 @@ class RowParams:
         )
 
 
-def constraint_conflict(params: SamplingParams, invariant: bool | None = None) -> str | None:
-    """What a constrained request sets that a constraint cannot be combined with yet (None:
-    nothing): invariant draws (Gumbel-max over the whole vocabulary, no mask), and settings that
-    forbid the EOS a complete constraint allows alone. ``invariant``: the request's own ask when
-    it is not resolved into ``params`` yet."""
+def constraint_conflict(params: SamplingParams) -> str | None:
+    """What a constrained request sets that a constraint cannot be combined with (None: nothing):
+    settings that forbid the EOS a complete constraint allows alone."""
     for conflict, present in (
-        ("invariant sampling", params.invariant if invariant is None else invariant),
         ("ignore_eos", params.ignore_eos),
         ("min_tokens", params.min_tokens > 0),
     ):

@@ -55,15 +55,12 @@ MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the c
 MAX_CACHE_SALT_CHARS = 256  # a client's cache_salt (the front may prefix its tenant's)
 
 
-def constrained_reproducibility(params: SamplingParams, asked_invariant: bool | None) -> bool:
-    """A constrained request's sampling mode: rejection sampling under the masks (invariant draws
-    run over the whole vocabulary and do not take a mask yet), so a seed fixes its tokens through
-    a replayable schedule; what a constraint cannot be combined with is refused here, before any
-    replica is asked (docs/structured-output.md)."""
-    conflict = constraint_conflict(params, bool(asked_invariant))
+def check_constraint_settings(params: SamplingParams) -> None:
+    """What a constraint cannot be combined with is refused here, before any replica is asked
+    (docs/structured-output.md). Either sampling mode takes a constraint: both draw under its masks."""
+    conflict = constraint_conflict(params)
     if conflict:
         raise InvalidArgumentError("sampling.structured_output", f"cannot be combined with {conflict}")
-    return False
 
 
 @dataclass(frozen=True)
@@ -362,7 +359,7 @@ class CoordinatorCore:
         params = wire.sampling_from_proto(request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT))
         asked_invariant = request.sampling.invariant if request.sampling.HasField("invariant") else None
         if params.constraint is not None:
-            asked_invariant = constrained_reproducibility(params, asked_invariant)
+            check_constraint_settings(params)
         spec = request.speculation
         invariant, replayable = resolve_reproducibility(
             seeded=request.sampling.HasField("seed"),

@@ -162,12 +162,21 @@ def main(args) -> int:
             # wait on each other's collectives while their teams fight for the same cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
         device = args.device or default_device()
+        tokenizer = try_load_tokenizer(args.model)
+
+        def serve_constraints(engine: TargetEngine) -> None:
+            # structured output: every rank of a group compiles and follows the constraints, since
+            # every rank replays the same works (their masks included)
+            if tokenizer is not None:
+                engine.store.grammars = Grammars(tokenizer, engine.vocab_size, sorted(eos_token_ids(model, tokenizer)))
+
         if tp > 1:
             from specdec.engine.tensor_parallel import DistributedTargetEngine, init_rank, load_shard, worker_loop
 
             rank, _, device = init_rank(args.device)
             model, runner = load_shard(args.model, device, parse_dtype(args.dtype, device), rank, tp)
             shard = TargetEngine(model, cache_limits(args, device, ranks_on_host=tp), kv_shards=tp, runner=runner)
+            serve_constraints(shard)
             if rank != 0:
                 raise SystemExit(worker_loop(shard))
             mirrored = DistributedTargetEngine(shard, tp)
@@ -176,11 +185,9 @@ def main(args) -> int:
         else:
             model = load_model(args.model, device, parse_dtype(args.dtype, device))
             engine = TargetEngine(model, cache_limits(args, device))
-        tokenizer = try_load_tokenizer(args.model)
+            serve_constraints(engine)
         fingerprint = tokenizer_fingerprint(tokenizer)
         eos = eos_token_ids(model, tokenizer)
-        if isinstance(engine, TargetEngine) and tokenizer is not None:  # structured output (not yet sharded)
-            engine.store.grammars = Grammars(tokenizer, engine.vocab_size, sorted(eos))
         servicer = TargetServicer(engine, args.model, eos, fingerprint, tp)
         batch = batch_runner_for(engine, args)
         servicer.cost_points = profiled_costs(engine, batch, args)

@@ -103,17 +103,22 @@ def save_tiny_pair(root, vocab: int, seed: int, draft_scale: float = 0.04, chat_
     return str(root / "target"), str(root / "draft")
 
 
-def save_selftest_pair(root):
-    """The selftest's target and its perturbed draft, saved as root/target and root/draft with
-    word tokenizers: the pair the stack tests serve (its exact law is enumerable). -> the target."""
-    from specdec.apps.selftest import DRAFT_SEED, build_target
-    from specdec.modeling.tiny import perturbed, word_tokenizer
+def save_selftest_pair(root, tokenizer: str = "words"):
+    """The selftest's target and its perturbed draft, saved as root/target and root/draft: the
+    pair the stack tests serve (its exact law is enumerable). -> the target. ``tokenizer``:
+    "words" (token i is the text "wi") or "chars" (the selftest's byte-level CHAR_TOKENS, which a
+    grammar engine reads: for structured output)."""
+    from specdec.apps.selftest import CHAR_TOKENS, DRAFT_SEED, build_target
+    from specdec.modeling.tiny import char_tokenizer, perturbed, word_tokenizer
 
     target = build_target()
     target.save_pretrained(root / "target")
-    word_tokenizer(target.config.vocab_size).save_pretrained(root / "target")
     perturbed(target, scale=0.04, seed=DRAFT_SEED).save_pretrained(root / "draft")
-    word_tokenizer(target.config.vocab_size).save_pretrained(root / "draft")
+    for name in ("target", "draft"):
+        if tokenizer == "chars":
+            char_tokenizer(list(CHAR_TOKENS)).save_pretrained(root / name)
+        else:
+            word_tokenizer(target.config.vocab_size).save_pretrained(root / name)
     return target
 
 

@@ -16,7 +16,7 @@ import torch
 from stack_util import generate_many, greedy_continuations, request, save_selftest_pair, stub
 
 from specdec.apps.launcher import Child, Stack, free_port, local_stack
-from specdec.apps.selftest import BASE_SEED, CASES, build_target, case_params, exact_law, judge
+from specdec.apps.selftest import BASE_SEED, CASES, build_target, case_grammars, case_params, exact_law, judge
 from specdec.engine.draft import DraftEngine
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-models")
-    return root, save_selftest_pair(root)
+    return root, save_selftest_pair(root, tokenizer="chars")  # a grammar engine reads it: constraints too
 
 
 def start_target(model_dir, tp: int, logs, timeout: float = 300, env: dict | None = None) -> Child:
@@ -328,6 +328,36 @@ def test_exactness_through_the_stack_with_tp2(models, tp_stack, case):
         sum(r.stats.accepted_tokens for r in replies),
     )
     assert verdict.passed, verdict
+
+
+@pytest.mark.statistical
+def test_structured_output_through_the_stack_with_tp2(models, tp_stack):
+    """The selftest's constrained case with a sharded target: every rank follows the constraint
+    (they replay the same works), the law is the constrained one (chi-square, alpha 1e-3), and the
+    coordinator's forced runs reach the sharded caches in the next commit."""
+    from specdec.v1 import coordinator_pb2 as pb
+
+    _, target_model = models
+    case = next(c for c in CASES if c.name == "constrained_forced_runs")
+    n = 300
+    law = exact_law(target_model, case.prompt, case_params(case), case.tokens, case_grammars(case))
+    kind, spec = case.constraint
+    reqs = []
+    for i in range(n):
+        req = request(list(case.prompt), k=case.k, seed=BASE_SEED + i, max_new_tokens=case.tokens, **case.params)
+        req.sampling.structured_output.CopyFrom(pb.StructuredOutput(**{kind: spec}))
+        reqs.append(req)
+    replies = generate_many(tp_stack.coordinator_address, reqs)
+    verdict = judge(
+        case,
+        Counter(tuple(r.token_ids) for r in replies),
+        law,
+        n,
+        sum(r.stats.proposed_tokens for r in replies),
+        sum(r.stats.accepted_tokens for r in replies),
+    )
+    assert verdict.passed, verdict
+    assert sum(r.stats.forced_tokens for r in replies) > 0 and all(r.stats.draft_fallbacks == 0 for r in replies)
 
 
 def test_default_smollm2_target_with_tp3_equals_transformers(smollm2, tmp_path_factory):

@@ -119,7 +119,7 @@ def main(args) -> int:
     apply_pass_arguments(args)
     import os
 
-    from specdec.engine.draft import DraftEngine
+    from specdec.engine.draft import DraftEngine, FeatureDraftEngine
     from specdec.modeling.grammar import Grammars
     from specdec.modeling.loading import eos_token_ids, tokenizer_fingerprint, try_load_tokenizer
     from specdec.runtime.registry import Replica, new_replica_id
@@ -128,7 +128,7 @@ def main(args) -> int:
         engine = build_engine(args)
         tokenizer = None if args.model == "ngram" else try_load_tokenizer(args.model)
         fingerprint = "" if args.model == "ngram" else tokenizer_fingerprint(tokenizer)
-        if isinstance(engine, DraftEngine) and tokenizer is not None:  # structured output: masked proposals
+        if isinstance(engine, (DraftEngine, FeatureDraftEngine)) and tokenizer is not None:  # masked proposals
             eos = sorted(eos_token_ids(engine.store.model, tokenizer))
             engine.store.grammars = Grammars(tokenizer, engine.vocab_size, eos)
         servicer = DraftServicer(engine, args.model, fingerprint)

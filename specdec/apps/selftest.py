@@ -170,6 +170,16 @@ CASES: tuple[Case, ...] = (
         constraint=("regex", r"[ab]{1,2}-z[cd]{1,2}-z[xy]+\."),
     ),
     Case(
+        "constrained_feature_draft",
+        "structured output with a feature draft (reduced head of 10 tokens): its q masked after its "
+        "own proposals, a block ends where the head has no admitted token; k=2, T=5",
+        {"temperature": 2.5},
+        k=2,
+        draft="feature",
+        tokens=5,
+        constraint=("regex", r"[ab]{1,2}-z[cd]{1,2}-z[xy]+\."),
+    ),
+    Case(
         "invariant_constrained",
         "invariant sampling under the same regex: Gumbel-max over the masked law on both sides, forced "
         "runs committed as they are; the target's law, and every run the target-only run of its seed",
@@ -384,7 +394,8 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
         verdict.passed, verdict.detail = False, "the adaptive policy never chose k = 0: its path was not exercised"
     if case.load_aware and verdict.passed and len(chosen_ks) < 3:
         verdict.passed, verdict.detail = False, f"the load-aware policy chose only k in {sorted(chosen_ks)}"
-    if grammars is not None and verdict.passed and not forced:
+    # (a feature draft needs the target's feature before every token: no forced runs with it)
+    if grammars is not None and case.draft != "feature" and verdict.passed and not forced:
         verdict.passed, verdict.detail = False, "no forced run was proposed: that path was not exercised"
     if len(draft.store if hasattr(draft, "store") else []) or len(target.store):
         verdict.passed, verdict.detail = False, "sessions left behind in an engine after the runs"

@@ -57,11 +57,15 @@ class _Proposer(SessionEngine):
         self.eps = eps
 
     def _draw(
-        self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int
-    ) -> tuple[int, SparseDist | None]:
-        """The proposal at ``position`` and the q it ships (None in invariant mode: none travels),
-        computed alone (a feature draft's chain; a model draft's works go through DrawRows)."""
-        return unwrap(DrawRows.run_many([self._draw_request(session, logits, counts, position)])[0])
+        self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int, proposed: Sequence[int]
+    ) -> tuple[int, SparseDist | None] | None:
+        """The proposal at ``position`` after this block's ``proposed`` and the q it ships (None in
+        invariant mode: none travels), computed alone (a feature draft's chain; a model draft's
+        works go through DrawRows); None where the constraint admits no token of the head."""
+        draw = self._draw_request(session, logits, counts, position, proposed)
+        if nothing_admitted(draw, logits):
+            return None
+        return unwrap(DrawRows.run_many([draw])[0])
 
     def _draw_request(
         self, session: Session, logits: torch.Tensor, counts: torch.Tensor, position: int, proposed: Sequence[int] = ()
@@ -105,9 +109,7 @@ class DraftEngine(_Proposer):
             for i in range(self._room(session, k)):
                 logits, _ = yield PassRequest(session, list(tokens), 1)
                 draw = self._draw_request(session, logits[0], counts, first + i, tokens)
-                if draw.allowed is not None and not bool((draw.allowed & torch.isfinite(logits[0])).any()):
-                    # a reduced head with no token the constraint admits here (modeling.heads): the
-                    # block ends, and the target's residual supplies the token
+                if nothing_admitted(draw, logits[0]):
                     break
                 # drawn together with the other sessions' proposals of this pass (DrawRows.run_many)
                 y, q = yield draw
@@ -116,6 +118,12 @@ class DraftEngine(_Proposer):
                 if q is not None:
                     qs.append(q)
             return DraftProposal(tokens, qs)
+
+
+def nothing_admitted(draw: DrawRows, logits: torch.Tensor) -> bool:
+    """Whether a reduced head (modeling.heads) has no token the constraint admits at this draw:
+    the block ends there, and the target's residual supplies the token."""
+    return draw.allowed is not None and not bool((draw.allowed & torch.isfinite(logits)).any())
 
 
 def _features(session: Session) -> torch.Tensor:
@@ -222,7 +230,10 @@ class FeatureDraftEngine(_Proposer):
             first = len(session.tokens)
             try:
                 for i in range(k):
-                    y, q = self._draw(session, self.model.logits(hidden)[0], counts, first + i)
+                    drawn = self._draw(session, self.model.logits(hidden)[0], counts, first + i, tokens)
+                    if drawn is None:
+                        break
+                    y, q = drawn
                     counts[y] += 1.0
                     tokens.append(y)
                     if q is not None:

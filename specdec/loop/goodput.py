@@ -35,18 +35,6 @@ PRIOR_ACCEPTANCE = 0.6  # per position before the request's own blocks say (weig
 DRAFT_CALL_SECONDS = 0.002  # a propose round trip beyond its passes, until observed
 
 
-@dataclass(frozen=True)
-class PassLoad:
-    """One batched pass as a replica reports it with its answer: its size (target: rows; draft:
-    sessions advancing together), how many sessions shared it, its seconds (per position, for a
-    draft), and the replica's live sessions."""
-
-    size: int
-    sessions: int
-    seconds: float
-    live_sessions: int
-
-
 class CostCurve:
     """Seconds of one pass of ``size`` (>= 1): piecewise linear through measured points, flat below
     the first point (a pass of 1 costs what it costs) and extended past the last point by the
@@ -407,7 +395,7 @@ class SpeculationRegime:
 
     def _implied(self, bucket: int) -> bool | None:
         """The regime the *other* buckets' measurements imply for ``bucket``, if they imply one:
-        speculation pays less as the load grows (the primer's section 4), so "off" measured better
+        speculation pays less as the load grows (docs/goodput.md), so "off" measured better
         at a lighter load means off here, "on" measured better at a heavier one means on here.
         None where they say nothing, or contradict each other (noise: each bucket then decides
         by its own figures)."""

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
 from coordinator.api_keys import ApiKeys, scoped_salt
+from coordinator.core import CoordinatorConfig, CoordinatorCore
 from specdec.runtime import wire
-from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
 from specdec.runtime.grpc_server import grpc_method, status_of
 from specdec.telemetry import metrics, tracing
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc

@@ -21,9 +21,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from coordinator.core import CoordinatorConfig, CoordinatorCore
 from specdec.errors import PeerError, SpecdecError
 from specdec.runtime import security
-from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
 from specdec.telemetry import logs, tracing
 from specdec.v1 import coordinator_pb2
 

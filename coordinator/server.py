@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from coordinator import api_keys, settings
+from coordinator.core import CoordinatorConfig
 from coordinator.front import SERVICE, Backend, CoordinatorFront, CoordinatorServicer, LocalBackend
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security
-from specdec.runtime.coordination import CoordinatorConfig
 from specdec.telemetry import logs, tracing
 from specdec.v1 import coordinator_pb2_grpc
 

@@ -4,7 +4,7 @@
 application (``serve_app.build_app``, what deploy/ runs) takes the same names as the args of its
 ``serveConfigV2`` entry (``num_speculative_tokens: 3``); either falls back on the environment
 (``SPECDEC_NUM_SPECULATIVE_TOKENS=3``, the ConfigMap deploy/ mounts). The defaults are
-:class:`~specdec.runtime.coordination.CoordinatorConfig`'s, so they live in one place too.
+:class:`~coordinator.core.CoordinatorConfig`'s, so they live in one place too.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from coordinator.core import METHODS, CoordinatorConfig
 from specdec.loop.policy import StepCost
 from specdec.loop.reproducible import SEEDED_SAMPLING
-from specdec.runtime.coordination import METHODS, CoordinatorConfig
 
 
 def _boolean(value: Any) -> bool:

@@ -69,8 +69,8 @@ def test_the_keeper_returns_once_the_lease_is_lost(redis_url, monkeypatch):
 
 
 def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis_url):
+    from coordinator.core import CoordinatorConfig, CoordinatorCore, canonical
     from specdec.errors import ResourceExhaustedError
-    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore, canonical
 
     async def scenario():
         core = CoordinatorCore(CoordinatorConfig(redis_url=redis_url, max_resume_readers=50))

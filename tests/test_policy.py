@@ -158,7 +158,7 @@ def test_an_adaptive_run_resumed_from_its_committed_steps_continues_identically(
 
 def test_the_stored_request_pins_the_defaults_it_was_given():
     """A takeover re-parses the stored request: every server default it relied on must be in it."""
-    from specdec.runtime.coordination import canonical
+    from coordinator.core import canonical
     from specdec.v1 import coordinator_pb2 as pb
 
     defaults = pb.GenerateRequest()
@@ -216,7 +216,7 @@ def test_coordinator_flags_and_serve_app_args_select_the_policy(monkeypatch):
 
 
 def test_requests_get_the_adaptive_policy_by_default_only_with_a_draft_model():
-    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
+    from coordinator.core import CoordinatorConfig, CoordinatorCore
     from specdec.v1 import coordinator_pb2 as pb
 
     core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1", default_k=2))
@@ -245,8 +245,8 @@ def test_without_a_session_log_a_request_id_in_flight_is_refused():
     first one's run; it gets ALREADY_EXISTS (issue 24, item 5)."""
     import asyncio
 
+    from coordinator.core import CoordinatorConfig, CoordinatorCore
     from specdec.errors import SessionExistsError
-    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
     from specdec.v1 import coordinator_pb2 as pb
 
     core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1"))
@@ -267,7 +267,7 @@ def test_a_request_id_is_bounded_and_printable(request_id):
     before anything is stored (issue 24, item 7)."""
     import asyncio
 
-    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
+    from coordinator.core import CoordinatorConfig, CoordinatorCore
     from specdec.v1 import coordinator_pb2 as pb
 
     core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1"))
@@ -287,7 +287,7 @@ def test_health_names_what_the_coordinator_lacks():
     item 16); the front publishes it to the gRPC health service and GET /health."""
     import asyncio
 
-    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
+    from coordinator.core import CoordinatorConfig, CoordinatorCore
     from specdec.runtime.registry import Replica
 
     async def scenario():

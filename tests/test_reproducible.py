@@ -62,7 +62,7 @@ def test_an_unknown_mode_is_refused_naming_the_choices():
 
 # -- in the coordinator --------------------------------------------------------------------
 def core_with(**config):
-    from specdec.runtime.coordination import CoordinatorConfig, CoordinatorCore
+    from coordinator.core import CoordinatorConfig, CoordinatorCore
 
     core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1", **config))
     core.vocab_size, core.context_length = 32, 64
@@ -98,7 +98,7 @@ def test_the_stored_request_pins_the_resolved_mode_so_a_takeover_with_other_defa
     """The session log stores the request with every server choice filled in; a coordinator
     taking it over re-parses that, whatever its own settings -- and the stored request still
     matches the client's resume call, which leaves those fields unset."""
-    from specdec.runtime.coordination import canonical
+    from coordinator.core import canonical
     from specdec.v1 import coordinator_pb2 as pb
 
     original = bare(seed=9)

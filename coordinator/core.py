@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from coordinator.routing import PeerPool, SessionRouting
 from specdec.engine.ngram import NgramDraft
 from specdec.errors import (
     InvalidArgumentError,
@@ -36,7 +37,6 @@ from specdec.modeling.loading import encode_chat, encode_prompt, longest_token_c
 from specdec.runtime import wire
 from specdec.runtime.output_log import OutputLog
 from specdec.runtime.registry import Registry, Replica
-from specdec.runtime.routing import PeerPool, SessionRouting
 from specdec.telemetry import tracing
 from specdec.v1 import coordinator_pb2
 

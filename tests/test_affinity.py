@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from coordinator.routing import PeerPool, SessionRouting
 from specdec.runtime.affinity import (
     AFFINITY_BLOCK,
     AFFINITY_MAX_EXTRA_SESSIONS,
@@ -15,7 +16,6 @@ from specdec.runtime.affinity import (
     prefix_keys,
 )
 from specdec.runtime.registry import Replica
-from specdec.runtime.routing import PeerPool, SessionRouting
 
 
 def target(rid: str, load: int = 0, capacity: int = 32) -> Replica:

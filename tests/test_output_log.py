@@ -49,7 +49,7 @@ def test_only_the_lease_holder_appends_and_a_retried_append_writes_nothing(redis
 
 
 def test_the_keeper_returns_once_the_lease_is_lost(redis_url, monkeypatch):
-    from specdec.runtime import output_log
+    from coordinator import output_log
 
     monkeypatch.setattr(output_log, "LEASE_REFRESH_S", 0.05)
 
@@ -140,8 +140,8 @@ def test_new_requests_are_refused_past_the_share_of_maxmemory_and_a_full_redis_r
     refused create leaves no key behind."""
     import redis.exceptions
 
+    from coordinator import output_log
     from specdec.errors import ResourceExhaustedError
-    from specdec.runtime import output_log
 
     async def scenario(url):
         log = OutputLog(url)

@@ -128,7 +128,7 @@ def test_the_registry_ignores_forged_records_that_would_win_every_session(redis_
 
 
 def test_a_coordinator_routes_only_to_targets_of_the_model_it_pinned(redis_url):
-    from specdec.runtime.routing import PeerPool
+    from coordinator.routing import PeerPool
 
     async def go():
         registry = Registry(redis_url)

@@ -91,7 +91,7 @@ class CoordinatorConfig:
     max_output_bytes: int = 4 << 20  # ... and holds at most this many bytes of chunks
     startup_timeout_s: float = 120.0
     # a new session goes to the replica this coordinator last sent its prompt's prefix to, while
-    # that one is not much busier than the least loaded (specdec.runtime.affinity)
+    # that one is not much busier than the least loaded (coordinator.affinity)
     prefix_routing: bool = True
 
     def __post_init__(self):

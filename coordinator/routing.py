@@ -10,8 +10,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from coordinator.affinity import PrefixAffinity, choose_near_prefix, prefix_keys
 from specdec.errors import PeerError
-from specdec.runtime.affinity import PrefixAffinity, choose_near_prefix, prefix_keys
 from specdec.runtime.peers import GrpcDraft, GrpcTarget
 from specdec.runtime.registry import (
     HEARTBEAT_S,
@@ -136,7 +136,7 @@ class PeerPool:
     def _pick(self, kind: str, candidates: list[Replica], prompt: Sequence[int], salt: str = "") -> Replica | None:
         """The least-loaded candidate, or the one this coordinator last sent the prompt's prefix
         (in the prefix cache's scope ``salt``) to while that one is not much busier
-        (specdec.runtime.affinity)."""
+        (coordinator.affinity)."""
         if self.affinity is None or not prompt:
             return self._picked(least_loaded(candidates, self._pending()))
         keys = prefix_keys(prompt, salt=salt)

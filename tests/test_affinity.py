@@ -1,4 +1,4 @@
-"""Prefix-aware routing as pure functions (specdec.runtime.affinity); through a real stack of two
+"""Prefix-aware routing as pure functions (coordinator.affinity); through a real stack of two
 target and two draft replicas in tests/test_failover.py."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from coordinator.routing import PeerPool, SessionRouting
-from specdec.runtime.affinity import (
+from coordinator.affinity import (
     AFFINITY_BLOCK,
     AFFINITY_MAX_EXTRA_SESSIONS,
     PrefixAffinity,
     choose_near_prefix,
     prefix_keys,
 )
+from coordinator.routing import PeerPool, SessionRouting
 from specdec.runtime.registry import Replica
 
 

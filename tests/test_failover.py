@@ -215,7 +215,7 @@ def test_scale_out_at_run_time_and_session_affinity(stack):
 
 
 def test_a_repeated_prompt_goes_back_to_the_replicas_that_hold_its_prefix(stack):
-    """Prefix-aware routing (specdec.runtime.affinity): the same long prompt, asked three times in
+    """Prefix-aware routing (coordinator.affinity): the same long prompt, asked three times in
     a row, starts all three sessions on one target and one draft replica -- the ones whose prefix
     caches hold it -- where least-loaded routing alone would spread them (this coordinator's
     recent picks count as load), each replica computing the prompt again."""

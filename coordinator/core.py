@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from coordinator.output_log import OutputLog
 from coordinator.routing import PeerPool, SessionRouting
 from specdec.engine.ngram import NgramDraft
 from specdec.errors import (
@@ -35,7 +36,6 @@ from specdec.loop.policy import StepCost
 from specdec.loop.reproducible import SEEDED_SAMPLING, resolve_reproducibility
 from specdec.modeling.loading import encode_chat, encode_prompt, longest_token_chars, try_load_tokenizer
 from specdec.runtime import wire
-from specdec.runtime.output_log import OutputLog
 from specdec.runtime.registry import Registry, Replica
 from specdec.telemetry import tracing
 from specdec.v1 import coordinator_pb2

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from coordinator.output_log import OutputLog
 from specdec.errors import LeaseLostError
-from specdec.runtime.output_log import OutputLog
 from specdec.runtime.redis_embedded import EmbeddedRedis
 from specdec.v1 import coordinator_pb2 as pb
 

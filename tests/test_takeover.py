@@ -161,7 +161,7 @@ def test_redis_refusing_writes_is_resource_exhausted_without_a_traceback_and_the
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (info.value.code(), details)
     assert "session log (Redis)" in details and "maxmemory" in details
     assert "Traceback" not in details and ".py" not in details and "pid" not in details
-    from specdec.runtime.output_log import ROOM_CHECK_S
+    from coordinator.output_log import ROOM_CHECK_S
 
     time.sleep(2 * ROOM_CHECK_S)  # "retry in a while": the coordinator looks at Redis's memory again
     assert len(stub(stack.coordinator_address).Generate(req, timeout=120).token_ids) == 8

@@ -37,7 +37,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# The session log's bound (specdec.runtime.output_log): Redis refuses writes past it rather than
+# The session log's bound (coordinator.output_log): Redis refuses writes past it rather than
 # evicting anything (a lease or a heartbeat evicted would silently lose a request or a replica).
 DEFAULT_MAXMEMORY = "512mb"
 

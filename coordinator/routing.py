@@ -11,8 +11,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from coordinator.affinity import PrefixAffinity, choose_near_prefix, prefix_keys
+from coordinator.peers import GrpcDraft, GrpcTarget
 from specdec.errors import PeerError
-from specdec.runtime.peers import GrpcDraft, GrpcTarget
 from specdec.runtime.registry import (
     HEARTBEAT_S,
     Registry,

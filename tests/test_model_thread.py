@@ -8,6 +8,7 @@ and made a SmolLM2 Verify 1.5-2.5x slower on the 2-core machine.
 import asyncio
 import threading
 
+from coordinator.peers import GrpcDraft, GrpcTarget
 from draft_service.server import DraftServicer
 from specdec.engine.commits import Commit
 from specdec.engine.draft import DraftEngine
@@ -15,7 +16,6 @@ from specdec.engine.target import TargetEngine
 from specdec.exact.sampling import SamplingParams
 from specdec.runtime import grpc_server as srv
 from specdec.runtime.model_thread import on_model_thread
-from specdec.runtime.peers import GrpcDraft, GrpcTarget
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 from target_service.server import TargetServicer
 
@@ -149,8 +149,8 @@ def test_a_failed_release_is_retried_in_the_background_and_close_waits_for_it(mo
     import grpc
     import pytest
 
+    from coordinator import peers
     from specdec.errors import PeerError
-    from specdec.runtime import peers
 
     monkeypatch.setattr(peers, "RELEASE_RETRY_DELAYS_S", (0.05, 0.05, 0.05))
 

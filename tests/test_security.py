@@ -273,7 +273,7 @@ def test_bad_tls_flags_stop_a_service_with_one_line_naming_the_setting(tmp_path)
 def test_replica_errors_reach_clients_without_internal_addresses():
     """A failed call to a replica becomes the client's status naming the replica's kind and the
     problem; its address (and any HOST:PORT gRPC's transport error names) stays in the log."""
-    from specdec.runtime.peers import _peer_error
+    from coordinator.peers import _peer_error
 
     class Failed(grpc.aio.AioRpcError):
         def __init__(self):

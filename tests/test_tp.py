@@ -15,6 +15,7 @@ import pytest
 import torch
 from stack_util import generate_many, greedy_continuations, request, save_selftest_pair, stub
 
+from coordinator.peers import GrpcTarget
 from specdec.apps.launcher import Child, Stack, free_port, local_stack
 from specdec.apps.selftest import BASE_SEED, CASES, build_target, case_grammars, case_params, exact_law, judge
 from specdec.engine.draft import DraftEngine
@@ -23,7 +24,6 @@ from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
 from specdec.loop.generate import LocalDraft, generate_async
 from specdec.modeling.tiny import negated_head
-from specdec.runtime.peers import GrpcTarget
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

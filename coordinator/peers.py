@@ -37,7 +37,7 @@ RETRYABLE_RELEASE = frozenset({"DEADLINE_EXCEEDED", "UNAVAILABLE", "RESOURCE_EXH
 MAX_PENDING_RELEASES = 1024
 CLOSE_GRACE_S = 3.0  # how long close() waits for releases in flight before closing the channel
 
-log = logging.getLogger("specdec.runtime.peers")
+log = logging.getLogger("specdec.coordinator.peers")
 
 
 def _peer_error(kind: str, address: str, exc: grpc.aio.AioRpcError) -> PeerError:

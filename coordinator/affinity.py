@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from specdec.runtime.registry import Replica, least_loaded, load_with_pending
+from coordinator.replica_choice import least_loaded, load_with_pending
+from specdec.runtime.registry import Replica
 
 AFFINITY_BLOCK = 16  # tokens per block: the replicas' prefix-cache block (specdec.engine.prefix)
 AFFINITY_MAX_BLOCKS = 65536  # remembered block chains per replica kind (an LRU: ~10 MB at most)

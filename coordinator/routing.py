@@ -12,17 +12,9 @@ from collections.abc import Sequence
 
 from coordinator.affinity import PrefixAffinity, choose_near_prefix, prefix_keys
 from coordinator.peers import GrpcDraft, GrpcTarget
+from coordinator.replica_choice import choose_target, draft_candidates, least_loaded, target_candidates
 from specdec.errors import PeerError
-from specdec.runtime.registry import (
-    HEARTBEAT_S,
-    Registry,
-    Replica,
-    choose_target,
-    draft_candidates,
-    least_loaded,
-    same_model,
-    target_candidates,
-)
+from specdec.runtime.registry import HEARTBEAT_S, Registry, Replica, same_model
 
 log = logging.getLogger("specdec.routing")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from coordinator.replica_choice import compatible_draft
 from specdec.engine.commits import Commit
 from specdec.engine.draft import FeatureDraftEngine, draft_engine_for
 from specdec.engine.target import TargetEngine
@@ -16,7 +17,7 @@ from specdec.modeling.feature_draft import FeatureDraft, FeatureDraftConfig
 from specdec.modeling.loading import load_model
 from specdec.modeling.tiny import tiny_llama
 from specdec.runtime import wire
-from specdec.runtime.registry import Replica, compatible_draft
+from specdec.runtime.registry import Replica
 from specdec.training.distill_features import build_feature_draft, expected_tokens_per_step
 
 VOCAB = 32

@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 
+from coordinator.replica_choice import choose_draft, choose_target, compatible_draft
 from specdec.runtime.redis_embedded import EmbeddedRedis
-from specdec.runtime.registry import Heartbeat, Registry, Replica, choose_draft, choose_target, compatible_draft
+from specdec.runtime.registry import Heartbeat, Registry, Replica
 
 pytestmark = pytest.mark.integration
 

@@ -31,8 +31,8 @@ from specdec.errors import (
 from specdec.exact.proposal import MAX_BLOCK
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams, constraint_conflict
+from specdec.loop.adaptive_k import StepCost
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
-from specdec.loop.policy import StepCost
 from specdec.loop.reproducible import SEEDED_SAMPLING, resolve_reproducibility
 from specdec.modeling.loading import encode_chat, encode_prompt, longest_token_chars, try_load_tokenizer
 from specdec.runtime import wire
@@ -72,9 +72,9 @@ class CoordinatorConfig:
     default_k: int = 4
     max_k: int = 16
     default_adaptive: bool = True  # draft-model requests that do not say: pause blocks that do not pay
-    step_cost: StepCost = StepCost()  # the replayable adaptive policy's cost model (specdec.loop.policy)
-    # Adaptive requests choose k from their own past only (specdec.loop.policy), not from the
-    # load (specdec.loop.goodput): seeded sampled output then reproduces under any load.
+    step_cost: StepCost = StepCost()  # the replayable adaptive policy's cost model (specdec.loop.adaptive_k)
+    # Adaptive requests choose k from their own past only (specdec.loop.adaptive_k), not from the
+    # load (specdec.loop.load_aware_k): seeded sampled output then reproduces under any load.
     replayable_schedule: bool = False
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 4096

@@ -21,7 +21,7 @@ from specdec.errors import MalformedProposalError, PeerError
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import TargetVerdict
-from specdec.loop.goodput import CostCurve, SpeculationRegime
+from specdec.loop.load_aware_k import CostCurve, SpeculationRegime
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import client_channel
 from specdec.v1 import draft_pb2, draft_pb2_grpc, engine_pb2, target_pb2, target_pb2_grpc
@@ -232,7 +232,7 @@ class GrpcTarget(_LoadReports):
         self.stub = target_pb2_grpc.TargetStub(self.channel)
         self.context_length = 0  # set by info()
         self._init_reports()
-        self.regime = SpeculationRegime()  # whether its sessions speculate, measured (specdec.loop.goodput)
+        self.regime = SpeculationRegime()  # whether its sessions speculate, measured (specdec.loop.load_aware_k)
 
     async def info(self) -> engine_pb2.EngineInfo:
         try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from coordinator.core import METHODS, CoordinatorConfig
-from specdec.loop.policy import StepCost
+from specdec.loop.adaptive_k import StepCost
 from specdec.loop.reproducible import SEEDED_SAMPLING
 
 
@@ -72,7 +72,7 @@ SETTINGS = (
         "fixed_k",
         _boolean,
         "requests that do not say propose k tokens every step (default for draft models: adaptive, "
-        "target-only steps while the request's blocks do not pay; see specdec/loop/policy.py)",
+        "target-only steps while the request's blocks do not pay; see specdec/loop/adaptive_k.py)",
         "default_adaptive",
         invert=True,
     ),

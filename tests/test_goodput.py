@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from specdec.loop.goodput import (
+from specdec.loop.load_aware_k import (
     IDLE,
     BatchLoad,
     CostCurve,
@@ -199,7 +199,7 @@ def test_pass_reports_and_profiles_round_trip_the_wire():
 
 
 def _regime_clock(window_seconds=1.0, **kw):
-    from specdec.loop.goodput import SpeculationRegime
+    from specdec.loop.load_aware_k import SpeculationRegime
 
     now = [0]  # tenths of a second (exact)
     return SpeculationRegime(window_seconds=window_seconds, clock=lambda: now[0] / 10, **kw), now
@@ -242,9 +242,9 @@ def test_each_scored_window_is_logged_at_debug(caplog):
     """SPECDEC_LOG_LEVEL=DEBUG shows how the regime decides: a line per window as it is scored,
     with its figure (or why it has none) and the table of measured figures per load bucket."""
     regime, now = _regime_clock()
-    with caplog.at_level(logging.DEBUG, logger="specdec.loop.goodput"):
+    with caplog.at_level(logging.DEBUG, logger="specdec.loop.load_aware_k"):
         _run_windows(regime, now, 5, 6, {True: 42, False: 50})
-    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.loop.goodput"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.loop.load_aware_k"]
     assert len(lines) == 3  # windows 0, 1, 2 scored as windows 2, 3, 4 open (a window late)
     # 6 sessions commit 42 * 6 // 10 = 25 tokens a step: 250 in the window's second, 41.7 per session
     assert lines[0] == (
@@ -258,11 +258,11 @@ def test_each_scored_window_is_logged_at_debug(caplog):
     regime.speculating(6, model_gain=1.25)
     regime.speculating(2, model_gain=0.8)
     now[0] += 10
-    with caplog.at_level(logging.DEBUG, logger="specdec.loop.goodput"):
+    with caplog.at_level(logging.DEBUG, logger="specdec.loop.load_aware_k"):
         regime.speculating(6, model_gain=1.25)
     assert caplog.records[-1].getMessage().endswith("; model's on/off [2:0.80, 5-8:1.25]")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="specdec.loop.goodput"):
+    with caplog.at_level(logging.INFO, logger="specdec.loop.load_aware_k"):
         _run_windows(regime, now, 2, 6, {True: 42, False: 50})
     assert not caplog.records
 

@@ -21,6 +21,7 @@ from specdec.exact.constraint import Constraint
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
+from specdec.loop.adaptive_k import StepCost
 from specdec.loop.generate import (
     FORCED_RUN_MAX,
     LocalDraft,
@@ -30,7 +31,6 @@ from specdec.loop.generate import (
     forced_run,
     speculative_generate,
 )
-from specdec.loop.policy import StepCost
 from specdec.modeling.grammar import Grammars
 from specdec.modeling.loading import load_tokenizer
 from specdec.modeling.tiny import perturbed, tiny_llama

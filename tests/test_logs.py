@@ -44,7 +44,7 @@ def test_debug_is_for_specdecs_own_loggers_not_the_libraries(monkeypatch):
     monkeypatch.setattr(root, "level", root.level)
     try:
         logs.configure("test")
-        assert logging.getLogger("specdec.loop.goodput").isEnabledFor(logging.DEBUG)
+        assert logging.getLogger("specdec.loop.load_aware_k").isEnabledFor(logging.DEBUG)
         assert root.level == logging.INFO and not logging.getLogger("grpc._cython.cygrpc").isEnabledFor(logging.DEBUG)
     finally:
         ours.setLevel(logging.NOTSET)

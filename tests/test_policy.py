@@ -1,4 +1,4 @@
-"""The adaptive speculation policy (specdec/loop/policy.py): its choice of k, and that a run's state
+"""The adaptive speculation policy (specdec/loop/adaptive_k.py): its choice of k, and that a run's state
 can be rebuilt from what it committed (what a coordinator taking over a request relies on)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from specdec.errors import InvalidArgumentError
-from specdec.loop.policy import AdaptiveK, FixedK, StepCost, make_policy
+from specdec.loop.adaptive_k import AdaptiveK, FixedK, StepCost, make_policy
 
 
 def flat(steps: list[list[int]]) -> list[int]:

@@ -6,7 +6,7 @@ One run, one stack, the same prompts, models and sampling settings for every mod
 - ``target-only``        through the full stack with num_speculative_tokens = 0
 - ``speculative``        through the full stack with the draft model, for each k of the sweep
 - ``speculative-adaptive`` the same with the adaptive policy (blocks of k while they pay,
-                         target-only steps while they do not: specdec/loop/policy.py), for each k
+                         target-only steps while they do not: specdec/loop/adaptive_k.py), for each k
                          of ``--adaptive-ks``; the fixed-k modes above say adaptive = false
 - ``speculative-default`` the server's defaults (the request says nothing of speculation): the
                          draft model, ``--default-k``, and the load-aware policy choosing each

@@ -52,7 +52,7 @@ class Case:
     # The adaptive policy with this (fixed, per_token) step cost: k then changes from step to step
     # with the acceptance so far; None = every step proposes k.
     adaptive_cost: tuple[float, float] | None = None
-    # The load-aware policy (specdec.loop.goodput), fed a pseudo-random batch load every step so
+    # The load-aware policy (specdec.loop.load_aware_k), fed a pseudo-random batch load every step so
     # that k in 0..k follows something outside the request, as it does under real load.
     load_aware: bool = False
     # Structured output: (kind, spec) of a constraint over CHAR_TOKENS; p and q are masked, and
@@ -351,8 +351,8 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     """One case with any target model and draft engine: the exact law of ``target_model`` vs the
     outcomes of seeded speculative runs through the real engines and loop."""
     from specdec.engine.target import TargetEngine
+    from specdec.loop.adaptive_k import StepCost
     from specdec.loop.generate import speculative_generate
-    from specdec.loop.policy import StepCost
 
     started = time.perf_counter()
     target = TargetEngine(target_model)
@@ -430,7 +430,7 @@ class _RandomlyLoadedTarget:
         await self.inner.release(session_id)
 
     async def cost_curve(self):
-        from specdec.loop.goodput import CostCurve
+        from specdec.loop.load_aware_k import CostCurve
 
         return CostCurve(self.CURVE)
 

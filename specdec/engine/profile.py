@@ -1,5 +1,5 @@
 """The startup profile of a replica's batched pass: seconds against size, what the load-aware
-policy's cost model starts from (specdec.loop.goodput; docs/goodput.md).
+policy's cost model starts from (specdec.loop.load_aware_k; docs/goodput.md).
 
 Measured on the loaded model, on the device and thread count it serves with, through the same
 batched path the sessions use (scratch sessions, each taking a step per iteration: its row of the

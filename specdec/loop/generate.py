@@ -32,8 +32,8 @@ from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import StepDecision, TargetVerdict, decide, decide_invariant
-from specdec.loop.goodput import DRAFT_CALL_SECONDS, BatchLoad, Costs, GoodputK
-from specdec.loop.policy import StepCost, make_policy
+from specdec.loop.adaptive_k import StepCost, make_policy
+from specdec.loop.load_aware_k import DRAFT_CALL_SECONDS, BatchLoad, Costs, GoodputK
 from specdec.loop.stats import StepStats
 from specdec.loop.stopping import FINISH_LENGTH, StopChecker
 from specdec.telemetry.tracing import tracer
@@ -192,10 +192,10 @@ class SpeculativeRun:
         taken-over request continues from them, with the same seed, hence the same tokens);
         ``committed_steps``: how many of them each earlier step committed (an adaptive run
         rebuilds its state from them). ``adaptive``: a step proposes ``num_speculative_tokens``
-        while the request's blocks pay for themselves, else none (specdec.loop.policy).
+        while the request's blocks pay for themselves, else none (specdec.loop.adaptive_k).
         ``load_aware`` (with ``adaptive``): instead, each step's k in 0 .. num_speculative_tokens
         maximises the batch's expected goodput from the load the replicas report
-        (specdec.loop.goodput), where the target reports its pass cost; seeded sampled output
+        (specdec.loop.load_aware_k), where the target reports its pass cost; seeded sampled output
         then depends on the load. ``constraint``: a matcher of the request's structured-output
         constraint, which the loop follows to end an n-gram block at a token it forbids, and with
         ``forced_runs`` to commit the runs it forces without a draft call or a target pass
@@ -343,7 +343,7 @@ class SpeculativeRun:
         try:
             if regime is not None:
                 regime.prefill_started()
-            try:  # both prefills: a burst of them spoils the regime's window (specdec.loop.goodput)
+            try:  # both prefills: a burst of them spoils the regime's window (specdec.loop.load_aware_k)
                 try:
                     await self._start_target(self.target)
                 except PeerError as exc:

@@ -20,7 +20,7 @@ from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
 from specdec.exact.verify import TargetVerdict
-from specdec.loop.goodput import CostCurve
+from specdec.loop.load_aware_k import CostCurve
 from specdec.loop.stats import StepStats
 from specdec.v1 import coordinator_pb2, draft_pb2, engine_pb2, target_pb2
 

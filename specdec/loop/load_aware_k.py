@@ -17,7 +17,7 @@ many share its passes. The pieces, each a small pure part:
 
 k never changes the output law (any schedule of k gives the target's law). It does change which
 tokens a seed gives when sampling, and a load-dependent k depends on other users: seeded sampled
-output is reproducible only under the replayable policy (specdec.loop.policy, the coordinator's
+output is reproducible only under the replayable policy (specdec.loop.adaptive_k, the coordinator's
 ``--replayable-schedule``), whose k depends on the request's own past alone.
 """
 
@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-log = logging.getLogger("specdec.loop.goodput")
+log = logging.getLogger("specdec.loop.load_aware_k")
 
 PRIOR_ACCEPTANCE = 0.6  # per position before the request's own blocks say (weight of one block)
 DRAFT_CALL_SECONDS = 0.002  # a propose round trip beyond its passes, until observed

@@ -14,10 +14,10 @@ import secrets
 import socket
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, replace
-from typing import Any
 
+from coordinator.config import METHODS, CoordinatorConfig
 from coordinator.output_log import OutputLog
+from coordinator.requests import ParsedRequest, RequestParser, canonical
 from coordinator.routing import PeerPool, SessionRouting
 from specdec.engine.ngram import NgramDraft
 from specdec.errors import (
@@ -28,13 +28,8 @@ from specdec.errors import (
     SessionExistsError,
     SessionNotFoundError,
 )
-from specdec.exact.proposal import MAX_BLOCK
-from specdec.exact.rng import new_seed
-from specdec.exact.sampling import MAX_NEW_TOKENS_LIMIT, SamplingParams, constraint_conflict
-from specdec.loop.adaptive_k import StepCost
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
-from specdec.loop.reproducible import SEEDED_SAMPLING, resolve_reproducibility
-from specdec.modeling.loading import encode_chat, encode_prompt, longest_token_chars, try_load_tokenizer
+from specdec.modeling.loading import longest_token_chars, try_load_tokenizer
 from specdec.runtime import wire
 from specdec.runtime.registry import Registry, Replica
 from specdec.telemetry import tracing
@@ -42,115 +37,12 @@ from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger("specdec.coordinator")
 
-METHODS = ("draft_model", "ngram", "none")
 
-
-CHAT_ROLES = ("system", "user", "assistant")
 HEALTH_PROBE_S = 1.0  # a health probe's wait for Redis or a target
 MAX_HEALTH_PROBES = 8  # targets probed per health check (one answering is enough)
 LOG_POLL_S = 0.05  # a resumed stream's wait for new log entries
 LEASE_CHECK_POLLS = 20  # ... and how many waits between looks at the lease
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id: a Redis key and a log field, so bounded
-MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the context)
-MAX_CACHE_SALT_CHARS = 256  # a client's cache_salt (the front may prefix its tenant's)
-
-
-def check_constraint_settings(params: SamplingParams) -> None:
-    """What a constraint cannot be combined with is refused here, before any replica is asked
-    (docs/structured-output.md). Either sampling mode takes a constraint: both draw under its masks."""
-    conflict = constraint_conflict(params)
-    if conflict:
-        raise InvalidArgumentError("sampling.structured_output", f"cannot be combined with {conflict}")
-
-
-@dataclass(frozen=True)
-class CoordinatorConfig:
-    target_address: str | None = None  # static replicas (optional when a registry is used)
-    draft_address: str | None = None
-    redis_url: str | None = None  # registry + session log
-    tokenizer: str | None = None  # model spec to load the tokenizer from (default: the target's)
-    default_k: int = 4
-    max_k: int = 16
-    default_adaptive: bool = True  # draft-model requests that do not say: pause blocks that do not pay
-    step_cost: StepCost = StepCost()  # the replayable adaptive policy's cost model (specdec.loop.adaptive_k)
-    # Adaptive requests choose k from their own past only (specdec.loop.adaptive_k), not from the
-    # load (specdec.loop.load_aware_k): seeded sampled output then reproduces under any load.
-    replayable_schedule: bool = False
-    default_max_new_tokens: int = 128
-    max_new_tokens_limit: int = 4096
-    max_concurrent_requests: int = 64
-    max_resume_readers: int = 64  # resumed streams reading the log at once (past it: RESOURCE_EXHAUSTED)
-    invariant_sampling: bool = False  # requests that do not say sample invariantly (docs/exactness.md)
-    # how a request that sends a seed and samples gets its reproducible tokens when it does not say:
-    # "invariant" sampling, or rejection sampling on a "replayable" schedule (resolve_reproducibility)
-    seeded_sampling: str = "invariant"
-    draft_timeout_s: float = 5.0
-    target_timeout_s: float = 60.0
-    default_method: str = "draft_model"
-    output_ttl_s: float = 600.0  # a request's session log lives this long after its last write
-    max_output_bytes: int = 4 << 20  # ... and holds at most this many bytes of chunks
-    startup_timeout_s: float = 120.0
-    # a new session goes to the replica this coordinator last sent its prompt's prefix to, while
-    # that one is not much busier than the least loaded (coordinator.affinity)
-    prefix_routing: bool = True
-
-    def __post_init__(self):
-        if not 0 <= self.max_k <= MAX_BLOCK:
-            raise ValueError(f"max_k must be in [0, {MAX_BLOCK}] (the longest block a replica takes), got {self.max_k}")
-        if self.seeded_sampling not in SEEDED_SAMPLING:
-            raise ValueError(f"seeded_sampling must be one of {SEEDED_SAMPLING}, got {self.seeded_sampling!r}")
-        if isinstance(self.step_cost, dict):  # back from dataclasses.asdict (how it travels to a Ray actor)
-            object.__setattr__(self, "step_cost", StepCost(**self.step_cost))
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams  # seed resolved
-    k: int
-    method: str
-    adaptive: bool
-    replayable: bool = False  # k from its own past only (else the load-aware policy may choose it)
-    forced_tokens: bool = True  # a constraint's forced runs proposed by the loop (with k > 0)
-
-    def resolved(self) -> coordinator_pb2.GenerateRequest:
-        """The server defaults this request was given (seed, invariant, k, method, adaptive,
-        replayable), as request fields."""
-        out = coordinator_pb2.GenerateRequest()
-        assert self.params.seed is not None  # parse() resolves it
-        out.sampling.seed = self.params.seed
-        out.sampling.invariant = self.params.invariant
-        out.speculation.num_speculative_tokens = self.k
-        out.speculation.method = self.method
-        out.speculation.adaptive = self.adaptive
-        out.speculation.replayable = self.replayable
-        out.speculation.forced_tokens = self.forced_tokens
-        return out
-
-
-def canonical(
-    request: coordinator_pb2.GenerateRequest, request_id: str, defaults: coordinator_pb2.GenerateRequest
-) -> bytes:
-    """The request as stored in the session log: id filled in, resume index cleared, and every
-    field the client left to the server (seed, invariant, k, method, adaptive, replayable) taken
-    from ``defaults``, so that a coordinator taking over (whatever its own defaults) runs exactly
-    the same request, with the same tokens."""
-    copy = coordinator_pb2.GenerateRequest()
-    copy.CopyFrom(request)
-    copy.request_id = request_id
-    copy.resume_from_index = 0
-    sampling, default_sampling = copy.sampling, defaults.sampling
-    for name in ("seed", "invariant"):
-        if not sampling.HasField(name):
-            setattr(sampling, name, getattr(default_sampling, name))
-    spec, default_spec = copy.speculation, defaults.speculation
-    for name in ("num_speculative_tokens", "adaptive", "replayable", "forced_tokens"):
-        if not spec.HasField(name):
-            setattr(spec, name, getattr(default_spec, name))
-    if not spec.method:
-        spec.method = default_spec.method
-    return copy.SerializeToString(deterministic=True)
 
 
 async def run_ahead(source: AsyncGenerator, depth: int = 1) -> AsyncIterator:
@@ -213,17 +105,12 @@ class CoordinatorCore:
         if config.redis_url:
             self.log = OutputLog(config.redis_url, config.output_ttl_s, config.max_output_bytes)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.tokenizer: Any = None
-        self.vocab_size = 0
-        self.context_length = 0
-        self.eos_token_ids: list[int] = []
+        self.requests = RequestParser(config)  # the model's figures and tokenizer, set at setup
         self.model_id = ""  # the target's model, as it reports it
-        self.max_token_chars = 0  # the tokenizer's longest token (0: no bound known)
         self.active = 0
         self.readers = 0  # resumed streams reading the session log
         self.live_ids: set[str] = set()  # without a session log: the client-given ids in flight
         self.ngram: NgramDraft | None = None
-        self.grammars: Any = None  # structured output: constraints compiled over the tokenizer
 
     async def setup(self) -> None:
         """Find a target (registry or static), learn its model, load the tokenizer."""
@@ -232,11 +119,12 @@ class CoordinatorCore:
         await self.pool.discover_static()
         target = await self.pool.wait_for_target(self.config.startup_timeout_s)
         info = await self.pool.target_peer(target.address).info()
-        self.vocab_size, self.context_length = info.vocab_size, info.context_length
+        requests = self.requests
+        requests.vocab_size, requests.context_length = info.vocab_size, info.context_length
         self.pool.context_length = info.context_length
         for peer in self.pool._targets.values():
             peer.context_length = info.context_length
-        self.eos_token_ids = list(info.eos_token_ids)
+        requests.eos_token_ids = list(info.eos_token_ids)
         self.model_id = info.model_id
         # every later session goes to a target of this same model (another deployment's targets
         # in a shared Redis are ignored)
@@ -244,12 +132,12 @@ class CoordinatorCore:
             "target", target.replica_id, target.address, info.model_id, info.tokenizer_fingerprint, "", info.vocab_size
         )
         spec = self.config.tokenizer or info.model_id
-        self.tokenizer = await asyncio.to_thread(try_load_tokenizer, spec) if spec else None
-        if self.tokenizer is None:
+        requests.tokenizer = await asyncio.to_thread(try_load_tokenizer, spec) if spec else None
+        if requests.tokenizer is None:
             log.warning("no tokenizer for %r: text prompts, text output and stop strings are unavailable", spec)
         else:
-            self.max_token_chars = longest_token_chars(self.tokenizer)
-        self.ngram = NgramDraft(self.vocab_size)
+            requests.max_token_chars = longest_token_chars(requests.tokenizer)
+        self.ngram = NgramDraft(info.vocab_size)
 
     def cost_model(self) -> list[tuple[str, str, list[tuple[int, float]]]]:
         """The load-aware policy's current pass-cost estimates: (kind, replica address, points)."""
@@ -275,142 +163,6 @@ class CoordinatorCore:
         for client in (self.registry, self.log):
             if client is not None:
                 await client.close()
-
-    # -- validation ---------------------------------------------------------------------------
-    def _text_chars(self, request: coordinator_pb2.GenerateRequest) -> int:
-        return len(request.prompt) + sum(len(m.content) for m in request.messages)
-
-    async def encode(self, request: coordinator_pb2.GenerateRequest) -> list[int] | None:
-        """A text prompt's or a conversation's token ids, tokenized off the event loop (a long
-        text would stall every other request), after refusing text that cannot fit the context
-        whatever it tokenizes to; None for a request of token ids."""
-        if request.sampling.HasField("structured_output"):
-            await self.check_constraint(request.sampling.structured_output)
-        if not (request.prompt or request.messages) or request.prompt_token_ids:
-            return None
-        chars = self._text_chars(request)
-        if self.max_token_chars and chars > self.context_length * self.max_token_chars:
-            field = "messages" if request.messages else "prompt"
-            raise InvalidArgumentError(
-                field,
-                f"{chars} characters cannot fit the model context of {self.context_length} tokens "
-                f"(no token is longer than {self.max_token_chars} characters)",
-            )
-        return await asyncio.to_thread(self._encode_text, request)
-
-    async def check_constraint(self, msg: coordinator_pb2.StructuredOutput) -> None:
-        """Compile a request's constraint here, off the event loop, before any replica is asked:
-        a schema or grammar that does not compile is the client's 400 naming the problem, and
-        the replicas' compile caches then hold only constraints that compile."""
-        try:
-            constraint = wire.constraint_from_proto(msg)
-            if self.tokenizer is None:
-                raise InvalidArgumentError("structured_output", "this server has no tokenizer to compile it with")
-            if self.grammars is None:
-                from specdec.modeling.grammar import Grammars
-
-                self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            await asyncio.to_thread(self.grammars.matcher, constraint)
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError("sampling.structured_output", str(exc).split(": ", 1)[-1]) from None
-
-    def _encode_text(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
-        if request.messages:
-            return self._encode_messages(request.messages)
-        if self.tokenizer is None:
-            raise InvalidArgumentError("prompt", "this server has no tokenizer: send prompt_token_ids")
-        return encode_prompt(self.tokenizer, request.prompt, chat=request.apply_chat_template)
-
-    def parse(
-        self, request: coordinator_pb2.GenerateRequest, request_id: str, text_ids: list[int] | None = None
-    ) -> ParsedRequest:
-        """The request, validated and resolved; ``text_ids``: its text already tokenized
-        (:meth:`encode`), else tokenized here."""
-        cfg = self.config
-        given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(request, name)]
-        if len(given) > 1:
-            raise InvalidArgumentError(given[1], f"give one of prompt, prompt_token_ids or messages, not {given}")
-        if request.messages:
-            prompt_ids = text_ids if text_ids is not None else self._encode_text(request)
-        elif request.prompt_token_ids:
-            prompt_ids = [int(t) for t in request.prompt_token_ids]
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidArgumentError(
-                    "prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        elif request.prompt:
-            prompt_ids = text_ids if text_ids is not None else self._encode_text(request)
-            if not prompt_ids:
-                raise InvalidArgumentError("prompt", "tokenizes to zero tokens")
-        else:
-            raise InvalidArgumentError("prompt", "empty: give prompt, prompt_token_ids or messages")
-        if request.apply_chat_template and not request.prompt:
-            raise InvalidArgumentError("apply_chat_template", "needs a text prompt")
-        if len(prompt_ids) >= self.context_length:
-            raise InvalidArgumentError(
-                "prompt", f"{len(prompt_ids)} tokens leave no room in the model context of {self.context_length}"
-            )
-        if request.sampling.max_new_tokens > cfg.max_new_tokens_limit:
-            raise InvalidArgumentError(
-                "sampling.max_new_tokens",
-                f"{request.sampling.max_new_tokens} exceeds this server's limit of {cfg.max_new_tokens_limit}",
-            )
-        params = wire.sampling_from_proto(request.sampling, min(cfg.default_max_new_tokens, MAX_NEW_TOKENS_LIMIT))
-        asked_invariant = request.sampling.invariant if request.sampling.HasField("invariant") else None
-        if params.constraint is not None:
-            check_constraint_settings(params)
-        spec = request.speculation
-        invariant, replayable = resolve_reproducibility(
-            seeded=request.sampling.HasField("seed"),
-            sampled=params.temperature > 0,
-            invariant=asked_invariant,
-            replayable=spec.replayable if spec.HasField("replayable") else None,
-            seeded_sampling=cfg.seeded_sampling,
-            invariant_default=cfg.invariant_sampling,
-            replayable_default=cfg.replayable_schedule,
-        )
-        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
-            raise InvalidArgumentError("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters")
-        params = replace(params, invariant=invariant, cache_salt=request.cache_salt)
-        try:
-            params.validate_for_vocab(self.vocab_size)
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgumentError("sampling.stop", "this server has no tokenizer to match stop strings")
-        method = spec.method or cfg.default_method
-        if method not in METHODS:
-            raise InvalidArgumentError("speculation.method", f"unknown method {spec.method!r}; use one of {METHODS}")
-        k = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else cfg.default_k
-        if not 0 <= k <= cfg.max_k:
-            raise InvalidArgumentError("speculation.num_speculative_tokens", f"must be in [0, {cfg.max_k}], got {k}")
-        if method == "none":
-            k = 0
-        # By default only for draft models: an n-gram lookup costs no call, and when it finds
-        # nothing the step is target-only anyway, so pausing it would only miss repetitions.
-        adaptive = spec.adaptive if spec.HasField("adaptive") else cfg.default_adaptive and method == "draft_model"
-        if params.seed is None:
-            params = params.with_seed(new_seed())
-        forced = spec.forced_tokens if spec.HasField("forced_tokens") else True
-        return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive, replayable, forced)
-
-    def _encode_messages(self, messages) -> list[int]:
-        """A conversation through the model's chat template, the assistant's turn to follow."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidArgumentError("messages", "this model has no chat template: send a prompt")
-        if len(messages) > MAX_MESSAGES:
-            raise InvalidArgumentError("messages", f"at most {MAX_MESSAGES} messages, got {len(messages)}")
-        for i, m in enumerate(messages):
-            if m.role not in CHAT_ROLES:
-                raise InvalidArgumentError(f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
-        try:
-            prompt_ids = encode_chat(self.tokenizer, [(m.role, m.content) for m in messages])
-        except Exception as exc:  # noqa: BLE001 - a template may refuse an order of roles
-            raise InvalidArgumentError("messages", f"the chat template refused them: {exc}") from None
-        if not prompt_ids:
-            raise InvalidArgumentError("messages", "tokenize to zero tokens")
-        return prompt_ids
 
     # -- the public entry point ----------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -457,7 +209,7 @@ class CoordinatorCore:
                         raise SessionExistsError(f"request_id {request_id!r} is in flight; use another")
                     self.live_ids.add(request_id)
                 try:
-                    parsed = self.parse(request, request_id, await self.encode(request))
+                    parsed = self.requests.parse(request, request_id, await self.requests.encode(request))
                     async with self._admitted(logged=False):
                         async for chunk in self._generate(parsed, [], [], trace_carrier):
                             yield chunk
@@ -469,7 +221,7 @@ class CoordinatorCore:
             if meta is None:
                 if request.resume_from_index:
                     raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
-                parsed = self.parse(request, request_id, await self.encode(request))
+                parsed = self.requests.parse(request, request_id, await self.requests.encode(request))
                 async with self._admitted(logged=True):
                     if await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner):
                         async for chunk in self._owned(parsed, [], [], 0, trace_carrier):
@@ -570,7 +322,7 @@ class CoordinatorCore:
                         await session_log.release_lease(request_id, self.owner)
                         return
                 log.info("request %s: taking over after %d committed tokens", request_id, len(tokens))
-                parsed = self.parse(stored, request_id, await self.encode(stored))
+                parsed = self.requests.parse(stored, request_id, await self.requests.encode(stored))
                 try:
                     async with self._admitted(logged=True):
                         async for chunk in self._owned(parsed, tokens, steps, from_index, trace_carrier):
@@ -609,9 +361,9 @@ class CoordinatorCore:
         out.token_ids.extend(chunk.token_ids[cut:])
         del out.logprobs[:]
         out.logprobs.extend(chunk.logprobs[cut:])
-        if self.tokenizer is not None:  # text of the remainder only
-            head = self.tokenizer.decode(tokens[: min(from_index, end)], skip_special_tokens=True)
-            whole = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        if self.requests.tokenizer is not None:  # text of the remainder only
+            head = self.requests.tokenizer.decode(tokens[: min(from_index, end)], skip_special_tokens=True)
+            whole = self.requests.tokenizer.decode(tokens[:end], skip_special_tokens=True)
             out.text = whole[len(head) :] if whole.startswith(head) else chunk.text
         return out
 
@@ -643,7 +395,7 @@ class CoordinatorCore:
                 if parsed.params.logprobs is None:
                     return []
                 entries, sent = run.token_logprobs[sent : sent + len(tokens)], sent + len(tokens)
-                return wire.token_logprobs_to_proto(entries, self.tokenizer)
+                return wire.token_logprobs_to_proto(entries, self.requests.tokenizer)
 
             while True:
                 with tracing.span_as_current(span):  # never current across our own yield
@@ -700,15 +452,15 @@ class CoordinatorCore:
         constraint = None
         if parsed.params.constraint is not None and parsed.k > 0:
             # compiled when the request was checked: a cache hit, a copy of the template
-            constraint = await asyncio.to_thread(self.grammars.matcher, parsed.params.constraint)
+            constraint = await asyncio.to_thread(self.requests.grammars.matcher, parsed.params.constraint)
         run = SpeculativeRun(
             target,
             draft,
             parsed.prompt_ids,
             parsed.params,
             parsed.k,
-            self.eos_token_ids,
-            self.tokenizer,
+            self.requests.eos_token_ids,
+            self.requests.tokenizer,
             # Per run: a resumed or taken-over request never collides with (or releases) the
             # sessions of the run before it, which may still live until their TTL.
             # 128 random bits: a session id nobody can guess from the request id it starts with

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
 from coordinator.api_keys import ApiKeys, scoped_salt
-from coordinator.core import CoordinatorConfig, CoordinatorCore
+from coordinator.config import CoordinatorConfig
+from coordinator.core import CoordinatorCore
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method, status_of
 from specdec.telemetry import metrics, tracing

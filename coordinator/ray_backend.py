@@ -21,7 +21,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from coordinator.core import CoordinatorConfig, CoordinatorCore
+from coordinator.config import CoordinatorConfig
+from coordinator.core import CoordinatorCore
 from specdec.errors import PeerError, SpecdecError
 from specdec.runtime import security
 from specdec.telemetry import logs, tracing

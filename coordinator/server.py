@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from coordinator import api_keys, settings
-from coordinator.core import CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.front import SERVICE, Backend, CoordinatorFront, CoordinatorServicer, LocalBackend
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security

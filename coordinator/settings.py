@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from coordinator.core import METHODS, CoordinatorConfig
+from coordinator.config import METHODS, CoordinatorConfig
 from specdec.loop.adaptive_k import StepCost
 from specdec.loop.reproducible import SEEDED_SAMPLING
 

@@ -69,15 +69,17 @@ def test_the_keeper_returns_once_the_lease_is_lost(redis_url, monkeypatch):
 
 
 def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis_url):
-    from coordinator.core import CoordinatorConfig, CoordinatorCore, canonical
+    from coordinator.config import CoordinatorConfig
+    from coordinator.core import CoordinatorCore
+    from coordinator.requests import canonical
     from specdec.errors import ResourceExhaustedError
 
     async def scenario():
         core = CoordinatorCore(CoordinatorConfig(redis_url=redis_url, max_resume_readers=50))
-        core.vocab_size, core.context_length = 32, 64
+        core.requests.vocab_size, core.requests.context_length = 32, 64
         rid = "r3"
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2])
-        stored = canonical(req, rid, core.parse(req, rid).resolved())
+        stored = canonical(req, rid, core.requests.parse(req, rid).resolved())
         writer = OutputLog(redis_url)
         assert await writer.create(rid, stored, owner="W")  # another coordinator is generating it
         keeper = asyncio.ensure_future(writer.keep_lease(rid, "W"))

@@ -158,7 +158,7 @@ def test_an_adaptive_run_resumed_from_its_committed_steps_continues_identically(
 
 def test_the_stored_request_pins_the_defaults_it_was_given():
     """A takeover re-parses the stored request: every server default it relied on must be in it."""
-    from coordinator.core import canonical
+    from coordinator.requests import canonical
     from specdec.v1 import coordinator_pb2 as pb
 
     defaults = pb.GenerateRequest()
@@ -216,11 +216,12 @@ def test_coordinator_flags_and_serve_app_args_select_the_policy(monkeypatch):
 
 
 def test_requests_get_the_adaptive_policy_by_default_only_with_a_draft_model():
-    from coordinator.core import CoordinatorConfig, CoordinatorCore
+    from coordinator.config import CoordinatorConfig
+    from coordinator.core import CoordinatorCore
     from specdec.v1 import coordinator_pb2 as pb
 
     core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1", default_k=2))
-    core.vocab_size, core.context_length = 32, 64
+    core.requests.vocab_size, core.requests.context_length = 32, 64
 
     def parsed(method="", adaptive=None, k=None):
         request = pb.GenerateRequest(prompt_token_ids=[1, 2, 3])
@@ -229,15 +230,15 @@ def test_requests_get_the_adaptive_policy_by_default_only_with_a_draft_model():
             request.speculation.adaptive = adaptive
         if k is not None:
             request.speculation.num_speculative_tokens = k
-        return core.parse(request, "r")
+        return core.requests.parse(request, "r")
 
     assert parsed().adaptive and parsed().k == 2 and parsed().method == "draft_model"
     assert not parsed(adaptive=False).adaptive
     assert not parsed("ngram").adaptive  # an empty lookup costs nothing: never paused by default
     assert parsed("ngram", adaptive=True).adaptive  # unless the request asks
     fixed = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1", default_adaptive=False))
-    fixed.vocab_size, fixed.context_length = 32, 64
-    assert not fixed.parse(pb.GenerateRequest(prompt_token_ids=[1]), "r").adaptive
+    fixed.requests.vocab_size, fixed.requests.context_length = 32, 64
+    assert not fixed.requests.parse(pb.GenerateRequest(prompt_token_ids=[1]), "r").adaptive
 
 
 def test_without_a_session_log_a_request_id_in_flight_is_refused():
@@ -245,12 +246,13 @@ def test_without_a_session_log_a_request_id_in_flight_is_refused():
     first one's run; it gets ALREADY_EXISTS (issue 24, item 5)."""
     import asyncio
 
-    from coordinator.core import CoordinatorConfig, CoordinatorCore
+    from coordinator.config import CoordinatorConfig
+    from coordinator.core import CoordinatorCore
     from specdec.errors import SessionExistsError
     from specdec.v1 import coordinator_pb2 as pb
 
     core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1"))
-    core.vocab_size, core.context_length = 32, 64
+    core.requests.vocab_size, core.requests.context_length = 32, 64
     core.live_ids.add("busy")  # a request with that id is running here
 
     async def first_chunk(request_id):
@@ -267,11 +269,12 @@ def test_a_request_id_is_bounded_and_printable(request_id):
     before anything is stored (issue 24, item 7)."""
     import asyncio
 
-    from coordinator.core import CoordinatorConfig, CoordinatorCore
+    from coordinator.config import CoordinatorConfig
+    from coordinator.core import CoordinatorCore
     from specdec.v1 import coordinator_pb2 as pb
 
     core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1"))
-    core.vocab_size, core.context_length = 32, 64
+    core.requests.vocab_size, core.requests.context_length = 32, 64
 
     async def first_chunk():
         return await core.generate(pb.GenerateRequest(request_id=request_id, prompt_token_ids=[1])).__anext__()
@@ -287,7 +290,8 @@ def test_health_names_what_the_coordinator_lacks():
     item 16); the front publishes it to the gRPC health service and GET /health."""
     import asyncio
 
-    from coordinator.core import CoordinatorConfig, CoordinatorCore
+    from coordinator.config import CoordinatorConfig
+    from coordinator.core import CoordinatorCore
     from specdec.runtime.registry import Replica
 
     async def scenario():

@@ -62,10 +62,11 @@ def test_an_unknown_mode_is_refused_naming_the_choices():
 
 # -- in the coordinator --------------------------------------------------------------------
 def core_with(**config):
-    from coordinator.core import CoordinatorConfig, CoordinatorCore
+    from coordinator.config import CoordinatorConfig
+    from coordinator.core import CoordinatorCore
 
     core = CoordinatorCore(CoordinatorConfig(target_address="127.0.0.1:1", **config))
-    core.vocab_size, core.context_length = 32, 64
+    core.requests.vocab_size, core.requests.context_length = 32, 64
     return core
 
 
@@ -83,14 +84,14 @@ def bare(seed=None, temperature=0.8, **speculation):
 
 def test_parse_resolves_the_mode_from_the_clients_seed_not_from_the_one_the_server_draws():
     core = core_with()
-    seeded = core.parse(bare(seed=5), "r")
+    seeded = core.requests.parse(bare(seed=5), "r")
     assert seeded.params.invariant and not seeded.replayable and seeded.params.seed == 5
-    unseeded = core.parse(bare(), "r")
+    unseeded = core.requests.parse(bare(), "r")
     assert unseeded.params.seed is not None  # drawn and reported, but the client fixed nothing
     assert not unseeded.params.invariant and not unseeded.replayable
-    greedy = core.parse(bare(seed=5, temperature=0.0), "r")
+    greedy = core.requests.parse(bare(seed=5, temperature=0.0), "r")
     assert not greedy.params.invariant and not greedy.replayable
-    replayable = core_with(seeded_sampling="replayable").parse(bare(seed=5), "r")
+    replayable = core_with(seeded_sampling="replayable").requests.parse(bare(seed=5), "r")
     assert not replayable.params.invariant and replayable.replayable
 
 
@@ -98,21 +99,21 @@ def test_the_stored_request_pins_the_resolved_mode_so_a_takeover_with_other_defa
     """The session log stores the request with every server choice filled in; a coordinator
     taking it over re-parses that, whatever its own settings -- and the stored request still
     matches the client's resume call, which leaves those fields unset."""
-    from coordinator.core import canonical
+    from coordinator.requests import canonical
     from specdec.v1 import coordinator_pb2 as pb
 
     original = bare(seed=9)
-    stored_bytes = canonical(original, "r1", core_with().parse(original, "r1").resolved())
+    stored_bytes = canonical(original, "r1", core_with().requests.parse(original, "r1").resolved())
     stored = pb.GenerateRequest.FromString(stored_bytes)
     assert stored.sampling.HasField("invariant") and stored.sampling.invariant
     assert stored.speculation.HasField("replayable") and not stored.speculation.replayable
     for other in ({"seeded_sampling": "replayable"}, {"replayable_schedule": True}, {"invariant_sampling": True}):
-        taken = core_with(**other).parse(stored, "r1")
+        taken = core_with(**other).requests.parse(stored, "r1")
         assert (taken.params.invariant, taken.replayable) == (True, False), other
     # an unseeded request stays unseeded in spirit: its drawn seed is stored, its mode too
     loose = bare()
-    stored = pb.GenerateRequest.FromString(canonical(loose, "r2", core_with().parse(loose, "r2").resolved()))
-    taken = core_with().parse(stored, "r2")
+    stored = pb.GenerateRequest.FromString(canonical(loose, "r2", core_with().requests.parse(loose, "r2").resolved()))
+    taken = core_with().requests.parse(stored, "r2")
     assert not taken.params.invariant and not taken.replayable
     resume = bare(seed=9)
     resume.resume_from_index = 4

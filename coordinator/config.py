@@ -42,6 +42,8 @@ class CoordinatorConfig:
     # a new session goes to the replica this coordinator last sent its prompt's prefix to, while
     # that one is not much busier than the least loaded (coordinator.affinity)
     prefix_routing: bool = True
+    # requests that do not say draft their next block while the target verifies (loop.pipelining)
+    pipeline_drafts: bool = False
 
     def __post_init__(self):
         if not 0 <= self.max_k <= MAX_BLOCK:

@@ -473,6 +473,7 @@ class CoordinatorCore:
             load_aware=not parsed.replayable,
             constraint=constraint,
             forced_runs=parsed.forced_tokens,
+            pipeline=parsed.pipeline,
         )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)

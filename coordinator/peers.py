@@ -208,8 +208,12 @@ class GrpcDraft(_LoadReports):
         except grpc.aio.AioRpcError as exc:
             raise _peer_error("draft", self.address, exc) from None
 
-    async def propose(self, session_id: str, step: int, k: int, commit: Commit | None) -> DraftProposal:
-        request = draft_pb2.ProposeRequest(session_id=session_id, step=step, k=k, commit=wire.commit_to_proto(commit))
+    async def propose(
+        self, session_id: str, step: int, k: int, commit: Commit | None, assumed: Sequence[int] = ()
+    ) -> DraftProposal:
+        request = draft_pb2.ProposeRequest(
+            session_id=session_id, step=step, k=k, commit=wire.commit_to_proto(commit), assumed=list(assumed)
+        )
         try:
             reply = await self.stub.Propose(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:

@@ -41,6 +41,7 @@ class ParsedRequest:
     adaptive: bool
     replayable: bool = False  # k from its own past only (else the load-aware policy may choose it)
     forced_tokens: bool = True  # a constraint's forced runs proposed by the loop (with k > 0)
+    pipeline: bool = False  # the draft drafts the next block while the target verifies (loop.pipelining)
 
     def resolved(self) -> coordinator_pb2.GenerateRequest:
         """The server defaults this request was given (seed, invariant, k, method, adaptive,
@@ -54,6 +55,7 @@ class ParsedRequest:
         out.speculation.adaptive = self.adaptive
         out.speculation.replayable = self.replayable
         out.speculation.forced_tokens = self.forced_tokens
+        out.speculation.pipeline = self.pipeline
         return out
 
 
@@ -73,7 +75,7 @@ def canonical(
         if not sampling.HasField(name):
             setattr(sampling, name, getattr(default_sampling, name))
     spec, default_spec = copy.speculation, defaults.speculation
-    for name in ("num_speculative_tokens", "adaptive", "replayable", "forced_tokens"):
+    for name in ("num_speculative_tokens", "adaptive", "replayable", "forced_tokens", "pipeline"):
         if not spec.HasField(name):
             setattr(spec, name, getattr(default_spec, name))
     if not spec.method:
@@ -211,7 +213,8 @@ class RequestParser:
         if params.seed is None:
             params = params.with_seed(new_seed())
         forced = spec.forced_tokens if spec.HasField("forced_tokens") else True
-        return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive, replayable, forced)
+        pipeline = spec.pipeline if spec.HasField("pipeline") else cfg.pipeline_drafts
+        return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive, replayable, forced, pipeline)
 
     def _encode_messages(self, messages) -> list[int]:
         """A conversation through the model's chat template, the assistant's turn to follow."""

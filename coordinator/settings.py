@@ -119,6 +119,15 @@ SETTINGS = (
         "prefix_routing",
         invert=True,
     ),
+    Setting(
+        "pipeline_drafts",
+        _boolean,
+        "requests that do not say draft their next block while the target verifies this one, for the branch "
+        "'all accepted, bonus as the draft guesses'; a step on that branch makes no draft call (the same tokens "
+        "either way; pays where draft and target have devices or cores of their own: docs/pipelining.md)",
+        "pipeline_drafts",
+        switch=True,
+    ),
     Setting("max_speculative_tokens", int, "largest k a request may ask for", "max_k"),
     Setting("default_max_new_tokens", int, "max_new_tokens of a request that does not say", "default_max_new_tokens"),
     Setting("max_new_tokens_limit", int, "largest max_new_tokens a request may ask for", "max_new_tokens_limit"),

@@ -38,12 +38,15 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
     async def Propose(self, request, context):
         if not 0 <= request.k <= MAX_BLOCK:
             raise InvalidArgumentError("k", f"must be in [0, {MAX_BLOCK}], got {request.k}")
+        if len(request.assumed) > MAX_BLOCK + 1:  # (the engine checks the ids)
+            raise InvalidArgumentError("assumed", f"at most {MAX_BLOCK + 1} tokens, got {len(request.assumed)}")
         commit = wire.optional_commit(request)  # the previous step's commit, applied first by the engine
         with tracing.tracer().start_as_current_span("draft.propose") as span:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.step", request.step)
             span.set_attribute("specdec.k", request.k)
             span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
+            span.set_attribute("specdec.assumed_tokens", len(request.assumed))
             # one hop to the model thread for commit + proposal (each hop costs a thread hand-off)
             proposal, load = await self.engine_call_with_load(
                 request.session_id,
@@ -53,6 +56,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
                 request.step,
                 request.k,
                 commit,
+                list(request.assumed),
             )
             span.set_attribute("specdec.proposed", len(proposal))
         if load is not None:  # a draft pass's size is its sessions: each advances one position

@@ -19,6 +19,7 @@ def request(
     resume_from_index=0,
     adaptive=None,
     replayable=None,
+    pipeline=None,
     **sampling,
 ) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id, resume_from_index=resume_from_index)
@@ -37,6 +38,8 @@ def request(
         req.speculation.adaptive = adaptive
     if replayable is not None:  # else the server's choice (docs/exactness.md, "What a seed fixes")
         req.speculation.replayable = replayable
+    if pipeline is not None:  # else the server's default (specdec.loop.pipelining)
+        req.speculation.pipeline = pipeline
     return req
 
 

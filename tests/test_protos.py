@@ -47,6 +47,7 @@ def test_public_api_names_are_pinned():
         "adaptive",
         "replayable",
         "forced_tokens",
+        "pipeline",
     }
     assert "cache_salt" in fields("GenerateRequest") and "invariant" in fields("SamplingParams")
     assert fields("GenerateResponse") >= {"request_id", "token_ids", "text", "finish_reason", "seed", "stats"}
@@ -63,5 +64,8 @@ def test_public_api_names_are_pinned():
         "verify_seconds",
         "total_seconds",
         "forced_tokens",
+        "predrafts",
+        "predraft_hits",
+        "predraft_seconds",
     } <= fields("SpeculationStats")
     assert len(proto_files()) == 4

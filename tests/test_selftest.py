@@ -27,6 +27,8 @@ REQUIRED = {
     "load_aware_k",
     "invariant",
     "invariant_load_aware_top_k",
+    "pipelined",
+    "invariant_pipelined_load_aware",
 }
 
 

@@ -90,7 +90,9 @@ def test_trace_spans_all_three_services(stack, collector):
     col, _ = collector
     reply = stub(stack.coordinator_address).Generate(
         # fixed k: the load-aware default may not speculate (and then never starts a draft session)
-        request([1, 2, 3], k=3, adaptive=False, temperature=1.0, seed=3, max_new_tokens=10, ignore_eos=True)
+        request(
+            [1, 2, 3], k=3, adaptive=False, pipeline=True, temperature=1.0, seed=3, max_new_tokens=10, ignore_eos=True
+        )
     )
     wanted = {"specdec-coordinator", "specdec-draft", "specdec-target"}
     deadline = time.monotonic() + 60
@@ -101,7 +103,14 @@ def test_trace_spans_all_three_services(stack, collector):
             ids = {s[3].get("specdec.request_id") for s in col.spans_of(tid)}
             if wanted <= services and reply.request_id in ids:
                 trace_id = tid
-                assert {"specdec.request", "specdec.step", "draft.propose", "target.verify"} <= names
+                # (a pre-draft: the draft drafting the next block while the target verifies)
+                assert {
+                    "specdec.request",
+                    "specdec.step",
+                    "draft.propose",
+                    "target.verify",
+                    "specdec.predraft",
+                } <= names
         time.sleep(0.3)
     assert trace_id is not None, [
         (tid, sorted({(s[0], s[2], str(s[3].get("specdec.request_id"))) for s in col.spans_of(tid)}))
@@ -136,7 +145,13 @@ def test_exactness_through_the_stack(stack, models, case):
     # a seed alone would mean invariant sampling), fixed k unless it says, and the load-aware k
     sampling = dict(case.params, max_new_tokens=case.tokens, ignore_eos=True)
     sampling.setdefault("invariant", False)
-    schedule = {"k": case.k, "method": method, "adaptive": case.adaptive_cost is not None, "replayable": False}
+    schedule = {
+        "k": case.k,
+        "method": method,
+        "adaptive": case.adaptive_cost is not None,
+        "replayable": False,
+        "pipeline": case.pipeline,
+    }
     adaptive = schedule["adaptive"]
     requests = [request(list(case.prompt), seed=BASE_SEED + i, **schedule, **sampling) for i in range(n)]
     copied = {s: scrape(stack.metrics_ports[s])["specdec_prefix_cache_hit_tokens"] for s in ("target", "draft")}
@@ -152,6 +167,15 @@ def test_exactness_through_the_stack(stack, models, case):
     verdict = judge(case, observed, law, n, proposed, accepted)
     assert verdict.passed, verdict
     assert all(r.stats.draft_fallbacks == 0 for r in replies)
+    if case.pipeline:  # blocks drafted ahead were used, and the first runs are those drafted serially
+        assert sum(r.stats.predraft_hits for r in replies) > 0
+        serial = [
+            request(list(case.prompt), seed=BASE_SEED + i, **{**schedule, "pipeline": False}, **sampling)
+            for i in range(40)
+        ]
+        assert [list(r.token_ids) for r in generate_many(stack.coordinator_address, serial)] == [
+            list(r.token_ids) for r in replies[:40]
+        ]
     if adaptive:  # the server's default adaptive policy chose the ks (its schedule: the test below)
         assert all(r.stats.policy == "load_aware" for r in replies), Counter(r.stats.policy for r in replies)
 
@@ -613,3 +637,6 @@ def test_internal_rpcs_bound_what_a_client_sends(stack):
     with pytest.raises(grpc.RpcError) as info:
         draft.Propose(draft_pb2.ProposeRequest(session_id="nobody", step=1, k=(1 << 31) - 1), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("k:")
+    with pytest.raises(grpc.RpcError) as info:
+        draft.Propose(draft_pb2.ProposeRequest(session_id="nobody", step=1, k=1, assumed=[1] * 66), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("assumed:")

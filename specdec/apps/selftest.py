@@ -58,6 +58,9 @@ class Case:
     # Structured output: (kind, spec) of a constraint over CHAR_TOKENS; p and q are masked, and
     # the loop proposes what the constraint forces itself (docs/structured-output.md).
     constraint: tuple[str, str] | None = None
+    # Pipelined drafting (specdec.loop.pipelining): the draft drafts the next block while the target
+    # verifies; every run must also be token for token the serial run of its seed.
+    pipeline: bool = False
 
 
 CASES: tuple[Case, ...] = (
@@ -186,6 +189,26 @@ CASES: tuple[Case, ...] = (
         {"temperature": 2.5, "invariant": True},
         tokens=5,
         constraint=("regex", r"[ab]{1,2}-z[cd]{1,2}-z[xy]+\."),
+    ),
+    Case(
+        "pipelined",
+        "pipelined drafting: k=1 blocks, the next block drafted while the target verifies for the branch "
+        "'accepted, bonus as the draft drew it', used when the verdict takes that branch; T=4",
+        {"temperature": 1.0},
+        k=1,
+        tokens=4,
+        pipeline=True,
+    ),
+    Case(
+        "invariant_pipelined_load_aware",
+        "pipelined drafting with invariant sampling (the draft's guess of the bonus shares the target's "
+        "noise) under the randomly loaded load-aware policy: a step takes a prefix of the block drafted "
+        "ahead; every run the target-only run of its seed; T=4",
+        {"temperature": 0.8, "invariant": True},
+        k=2,
+        tokens=4,
+        load_aware=True,
+        pipeline=True,
     ),
 )
 SUBSET_HEAD = (0, 1, 2, 3, 5, 8, 9, 11, 12, 14)
@@ -371,14 +394,22 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     chosen_ks: set[int] = set()
     diverged = 0  # invariant runs whose tokens are not the target-only run's
     forced = 0  # tokens the constraint forced, proposed by the loop
+    unlike_serial = predraft_hits = 0  # pipelined runs: tokens unlike the serial run's; blocks used
     for i in range(n):
         params = base.with_seed(BASE_SEED + i)
         if grammars is not None:
             policy = {"eos_token_ids": base.eos_token_ids, "constraint": grammars.matcher(base.constraint)}
         if case.load_aware:
-            result = _load_aware_run(target, draft, case, params, random.Random(i), chosen_ks)
+            result = _load_aware_run(target, draft, case, params, random.Random(i), chosen_ks, case.pipeline)
         else:
-            result = speculative_generate(target, draft, case.prompt, params, case.k, **policy)
+            result = speculative_generate(target, draft, case.prompt, params, case.k, **policy, pipeline=case.pipeline)
+        if case.pipeline:  # the same loads (the same random.Random(i)) and seed, drafted serially
+            if case.load_aware:
+                serial = _load_aware_run(target, draft, case, params, random.Random(i), set(), False)
+            else:
+                serial = speculative_generate(target, draft, case.prompt, params, case.k, **policy)
+            unlike_serial += serial.token_ids != result.token_ids
+            predraft_hits += result.stats.predraft_hits
         if base.invariant:
             alone = speculative_generate(target, draft, case.prompt, params, 0)
             diverged += alone.token_ids != result.token_ids
@@ -388,6 +419,11 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
         target_only += result.stats.target_passes - result.stats.drafts
         forced += result.stats.forced_tokens
     verdict = judge(case, observed, law, n, proposed, accepted, time.perf_counter() - started)
+    if case.pipeline and verdict.passed and (unlike_serial or not predraft_hits):
+        verdict.passed = False
+        verdict.detail = (
+            f"{unlike_serial} of {n} pipelined runs unlike the serial run; {predraft_hits} blocks drafted ahead used"
+        )
     if diverged and verdict.passed:
         verdict.passed, verdict.detail = False, f"{diverged} of {n} invariant runs differ from target-only"
     if case.adaptive_cost is not None and verdict.passed and not target_only:
@@ -441,13 +477,15 @@ class _RandomlyLoadedTarget:
         return PassLoad(others + self.rows, others + 1, 0.0, others + 1)
 
 
-def _load_aware_run(target, draft, case: Case, params, rng: random.Random, chosen_ks: set[int]):
+def _load_aware_run(target, draft, case: Case, params, rng: random.Random, chosen_ks: set[int], pipeline: bool = False):
     import asyncio
 
     from specdec.loop.generate import LocalDraft, SpeculativeRun
 
     loaded = _RandomlyLoadedTarget(target, rng, chosen_ks)
-    run = SpeculativeRun(loaded, LocalDraft(draft), case.prompt, params, case.k, adaptive=True, load_aware=True)
+    run = SpeculativeRun(
+        loaded, LocalDraft(draft), case.prompt, params, case.k, adaptive=True, load_aware=True, pipeline=pipeline
+    )
 
     async def go():
         async for _ in run.steps():

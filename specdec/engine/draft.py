@@ -34,7 +34,7 @@ from specdec.engine.sessions import (
 )
 from specdec.errors import InvalidArgumentError
 from specdec.exact.gumbel import gumbel_argmax, gumbel_noise
-from specdec.exact.proposal import DraftProposal
+from specdec.exact.proposal import DraftProposal, check_assumed
 from specdec.exact.rng import Purpose, uniform
 from specdec.exact.sampling import (
     RowParams,
@@ -74,8 +74,10 @@ class _Proposer(SessionEngine):
         allowed = session.allowed_after(proposed)
         return DrawRows(session, logits.reshape(1, -1), counts, position, self.top_m, self.eps, allowed)
 
-    def _room(self, session: Session, k: int) -> int:
-        return max(0, min(k, self.store.context_length - len(session.tokens) - 1))
+    def _room(self, session: Session, k: int, assumed: int = 0) -> int:
+        """How many of ``k`` proposals fit after the committed and ``assumed`` tokens (a step
+        emits up to k + 1)."""
+        return max(0, min(k, self.store.context_length - len(session.tokens) - assumed - 1))
 
 
 class DraftEngine(_Proposer):
@@ -91,22 +93,35 @@ class DraftEngine(_Proposer):
     def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
         self._start(session_id, prompt, params)
 
-    def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
-        return run_alone(self.store, self.propose_work(session_id, step, k, commit))
+    def propose(
+        self, session_id: str, step: int, k: int, commit: Commit | None = None, assumed: Sequence[int] = ()
+    ) -> DraftProposal:
+        return run_alone(self.store, self.propose_work(session_id, step, k, commit, assumed))
 
-    def propose_work(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> Work:
+    def propose_work(
+        self, session_id: str, step: int, k: int, commit: Commit | None = None, assumed: Sequence[int] = ()
+    ) -> Work:
         """:meth:`propose` as a work (specdec.engine.batching): one pass per proposal, each of
-        which may share an iteration with other sessions' passes."""
+        which may share an iteration with other sessions' passes.
+
+        ``assumed``: tokens taken as committed after the committed sequence without committing
+        them (a pre-draft while the target verifies them: docs/pipelining.md). The block is drawn
+        after them exactly as it would be once they are committed -- same positions, same keyed
+        draws, their counts in the penalty history -- and the committed state is not touched; the
+        cache keeps their KV, which the next pass reuses where the commit agrees with them."""
         session = self.store.get(session_id)
         with session.lock:
             if commit is not None:
                 self.store.commit(session, commit)
             self.store.check_step(session, step)
-            tokens: list[int] = []
+            assumed = check_assumed(assumed, self.vocab_size)
+            tokens: list[int] = list(assumed)
             qs: list[SparseDist] = []
             counts = session.counts.clone()
+            for t in assumed:
+                counts[t] += 1.0
             first = len(session.tokens)
-            for i in range(self._room(session, k)):
+            for i in range(len(assumed), len(assumed) + self._room(session, k, len(assumed))):
                 logits, _ = yield PassRequest(session, list(tokens), 1)
                 draw = self._draw_request(session, logits[0], counts, first + i, tokens)
                 if nothing_admitted(draw, logits[0]):
@@ -117,7 +132,7 @@ class DraftEngine(_Proposer):
                 tokens.append(y)
                 if q is not None:
                     qs.append(q)
-            return DraftProposal(tokens, qs)
+            return DraftProposal(tokens[len(assumed) :], qs)
 
 
 def nothing_admitted(draw: DrawRows, logits: torch.Tensor) -> bool:
@@ -211,7 +226,11 @@ class FeatureDraftEngine(_Proposer):
         return hidden
 
     @torch.inference_mode()
-    def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
+    def propose(
+        self, session_id: str, step: int, k: int, commit: Commit | None = None, assumed: Sequence[int] = ()
+    ) -> DraftProposal:
+        if assumed:  # its first proposal needs the target's features of the assumed tokens
+            raise InvalidArgumentError("assumed", "a feature draft cannot draft ahead of the target's verdict")
         session = self.store.get(session_id)
         with session.lock:
             if commit is not None:

@@ -22,7 +22,7 @@ from specdec.errors import (
     SessionExistsError,
     SessionNotFoundError,
 )
-from specdec.exact.proposal import DraftProposal
+from specdec.exact.proposal import DraftProposal, check_assumed
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
 
@@ -91,13 +91,17 @@ class NgramDraft:
             )
             self.sessions_started += 1
 
-    def propose(self, session_id: str, step: int, k: int, commit: Commit | None = None) -> DraftProposal:
+    def propose(
+        self, session_id: str, step: int, k: int, commit: Commit | None = None, assumed: Sequence[int] = ()
+    ) -> DraftProposal:
+        """``assumed``: tokens taken as committed, not committed (specdec.engine.draft.DraftEngine.propose_work)."""
         session = self._get(session_id)
         with session.lock:
             if commit is not None:
                 self._commit(session, commit)
             session.ledger.check_step(step)
-            tokens = ngram_lookup(session.tokens, k, self.max_n, self.min_n) if k > 0 else []
+            history = session.tokens + check_assumed(assumed, self.vocab_size)
+            tokens = ngram_lookup(history, k, self.max_n, self.min_n) if k > 0 else []
             return DraftProposal(tokens, [SparseDist.one_hot(t) for t in tokens] if session.ships_q else [])
 
     def _commit(self, session: _NgramSession, commit: Commit) -> None:

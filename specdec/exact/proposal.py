@@ -5,8 +5,10 @@ block there is its tokens alone (``q`` empty)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specdec.errors import InvalidArgumentError
 from specdec.exact.sparse import SparseDist
 
 MAX_BLOCK = 64  # the most proposals one step may carry (a draft's k, a target's Verify block)
@@ -34,3 +36,14 @@ class DraftProposal:
         if not self.carries_q:
             raise ValueError("a block without q (invariant sampling) has no q_i(y_i)")
         return [q.prob(y) for y, q in zip(self.tokens, self.q, strict=True)]
+
+
+def check_assumed(assumed: Sequence[int], vocab_size: int) -> list[int]:
+    """A pre-draft's assumed tokens, validated: ids of the vocabulary, at most a block and its
+    bonus token (MAX_BLOCK + 1) of them."""
+    tokens = [int(t) for t in assumed]
+    if len(tokens) > MAX_BLOCK + 1:
+        raise InvalidArgumentError("assumed", f"at most {MAX_BLOCK + 1} tokens, got {len(tokens)}")
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise InvalidArgumentError("assumed", "token id outside the vocabulary")
+    return tokens

@@ -34,6 +34,7 @@ from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import StepDecision, TargetVerdict, decide, decide_invariant
 from specdec.loop.adaptive_k import StepCost, make_policy
 from specdec.loop.load_aware_k import DRAFT_CALL_SECONDS, BatchLoad, Costs, GoodputK
+from specdec.loop.pipelining import PreDraft
 from specdec.loop.stats import StepStats
 from specdec.loop.stopping import FINISH_LENGTH, StopChecker
 from specdec.telemetry.tracing import tracer
@@ -83,7 +84,13 @@ class DraftPeer(Protocol):
     async def start(
         self, session_id: str, prompt: Sequence[int], params: SamplingParams, features: torch.Tensor | None = None
     ) -> None: ...
-    async def propose(self, session_id: str, step: int, k: int, commit: Commit | None) -> DraftProposal: ...
+    async def propose(
+        self, session_id: str, step: int, k: int, commit: Commit | None, assumed: Sequence[int] = ()
+    ) -> DraftProposal:
+        """The block of up to ``k`` after the committed tokens (``commit`` applied first) and,
+        for a pre-draft, ``assumed`` ones not committed (specdec.loop.pipelining)."""
+        ...
+
     async def release(self, session_id: str) -> None: ...
 
 
@@ -124,9 +131,9 @@ class LocalDraft:
         else:
             self.engine.prefill(session_id, prompt, params)
 
-    async def propose(self, session_id, step, k, commit):
+    async def propose(self, session_id, step, k, commit, assumed=()):
         await asyncio.sleep(0)
-        return self.engine.propose(session_id, step, k, commit)
+        return self.engine.propose(session_id, step, k, commit, assumed)
 
     async def release(self, session_id):
         self.engine.release(session_id)
@@ -187,6 +194,7 @@ class SpeculativeRun:
         load_aware: bool = False,
         constraint: ConstraintFollower | None = None,
         forced_runs: bool = True,
+        pipeline: bool = False,
     ):
         """``committed``: tokens this request already committed in an earlier run (a resumed or
         taken-over request continues from them, with the same seed, hence the same tokens);
@@ -199,7 +207,9 @@ class SpeculativeRun:
         then depends on the load. ``constraint``: a matcher of the request's structured-output
         constraint, which the loop follows to end an n-gram block at a token it forbids, and with
         ``forced_runs`` to commit the runs it forces without a draft call or a target pass
-        (:func:`forced_run`); None: neither."""
+        (:func:`forced_run`); None: neither. ``pipeline``: while the target verifies a block, the
+        draft drafts the next one for the branch "all accepted, bonus as the draft guesses"
+        (specdec.loop.pipelining; not for a feature draft, which needs the verdict's features)."""
         if num_speculative_tokens < 0:
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
         if committed_steps is None:
@@ -224,6 +234,8 @@ class SpeculativeRun:
         wants_features = draft is not None and bool(getattr(draft, "wants_features", False))
         self.constraint = constraint
         self.forced_runs = forced_runs and params.logprobs is None and not wants_features
+        self.pipeline = pipeline and self.draft is not None and not wants_features
+        self._ahead: PreDraft | None = None  # the draft's chain past the block last verified
         self.prompt = [int(t) for t in prompt]
         self.context_length = target.context_length
         # the policy chose k at the steps the constraint forced nothing; only those replay
@@ -301,7 +313,7 @@ class SpeculativeRun:
     async def _drop_draft(self, why: str) -> None:
         """The draft failed: move the session to another draft replica (re-prefilled from the
         committed tokens) if the failover offers one, else continue with target-only steps."""
-        failed, self.draft = self.draft, None
+        failed, self.draft, self._ahead = self.draft, None, None
         await _release_quietly(failed, self.session_id)
         while self.failover is not None and self.stats.draft_failovers < MAX_FAILOVERS:
             replacement = await self.failover.replace_draft(failed)
@@ -379,8 +391,8 @@ class SpeculativeRun:
                     cycle, last_start = (step_start - last_start if last_start else 0.0), step_start
                     draft_before = self.stats.draft_seconds
                     proposal = await self._propose(min(k, room))
+                    proposal, verdict = await self._verify_pipelined(proposal)
                     proposing = self.stats.draft_seconds - draft_before if len(proposal) else 0.0
-                    proposal, verdict = await self._verify(proposal)
                     decision = self._decide(proposal, verdict)
                     # What the policy chose, not what the draft managed: a replay from the
                     # committed tokens (which cannot see a short or dropped block) agrees.
@@ -484,8 +496,15 @@ class SpeculativeRun:
         self.policy.observe_load(load)
 
     async def _propose(self, k: int) -> DraftProposal:
-        """The draft's block of up to ``k`` (EMPTY without a draft); a draft that fails is dropped."""
+        """The draft's block of up to ``k`` (EMPTY without a draft); a draft that fails is dropped.
+        Where the draft already drafted it while the last block was verified, that block."""
         sid, step, proposal = self.session_id, self.step, EMPTY
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and self.draft is not None and k > 0:
+            block = ahead.block_for(self.sequence, k)
+            if block is not None:
+                self.stats.predraft_hits += 1
+                return self._cut_forbidden(block)
         if self.draft is not None and k > 0 and not self.draft_started:
             await self._start_draft_or_drop()  # (its prefill is not a proposal's time)
         t0 = time.perf_counter()
@@ -505,10 +524,56 @@ class SpeculativeRun:
                 proposal = EMPTY
                 await self._drop_draft(f"propose: {exc}")
         self.stats.draft_seconds += time.perf_counter() - t0
+        return self._cut_forbidden(proposal)
+
+    def _cut_forbidden(self, proposal: DraftProposal) -> DraftProposal:
         if self.constraint is not None and proposal.tokens:  # an n-gram block's forbidden tail
             self.constraint.follow(self.stopper.generated)
             proposal = cut_where_forbidden(proposal, self.constraint.admits(proposal.tokens))
         return proposal
+
+    async def _verify_pipelined(self, proposal: DraftProposal) -> tuple[DraftProposal, TargetVerdict]:
+        """:meth:`_verify`, with the draft drafting past ``proposal`` meanwhile where the run
+        pipelines (the wait for that pre-draft after the verdict counts as draft time)."""
+        if not (self.pipeline and self.draft is not None and proposal.tokens):
+            return await self._verify(proposal)
+        ahead = asyncio.ensure_future(self._predraft(self.draft, proposal))
+        try:
+            proposal, verdict = await self._verify(proposal)
+        except BaseException:
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
+            raise
+        t0 = time.perf_counter()
+        predraft = await ahead
+        self.stats.draft_seconds += time.perf_counter() - t0
+        # a block the target refused (and the draft with it) has no branch to follow
+        self._ahead = predraft if self.draft is not None and proposal.tokens else None
+        return proposal, verdict
+
+    async def _predraft(self, draft: DraftPeer, proposal: DraftProposal) -> PreDraft | None:
+        """The draft's chain past ``proposal``: the guessed bonus and a block of k_max after it,
+        for the next step (specdec.loop.pipelining). A failure here loses only the pre-draft:
+        the next step's own propose meets it and drops the draft the usual way."""
+        commit = self._commit(self.draft_len)
+        base_len = len(self.sequence)
+        t0 = time.perf_counter()
+        self.stats.predrafts += 1
+        with tracer().start_as_current_span("specdec.predraft") as span:
+            span.set_attribute("specdec.step", self.step + 1)
+            try:
+                drafted = await draft.propose(self.session_id, self.step + 1, self.k_max + 1, commit, proposal.tokens)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                log.debug("session %s: pre-draft failed: %s", self.session_id, exc)
+                return None
+            finally:
+                self.stats.predraft_seconds += time.perf_counter() - t0
+            span.set_attribute("specdec.proposed", len(drafted))
+        if draft is self.draft:
+            self.draft_len = base_len
+        if (drafted.tokens and drafted.carries_q == self.params.invariant) or len(drafted) > self.k_max + 1:
+            return None  # malformed: not used (the next propose checks the draft again)
+        return PreDraft(base_len, tuple(proposal.tokens), drafted)
 
     async def _verify(self, proposal: DraftProposal) -> tuple[DraftProposal, TargetVerdict]:
         """The target's verdict on ``proposal`` (the block it verified: a drafted block the target
@@ -594,6 +659,7 @@ async def generate_async(
     load_aware: bool = False,
     constraint: ConstraintFollower | None = None,
     forced_runs: bool = True,
+    pipeline: bool = False,
 ) -> GenerationResult:
     run = SpeculativeRun(
         target,
@@ -609,6 +675,7 @@ async def generate_async(
         load_aware=load_aware,
         constraint=constraint,
         forced_runs=forced_runs,
+        pipeline=pipeline,
     )
     async for _ in run.steps():
         pass
@@ -628,6 +695,7 @@ def speculative_generate(
     step_cost: StepCost = StepCost(),
     constraint: ConstraintFollower | None = None,
     forced_runs: bool = True,
+    pipeline: bool = False,
 ) -> GenerationResult:
     """In process, over engines: generate with speculative decoding; the law is the target's.
     ``constraint``: a matcher of ``params.constraint`` for the loop (SpeculativeRun)."""
@@ -647,5 +715,6 @@ def speculative_generate(
             step_cost,
             constraint=constraint,
             forced_runs=forced_runs,
+            pipeline=pipeline,
         )
     )

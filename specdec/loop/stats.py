@@ -27,6 +27,11 @@ class StepStats:
     cached_prompt_tokens: int = 0  # prompt positions the target copied from its prefix cache
     # tokens a constraint forced, committed by the loop without a pass (not the draft's proposals)
     forced_tokens: int = 0
+    # pipelined drafting (specdec.loop.pipelining): drafts made while a block was verified, those
+    # a step used, and their seconds (off the critical path; draft_seconds counts what is on it)
+    predrafts: int = 0
+    predraft_hits: int = 0
+    predraft_seconds: float = 0.0
 
     def record_choice(self, k: int) -> None:
         if len(self.steps_by_k) <= k:

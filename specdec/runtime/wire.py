@@ -290,6 +290,9 @@ def stats_to_proto(stats: StepStats) -> coordinator_pb2.SpeculationStats:
         steps_by_k=list(stats.steps_by_k),
         cached_prompt_tokens=stats.cached_prompt_tokens,
         forced_tokens=stats.forced_tokens,
+        predrafts=stats.predrafts,
+        predraft_hits=stats.predraft_hits,
+        predraft_seconds=stats.predraft_seconds,
     )
 
 

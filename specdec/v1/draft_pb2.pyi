@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "step", "k", "commit")
+    __slots__ = ("session_id", "step", "k", "commit", "assumed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     k: int
     commit: _engine_pb2.Commit
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., k: _Optional[int] = ..., commit: _Optional[_Union[_engine_pb2.Commit, _Mapping]] = ...) -> None: ...
+    assumed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., k: _Optional[int] = ..., commit: _Optional[_Union[_engine_pb2.Commit, _Mapping]] = ..., assumed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposedToken(_message.Message):
     __slots__ = ("token_id", "q")

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.apps.bench_stream import Sample, percentile, replica_flags, stream_one
-from specdec.apps.cli import SERVE_DEFAULT_K
+from specdec.apps.cli import SERVE_DEFAULT_K, add_cpu_flags
 from specdec.loop.reproducible import SEEDED_SAMPLING
 from specdec.runtime.flags import positive_int
 from specdec.runtime.grpc_server import client_channel
@@ -53,6 +53,7 @@ class Mode:
     method: str = ""
     adaptive: bool = False
     server_default: bool = False  # the request leaves speculation to the server
+    pipeline: bool = False  # the draft drafts the next block while the target verifies (docs/pipelining.md)
 
 
 # -- running one request -------------------------------------------------------------------
@@ -127,6 +128,22 @@ def summarize(mode: Mode, temperature: float, runs: list[list[Sample]]) -> dict:
                 "verify_s_per_pass": sum(s.verify_s for s in samples) / passes,
             }
         )
+    predrafts = sum(s.predrafts for s in samples)
+    if predrafts:
+        out["predraft_hit_rate"] = sum(s.predraft_hits for s in samples) / predrafts
+    return out
+
+
+def unlike_serial(results: dict[tuple, list[list[Sample]]]) -> dict[tuple[int, float], int]:
+    """Per (k, temperature) of a pipelined mode: its requests whose tokens are not those of the
+    same request (same prompt, seed and repeat) drafted serially -- 0 by construction
+    (docs/pipelining.md); only where the serial mode of that k ran too."""
+    out = {}
+    for (mode, temperature), runs in results.items():
+        serial = results.get((Mode("speculative", mode.k, "draft_model"), temperature))
+        if mode.pipeline and serial is not None:
+            pairs = zip((s for rep in runs for s in rep), (s for rep in serial for s in rep), strict=True)
+            out[mode.k, temperature] = sum(a.token_ids != b.token_ids for a, b in pairs)
     return out
 
 
@@ -159,6 +176,7 @@ def build_request(
     req.speculation.num_speculative_tokens = mode.k
     req.speculation.method = mode.method
     req.speculation.adaptive = mode.adaptive  # explicit: a fixed-k mode is fixed whatever the server default
+    req.speculation.pipeline = mode.pipeline  # explicit: serial unless the mode pipelines
     return req
 
 
@@ -192,6 +210,7 @@ def run(args) -> dict:
     if draft_is_model:
         modes += [Mode("speculative", k, "draft_model") for k in ks]
         modes += [Mode("speculative-adaptive", k, "draft_model", True) for k in _ks(args.adaptive_ks)]
+        modes += pipelined_modes(args)
         modes.append(DEFAULT_MODE(args.default_k))
     ngram_ks = ks if args.ngram_ks is None else _ks(args.ngram_ks)
     modes += [Mode("speculative-ngram", k, "ngram") for k in ngram_ks]
@@ -214,7 +233,7 @@ def run(args) -> dict:
             hf_draft = call_on_model_thread(load_model, args.assistant_model, "cpu", quiet=True)
     prompt_ids = {p["id"]: encode_prompt(tokenizer, p["text"], chat=True) for p in prompts}
     results: dict[tuple, list[list[Sample]]] = {}
-    largest = max(ks + ngram_ks + _ks(args.adaptive_ks) + [args.default_k])
+    largest = max(ks + ngram_ks + _ks(args.adaptive_ks) + _ks(args.pipelined_ks) + [args.default_k])
     # the adaptive modes ask for the replayable schedule's policy by name only through the
     # server: the stack runs the default (load-aware) policy, which speculative-default shows
     with local_stack(
@@ -225,8 +244,8 @@ def run(args) -> dict:
         + (["--invariant-sampling"] if args.invariant else [])
         + (["--seeded-sampling", args.seeded_sampling] if getattr(args, "seeded_sampling", None) else []),
         log_dir=Path(args.log_dir) if args.log_dir else None,
-        extra_target=replica_flags(args) + _tp_flags(args),
-        extra_draft=replica_flags(args),
+        extra_target=replica_flags(args, "target") + _tp_flags(args),
+        extra_draft=replica_flags(args, "draft"),
     ) as stack:
 
         async def measure():
@@ -273,12 +292,17 @@ def run(args) -> dict:
 
         asyncio.run(measure())
         summaries = [summarize(mode, t, runs) for (mode, t), runs in results.items()]
+        for summary in summaries:
+            differ = unlike_serial(results).get((summary["k"], summary["temperature"]))
+            if summary["mode"] == "speculative-pipelined" and differ is not None:
+                summary["requests_unlike_serial"] = differ
         sweep: list[dict] = []
         alone: dict[str, dict[int, list[int]]] = {}
         if concurrency:
             swept = [Mode("target-only", 0, "none")]
             if draft_is_model:
                 swept += [Mode("speculative", k, "draft_model") for k in ks] + [DEFAULT_MODE(args.default_k)]
+                swept += pipelined_modes(args)
             else:
                 swept += [Mode("speculative-ngram", k, "ngram") for k in ngram_ks]
             for temperature in temperatures:
@@ -336,6 +360,10 @@ def _ks(text: str) -> list[int]:
             raise SystemExit(f"specdec bench: a k list takes integers >= 1 separated by commas, got {part!r}")
         ks.append(int(part))
     return ks
+
+
+def pipelined_modes(args) -> list[Mode]:
+    return [Mode("speculative-pipelined", k, "draft_model", pipeline=True) for k in _ks(args.pipelined_ks)]
 
 
 def DEFAULT_MODE(k: int) -> Mode:
@@ -557,6 +585,12 @@ def table(rep: dict) -> str:
             f"{fmt(s.get('itl_s_p50'), '.3f') + '/' + fmt(s.get('itl_s_p99'), '.3f'):>13} "
             f"{time_split:>20}"
         )
+    for s in rep["modes"]:
+        if s.get("predraft_hit_rate") is not None:
+            lines.append(
+                f"{s['mode']} k={s['k']} T={s['temperature']:.1f}: {s['predraft_hit_rate']:.0%} of the blocks drafted "
+                f"ahead were used; {s.get('requests_unlike_serial', '-')} requests unlike the serial run"
+            )
     for c in rep["concurrency"]:
         lines.append(
             f"T={c.get('temperature', 0):.1f} concurrency {c['concurrency']:>2}: {c['mode']:<20} k={c['k']}: "
@@ -660,6 +694,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="k sweep of the fixed-k modes ('' = none)")
     p.add_argument("--adaptive-ks", default="2", help="k of the adaptive-policy modes ('' = skip)")
+    p.add_argument(
+        "--pipelined-ks",
+        default="",
+        help="k of fixed-k modes with pipelined drafting, beside the serial ones (default '' = none; "
+        "docs/pipelining.md); with --target-cpus / --draft-cpus each replica has cores of its own",
+    )
+    add_cpu_flags(p)
     p.add_argument(
         "--default-k",
         type=int,

@@ -23,6 +23,8 @@ class Sample:
     server_s: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     forced: int = 0  # tokens a structured-output constraint forced (committed without a pass)
+    predrafts: int = 0  # blocks drafted while the previous one was verified (docs/pipelining.md) ...
+    predraft_hits: int = 0  # ... and those a step used
     text: str = ""
     finish_reason: str = ""
 
@@ -59,12 +61,15 @@ async def stream_one(stub, request) -> Sample:
                 s.accepted_tokens,
             )
             sample.per_position = list(s.accepted_per_position)
+            sample.predrafts, sample.predraft_hits = s.predrafts, s.predraft_hits
             sample.draft_s, sample.verify_s, sample.server_s = s.draft_seconds, s.verify_seconds, s.total_seconds
     sample.tokens, sample.seconds = tokens, time.perf_counter() - started
     return sample
 
 
-def replica_flags(args) -> list[str]:
-    """The replicas' pass flags of this bench (their dtype, batch invariance)."""
+def replica_flags(args, role: str) -> list[str]:
+    """The ``role`` ("target" / "draft") replicas' pass flags of this bench (their dtype, batch
+    invariance, CPUs)."""
     flags = ["--dtype", args.dtype] if getattr(args, "dtype", None) else []
+    flags += ["--cpus", getattr(args, f"{role}_cpus")] if getattr(args, f"{role}_cpus", None) else []
     return flags + (["--no-batch-invariant"] if getattr(args, "no_batch_invariant", False) else [])

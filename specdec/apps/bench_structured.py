@@ -136,8 +136,8 @@ def run_structured(args, say) -> dict:
         draft,
         num_speculative_tokens=args.default_k,
         log_dir=Path(args.log_dir) if args.log_dir else None,
-        extra_target=replica_flags(args),
-        extra_draft=replica_flags(args),
+        extra_target=replica_flags(args, "target"),
+        extra_draft=replica_flags(args, "draft"),
     ) as stack:
 
         async def measure():

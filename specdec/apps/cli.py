@@ -109,8 +109,8 @@ def cmd_run(args) -> int:
         None if args.draft_model == "none" else args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,
         extra_coordinator=_policy_flags(args),
-        extra_target=_device_flags(args),
-        extra_draft=_device_flags(args),
+        extra_target=_device_flags(args, "target"),
+        extra_draft=_device_flags(args, "draft"),
     ) as stack:
         if args.seed is None:  # one seeded request throughout: every run and stream of it has the same tokens
             args.seed = secrets.randbits(63)
@@ -280,11 +280,23 @@ def _device_flags(args, role: str = "") -> list[str]:
         flags += ["--dtype", args.dtype]
     if getattr(args, "no_batch_invariant", False):
         flags.append("--no-batch-invariant")
-    return flags
+    cpus = getattr(args, f"{role}_cpus", None) if role else None
+    return flags + (["--cpus", cpus] if cpus else [])
+
+
+def add_cpu_flags(p: argparse.ArgumentParser) -> None:
+    """Each replica on CPUs of its own (the replicas' --cpus), as separate devices would be."""
+    for role in ("target", "draft"):
+        p.add_argument(
+            f"--{role}-cpus",
+            default=None,
+            help=f"run the {role} replicas on these CPUs only (0-3, 0,2), a thread each (default: every CPU)",
+        )
 
 
 def _policy_flags(args) -> list[str]:
     flags = ["--fixed-k"] if args.fixed_k else []
+    flags += ["--pipeline-drafts"] if getattr(args, "pipeline_drafts", False) else []
     flags += ["--seeded-sampling", args.seeded_sampling] if args.seeded_sampling else []
     return flags + (["--replayable-schedule"] if args.replayable_schedule else [])
 
@@ -332,6 +344,13 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replicas batch with torch's fastest operations where the float32 layer kernel does not run "
         "(greedy output under load may then differ from one stream's; docs/batching.md, 'Backends')",
+    )
+    add_cpu_flags(p)
+    p.add_argument(
+        "--pipeline-drafts",
+        action="store_true",
+        help="the draft drafts the next block while the target verifies this one (the same tokens; pays where "
+        "they have devices or cores of their own, --target-cpus / --draft-cpus; docs/pipelining.md)",
     )
 
 

@@ -28,6 +28,21 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def cpu_set(text: str) -> set[int]:
+    """A list of CPU numbers as Linux writes them: 0, 0-3, 0,2,4-5."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            low, high = int(first), int(last or first)
+            if low < 0 or high < low:
+                raise ValueError
+            cpus.update(range(low, high + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be CPU numbers like 0, 0-3 or 0,2, got {text!r}") from None
+    return cpus
+
+
 def byte_count(text: str) -> int:
     """A byte count with an optional unit (256MiB, 2G); 0 allowed."""
     try:

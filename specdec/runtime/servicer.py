@@ -22,7 +22,7 @@ from specdec.errors import DrainingError
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security, wire
 from specdec.runtime.batcher import IterationLoop
-from specdec.runtime.flags import byte_count, kv_byte_count, non_negative_float, non_negative_int, positive_int
+from specdec.runtime.flags import byte_count, cpu_set, kv_byte_count, non_negative_float, non_negative_int, positive_int
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
 from specdec.runtime.registry import Heartbeat, Registry, Replica
@@ -112,7 +112,14 @@ def add_replica_arguments(p) -> None:
         "256MiB; on a batch-invariant backend only, where a copy is the same bits; docs/batching.md)",
     )
     p.add_argument("--session-ttl", type=float, default=600.0, help="free sessions idle this long (s)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default; see --cpus)")
+    p.add_argument(
+        "--cpus",
+        type=cpu_set,
+        default=None,
+        help="run on these CPUs only (0-3, 0,2), with as many torch threads unless --threads says: cores of "
+        "its own for this replica, as a device of its own would be (default: every CPU)",
+    )
     p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")
     p.add_argument(
         "--advertise",
@@ -165,11 +172,25 @@ def add_replica_arguments(p) -> None:
 
 
 def apply_pass_arguments(args) -> None:
-    """The batched pass's flags -> this process's environment, read when the model loads."""
+    """The pass's flags -> this process (its CPUs) and its environment, read when the model loads."""
     from specdec.modeling.lean_llama import INVARIANT_ENV
 
     if getattr(args, "no_batch_invariant", False):
         os.environ[INVARIANT_ENV] = "0"
+    if getattr(args, "cpus", None):
+        pin_to_cpus(args.cpus)
+        args.threads = args.threads or len(args.cpus)
+
+
+def pin_to_cpus(cpus: set[int]) -> None:
+    """Run every thread of this process (and those it starts later) on ``cpus`` only: a Linux
+    affinity is per thread, and libraries may have started threads before this runs."""
+    available = os.sched_getaffinity(0)
+    if not cpus <= available:
+        raise SystemExit(f"--cpus {sorted(cpus)}: this process may run on CPUs {sorted(available)} only")
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
 
 
 class SessionServicer:

@@ -209,17 +209,28 @@ class GrpcDraft(_LoadReports):
             raise _peer_error("draft", self.address, exc) from None
 
     async def propose(
-        self, session_id: str, step: int, k: int, commit: Commit | None, assumed: Sequence[int] = ()
+        self,
+        session_id: str,
+        step: int,
+        k: int,
+        commit: Commit | None,
+        assumed: Sequence[int] = (),
+        rejections: int = 0,
     ) -> DraftProposal:
         request = draft_pb2.ProposeRequest(
-            session_id=session_id, step=step, k=k, commit=wire.commit_to_proto(commit), assumed=list(assumed)
+            session_id=session_id,
+            step=step,
+            k=k,
+            commit=wire.commit_to_proto(commit),
+            assumed=list(assumed),
+            rejection_branches=rejections,
         )
         try:
             reply = await self.stub.Propose(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise _peer_error("draft", self.address, exc) from None
         self._report(session_id, reply.load)
-        return wire.proposal_from_proto(reply.tokens)
+        return wire.proposal_from_proto(reply.tokens, reply.branches)
 
     async def close(self) -> None:
         await self.drain_releases()

@@ -40,6 +40,11 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             raise InvalidArgumentError("k", f"must be in [0, {MAX_BLOCK}], got {request.k}")
         if len(request.assumed) > MAX_BLOCK + 1:  # (the engine checks the ids)
             raise InvalidArgumentError("assumed", f"at most {MAX_BLOCK + 1} tokens, got {len(request.assumed)}")
+        rejections, assumed = request.rejection_branches, len(request.assumed)
+        if not 0 <= rejections <= assumed:
+            raise InvalidArgumentError(
+                "rejection_branches", f"must be in [0, {assumed}] (len(assumed)), got {rejections}"
+            )
         commit = wire.optional_commit(request)  # the previous step's commit, applied first by the engine
         with tracing.tracer().start_as_current_span("draft.propose") as span:
             span.set_attribute("specdec.session_id", request.session_id)
@@ -57,6 +62,7 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
                 request.k,
                 commit,
                 list(request.assumed),
+                request.rejection_branches,
             )
             span.set_attribute("specdec.proposed", len(proposal))
         if load is not None:  # a draft pass's size is its sessions: each advances one position

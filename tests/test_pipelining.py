@@ -16,7 +16,7 @@ from specdec.engine.draft import DraftEngine, FeatureDraftEngine
 from specdec.engine.ngram import NgramDraft
 from specdec.engine.target import TargetEngine
 from specdec.errors import InvalidArgumentError
-from specdec.exact.proposal import MAX_BLOCK, DraftProposal
+from specdec.exact.proposal import MAX_BLOCK, Branch, DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
 from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun, speculative_generate
@@ -25,6 +25,7 @@ from specdec.loop.pipelining import PreDraft
 PROMPT = [1, 2, 3, 4, 5]
 SAMPLED = SamplingParams(temperature=1.0, seed=7, max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3)
 GREEDY = SamplingParams(temperature=0.0, seed=8, max_new_tokens=24, ignore_eos=True)
+INVARIANT = SamplingParams(temperature=0.8, seed=9, max_new_tokens=24, ignore_eos=True, invariant=True)
 
 
 def block(tokens: list[int]) -> DraftProposal:
@@ -33,14 +34,24 @@ def block(tokens: list[int]) -> DraftProposal:
 
 # -- the pure choice ---------------------------------------------------------------------------
 def test_a_pre_draft_is_used_only_on_the_branch_it_assumed():
-    ahead = PreDraft(base_len=3, assumed=(7, 8), drafted=block([9, 10, 11, 12]))
-    assert ahead.branch == (7, 8, 9)  # the block, then the guessed bonus
-    assert ahead.block_for([0, 1, 2, 7, 8, 9], 3).tokens == [10, 11, 12]
-    assert ahead.block_for([0, 1, 2, 7, 8, 9], 2).tokens == [10, 11]  # a smaller k takes a prefix
-    assert ahead.block_for([0, 1, 2, 7, 8, 5], 3) is None  # another bonus token
-    assert ahead.block_for([0, 1, 2, 7, 4], 3) is None  # a rejection
-    assert ahead.block_for([0, 1, 2, 7, 8, 9, 1], 3) is None  # more committed since (a forced run)
-    assert ahead.block_for([0, 1, 2, 7, 8, 9], 4) is None  # a longer block than was drafted
+    rejected_first = Branch((6,), block([1, 2, 3]))  # the target is guessed to recover 6 for 7
+    drafted = dataclasses.replace(block([9, 10, 11, 12]), branches=(rejected_first,))
+    ahead = PreDraft(base_len=3, assumed=(7, 8), drafted=drafted)
+    assert [b.prefix for b in ahead.branches()] == [(7, 8, 9), (6,)]  # all accepted + the guessed bonus first
+
+    def used(sequence, k):
+        found = ahead.block_for(sequence, k)
+        return None if found is None else (found[0].tokens, found[1])
+
+    assert used([0, 1, 2, 7, 8, 9], 3) == ([10, 11, 12], False)
+    assert used([0, 1, 2, 7, 8, 9], 2) == ([10, 11], False)  # a smaller k takes a prefix
+    assert used([0, 1, 2, 6], 3) == ([1, 2, 3], True)  # the rejection branch
+    assert used([0, 1, 2, 7, 8, 5], 3) is None  # another bonus token
+    assert used([0, 1, 2, 7, 4], 3) is None  # a rejection at a position not drafted for
+    assert used([0, 1, 2, 5], 3) is None  # another recovered token
+    assert used([0, 1, 2, 7, 8, 9, 1], 3) is None  # more committed since (a forced run)
+    assert used([0, 1, 2, 7, 8, 9], 4) is None  # a longer block than was drafted
+    assert used([0, 1], 1) is None
     assert PreDraft(3, (7,), block([9])).block_for([0, 1, 2, 7, 9], 1) is None  # only a guess
 
 
@@ -74,6 +85,26 @@ def test_a_draft_proposes_after_assumed_tokens_what_it_proposes_once_they_are_co
         session = ahead.store.get("s")
         assert session.tokens == [*prompt, *other]
         assert session.cached[: len(session.tokens)] == session.tokens  # the assumed KV is gone
+
+
+@pytest.mark.parametrize("params", [SAMPLED, GREEDY, INVARIANT], ids=["sampled", "greedy", "invariant"])
+def test_rejection_branches_are_the_blocks_a_serial_draft_proposes_after_them(draft_model, params):
+    ahead = DraftEngine(draft_model)
+    ahead.prefill("s", PROMPT, params)
+    first = ahead.propose("s", 1, 3)
+    drafted = ahead.propose("s", 2, 3, None, first.tokens, rejections=3)
+    assert [len(b.prefix) for b in drafted.branches] == [1, 2, 3]  # one per position of the block
+    for j, branch in enumerate(drafted.branches):
+        assert branch.prefix[:j] == tuple(first.tokens[:j]) and branch.prefix[j] != first.tokens[j]
+        serial = DraftEngine(draft_model)
+        serial.prefill("s", PROMPT, params)
+        serial.propose("s", 1, 3)
+        assert serial.propose("s", 2, 2, Commit(1, len(PROMPT), branch.prefix)).tokens == branch.block.tokens
+    if params.greedy:  # the guess is the draft's next best token there
+        session = DraftEngine(draft_model)
+        session.prefill("t", PROMPT, params)
+        logits = session.store.forward(session.store.get("t"))[0]
+        assert drafted.branches[0].prefix[0] == int(logits.topk(2).indices[1])
 
 
 def test_a_pre_draft_leaves_the_committed_state_alone(target_model, draft_model):
@@ -112,7 +143,7 @@ def test_bad_assumed_tokens_are_invalid_arguments(draft_model, assumed):
 )
 def test_a_pipelined_run_is_token_for_token_the_serial_run(target_model, draft_model, temperature, invariant):
     target, draft = TargetEngine(target_model), DraftEngine(draft_model)
-    hits = predrafts = 0
+    hits = predrafts = rejection_hits = 0
     for seed in range(12):
         params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=20, ignore_eos=True)
         params = dataclasses.replace(params, invariant=invariant)
@@ -121,8 +152,9 @@ def test_a_pipelined_run_is_token_for_token_the_serial_run(target_model, draft_m
         assert piped.token_ids == serial.token_ids
         assert piped.stats.target_passes == serial.stats.target_passes
         hits, predrafts = hits + piped.stats.predraft_hits, predrafts + piped.stats.predrafts
+        rejection_hits += piped.stats.predraft_rejection_hits
         assert serial.stats.predrafts == 0
-    assert 0 < hits < predrafts  # both branches taken
+    assert 0 < rejection_hits < hits < predrafts  # blocks of both kinds of branch used, and misses
     assert len(target.store) == len(draft.store) == 0
 
 
@@ -174,3 +206,50 @@ def test_a_lost_verify_cancels_its_pre_draft_and_frees_everything(target_model, 
         asyncio.run(go())
     assert run.stats.predrafts >= 2
     assert len(target.store) == len(draft.store) == 0
+
+
+# -- separate cores on one machine ---------------------------------------------------------------
+def test_cpu_lists_parse_as_linux_writes_them():
+    import argparse
+
+    from specdec.runtime.flags import cpu_set
+
+    assert cpu_set("0") == {0}
+    assert cpu_set("0-2,5") == {0, 1, 2, 5}
+    for bad in ("", "a", "2-1", "-1", "0,,1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="CPU numbers"):
+            cpu_set(bad)
+
+
+def test_a_replica_pinned_to_cpus_runs_every_thread_there_with_a_thread_each():
+    """--cpus pins the threads a process already has and those it starts later, and sets torch's
+    thread count to the CPUs' count unless --threads says."""
+    import os
+    import subprocess
+    import sys
+
+    cpu = min(os.sched_getaffinity(0))
+    code = f"""
+import argparse, os, threading
+from specdec.runtime.servicer import add_replica_arguments, apply_pass_arguments
+early = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True)
+early.start()
+p = argparse.ArgumentParser()
+add_replica_arguments(p)
+args = p.parse_args(["--cpus", "{cpu}"])
+apply_pass_arguments(args)
+late = []
+t = threading.Thread(target=lambda: late.append(os.sched_getaffinity(0)))
+t.start(); t.join()
+print(sorted(os.sched_getaffinity(early.native_id)), sorted(late[0]), args.threads)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[-2] == f"[{cpu}] [{cpu}] 1"
+    bad = subprocess.run(
+        [sys.executable, "-m", "specdec", "draft", "--model", "ngram", "--cpus", "4096"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode != 0 and "may run on CPUs" in bad.stderr

@@ -640,3 +640,7 @@ def test_internal_rpcs_bound_what_a_client_sends(stack):
     with pytest.raises(grpc.RpcError) as info:
         draft.Propose(draft_pb2.ProposeRequest(session_id="nobody", step=1, k=1, assumed=[1] * 66), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("assumed:")
+    with pytest.raises(grpc.RpcError) as info:
+        request = draft_pb2.ProposeRequest(session_id="nobody", step=1, k=1, assumed=[1], rejection_branches=2)
+        draft.Propose(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rejection_branches" in info.value.details()

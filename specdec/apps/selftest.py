@@ -394,7 +394,8 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     chosen_ks: set[int] = set()
     diverged = 0  # invariant runs whose tokens are not the target-only run's
     forced = 0  # tokens the constraint forced, proposed by the loop
-    unlike_serial = predraft_hits = 0  # pipelined runs: tokens unlike the serial run's; blocks used
+    # pipelined runs: tokens unlike the serial run's; blocks drafted ahead used (of a rejection branch)
+    unlike_serial = predraft_hits = rejection_hits = 0
     for i in range(n):
         params = base.with_seed(BASE_SEED + i)
         if grammars is not None:
@@ -410,6 +411,7 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
                 serial = speculative_generate(target, draft, case.prompt, params, case.k, **policy)
             unlike_serial += serial.token_ids != result.token_ids
             predraft_hits += result.stats.predraft_hits
+            rejection_hits += result.stats.predraft_rejection_hits
         if base.invariant:
             alone = speculative_generate(target, draft, case.prompt, params, 0)
             diverged += alone.token_ids != result.token_ids
@@ -419,10 +421,11 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
         target_only += result.stats.target_passes - result.stats.drafts
         forced += result.stats.forced_tokens
     verdict = judge(case, observed, law, n, proposed, accepted, time.perf_counter() - started)
-    if case.pipeline and verdict.passed and (unlike_serial or not predraft_hits):
+    if case.pipeline and verdict.passed and (unlike_serial or not 0 < rejection_hits < predraft_hits):
         verdict.passed = False
         verdict.detail = (
-            f"{unlike_serial} of {n} pipelined runs unlike the serial run; {predraft_hits} blocks drafted ahead used"
+            f"{unlike_serial} of {n} pipelined runs unlike the serial run; {predraft_hits} blocks drafted ahead "
+            f"used, {rejection_hits} of a rejection branch"
         )
     if diverged and verdict.passed:
         verdict.passed, verdict.detail = False, f"{diverged} of {n} invariant runs differ from target-only"

@@ -13,8 +13,9 @@ proposes argmax(log q + g) with the target's Gumbel noise and ships no q. Two ki
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ from specdec.engine.sessions import (
 )
 from specdec.errors import InvalidArgumentError
 from specdec.exact.gumbel import gumbel_argmax, gumbel_noise
-from specdec.exact.proposal import DraftProposal, check_assumed
+from specdec.exact.proposal import Branch, DraftProposal, check_assumed
 from specdec.exact.rng import Purpose, uniform
 from specdec.exact.sampling import (
     RowParams,
@@ -94,12 +95,24 @@ class DraftEngine(_Proposer):
         self._start(session_id, prompt, params)
 
     def propose(
-        self, session_id: str, step: int, k: int, commit: Commit | None = None, assumed: Sequence[int] = ()
+        self,
+        session_id: str,
+        step: int,
+        k: int,
+        commit: Commit | None = None,
+        assumed: Sequence[int] = (),
+        rejections: int = 0,
     ) -> DraftProposal:
-        return run_alone(self.store, self.propose_work(session_id, step, k, commit, assumed))
+        return run_alone(self.store, self.propose_work(session_id, step, k, commit, assumed, rejections))
 
     def propose_work(
-        self, session_id: str, step: int, k: int, commit: Commit | None = None, assumed: Sequence[int] = ()
+        self,
+        session_id: str,
+        step: int,
+        k: int,
+        commit: Commit | None = None,
+        assumed: Sequence[int] = (),
+        rejections: int = 0,
     ) -> Work:
         """:meth:`propose` as a work (specdec.engine.batching): one pass per proposal, each of
         which may share an iteration with other sessions' passes.
@@ -108,31 +121,81 @@ class DraftEngine(_Proposer):
         them (a pre-draft while the target verifies them: docs/pipelining.md). The block is drawn
         after them exactly as it would be once they are committed -- same positions, same keyed
         draws, their counts in the penalty history -- and the committed state is not touched; the
-        cache keeps their KV, which the next pass reuses where the commit agrees with them."""
+        cache keeps their KV, which the next pass reuses where the commit agrees with them.
+
+        ``rejections``: also a branch for each of the first ``rejections`` positions j of
+        ``assumed``: after ``assumed[:j]`` and the draft's likeliest other token there (its guess
+        of the target's recovered token), k - 1 proposals, drawn as they would be after that
+        prefix (``DraftProposal.branches``)."""
         session = self.store.get(session_id)
         with session.lock:
             if commit is not None:
                 self.store.commit(session, commit)
             self.store.check_step(session, step)
             assumed = check_assumed(assumed, self.vocab_size)
-            tokens: list[int] = list(assumed)
-            qs: list[SparseDist] = []
-            counts = session.counts.clone()
-            for t in assumed:
-                counts[t] += 1.0
-            first = len(session.tokens)
-            for i in range(len(assumed), len(assumed) + self._room(session, k, len(assumed))):
-                logits, _ = yield PassRequest(session, list(tokens), 1)
-                draw = self._draw_request(session, logits[0], counts, first + i, tokens)
-                if nothing_admitted(draw, logits[0]):
-                    break
-                # drawn together with the other sessions' proposals of this pass (DrawRows.run_many)
-                y, q = yield draw
-                counts[y] += 1.0
-                tokens.append(y)
-                if q is not None:
-                    qs.append(q)
-            return DraftProposal(tokens[len(assumed) :], qs)
+            rejections = max(0, min(rejections, len(assumed)))
+            guesses: list[int | None] = []
+            if rejections:  # the draft's rows at those positions, in one pass of that many rows
+                rows, _ = yield PassRequest(session, assumed[: rejections - 1], rejections)
+                guesses = [
+                    runner_up(session, rows[j], assumed[:j], assumed[j], len(session.tokens) + j)
+                    for j in range(rejections)
+                ]
+            proposal = yield from self._block_after(session, assumed, k)
+            branches = []
+            for j, guess in enumerate(guesses):
+                if guess is not None and k > 1:
+                    prefix = (*assumed[:j], guess)
+                    branches.append(Branch(prefix, (yield from self._block_after(session, prefix, k - 1))))
+            return replace(proposal, branches=tuple(branches)) if branches else proposal
+
+    def _block_after(self, session: Session, prefix: Sequence[int], k: int) -> Generator[Any, Any, DraftProposal]:
+        """Up to ``k`` proposals after the committed tokens and ``prefix`` (see propose_work)."""
+        tokens: list[int] = list(prefix)
+        qs: list[SparseDist] = []
+        counts = session.counts.clone()
+        for t in prefix:
+            counts[t] += 1.0
+        first = len(session.tokens)
+        for i in range(len(prefix), len(prefix) + self._room(session, k, len(prefix))):
+            logits, _ = yield PassRequest(session, list(tokens), 1)
+            draw = self._draw_request(session, logits[0], counts, first + i, tokens)
+            if nothing_admitted(draw, logits[0]):
+                break
+            # drawn together with the other sessions' proposals of this pass (DrawRows.run_many)
+            y, q = yield draw
+            counts[y] += 1.0
+            tokens.append(y)
+            if q is not None:
+                qs.append(q)
+        return DraftProposal(tokens[len(prefix) :], qs)
+
+
+def runner_up(
+    session: Session, logits: torch.Tensor, prefix: Sequence[int], excluded: int, position: int
+) -> int | None:
+    """The draft's likeliest token at ``position`` (after the committed tokens and ``prefix``)
+    other than ``excluded``: its guess of the token the target recovers where it rejects
+    ``excluded``. Greedy: the next best logit; invariant sampling: the next best under the
+    target's noise there (what the target's Gumbel-max most likely picks instead); else the
+    mode of q without ``excluded``. Only a guess: it picks which branch to draft, nothing else."""
+    params = session.params
+    counts = session.counts.clone()
+    for t in prefix:
+        counts[t] += 1.0
+    allowed = session.allowed_after(prefix)
+    scores = logprobs_from_logits(
+        logits,
+        replace(params, temperature=max(params.temperature, 1.0)) if params.greedy else params,
+        counts,
+        prompt_seen=session.prompt_seen,
+        allowed=allowed,
+    )
+    if params.invariant:
+        scores = scores + gumbel_noise(session.seed, [position], scores.shape[-1], device=scores.device)[0]
+    scores[excluded] = -torch.inf
+    best = int(scores.argmax())
+    return best if bool(torch.isfinite(scores[best])) else None
 
 
 def nothing_admitted(draw: DrawRows, logits: torch.Tensor) -> bool:
@@ -227,7 +290,13 @@ class FeatureDraftEngine(_Proposer):
 
     @torch.inference_mode()
     def propose(
-        self, session_id: str, step: int, k: int, commit: Commit | None = None, assumed: Sequence[int] = ()
+        self,
+        session_id: str,
+        step: int,
+        k: int,
+        commit: Commit | None = None,
+        assumed: Sequence[int] = (),
+        rejections: int = 0,
     ) -> DraftProposal:
         if assumed:  # its first proposal needs the target's features of the assumed tokens
             raise InvalidArgumentError("assumed", "a feature draft cannot draft ahead of the target's verdict")

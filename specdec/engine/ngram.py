@@ -92,9 +92,16 @@ class NgramDraft:
             self.sessions_started += 1
 
     def propose(
-        self, session_id: str, step: int, k: int, commit: Commit | None = None, assumed: Sequence[int] = ()
+        self,
+        session_id: str,
+        step: int,
+        k: int,
+        commit: Commit | None = None,
+        assumed: Sequence[int] = (),
+        rejections: int = 0,
     ) -> DraftProposal:
-        """``assumed``: tokens taken as committed, not committed (specdec.engine.draft.DraftEngine.propose_work)."""
+        """``assumed``: tokens taken as committed, not committed (specdec.engine.draft.DraftEngine.propose_work);
+        ``rejections``: ignored (a lookup has no likeliest other token: no rejection branches)."""
         session = self._get(session_id)
         with session.lock:
             if commit is not None:

@@ -18,6 +18,9 @@ MAX_BLOCK = 64  # the most proposals one step may carry (a draft's k, a target's
 class DraftProposal:
     tokens: list[int]
     q: list[SparseDist] = field(default_factory=list)
+    # A pre-draft's blocks for the verdict's other outcomes (specdec.loop.pipelining): each drafted
+    # after the committed tokens and its own prefix, as a serial draft would draft it there.
+    branches: tuple[Branch, ...] = ()
 
     def __post_init__(self) -> None:
         if self.q and len(self.tokens) != len(self.q):
@@ -36,6 +39,15 @@ class DraftProposal:
         if not self.carries_q:
             raise ValueError("a block without q (invariant sampling) has no q_i(y_i)")
         return [q.prob(y) for y, q in zip(self.tokens, self.q, strict=True)]
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A block drafted ahead for one outcome of a verification under way: after the committed
+    tokens and ``prefix`` (the accepted proposals, then the token the target is guessed to draw)."""
+
+    prefix: tuple[int, ...]
+    block: DraftProposal
 
 
 def check_assumed(assumed: Sequence[int], vocab_size: int) -> list[int]:

@@ -85,10 +85,17 @@ class DraftPeer(Protocol):
         self, session_id: str, prompt: Sequence[int], params: SamplingParams, features: torch.Tensor | None = None
     ) -> None: ...
     async def propose(
-        self, session_id: str, step: int, k: int, commit: Commit | None, assumed: Sequence[int] = ()
+        self,
+        session_id: str,
+        step: int,
+        k: int,
+        commit: Commit | None,
+        assumed: Sequence[int] = (),
+        rejections: int = 0,
     ) -> DraftProposal:
         """The block of up to ``k`` after the committed tokens (``commit`` applied first) and,
-        for a pre-draft, ``assumed`` ones not committed (specdec.loop.pipelining)."""
+        for a pre-draft, ``assumed`` ones not committed, with ``rejections`` branches
+        (specdec.loop.pipelining)."""
         ...
 
     async def release(self, session_id: str) -> None: ...
@@ -131,9 +138,9 @@ class LocalDraft:
         else:
             self.engine.prefill(session_id, prompt, params)
 
-    async def propose(self, session_id, step, k, commit, assumed=()):
+    async def propose(self, session_id, step, k, commit, assumed=(), rejections=0):
         await asyncio.sleep(0)
-        return self.engine.propose(session_id, step, k, commit, assumed)
+        return self.engine.propose(session_id, step, k, commit, assumed, rejections)
 
     async def release(self, session_id):
         self.engine.release(session_id)
@@ -501,9 +508,11 @@ class SpeculativeRun:
         sid, step, proposal = self.session_id, self.step, EMPTY
         ahead, self._ahead = self._ahead, None
         if ahead is not None and self.draft is not None and k > 0:
-            block = ahead.block_for(self.sequence, k)
-            if block is not None:
+            found = ahead.block_for(self.sequence, k)
+            if found is not None:
+                block, rejected = found
                 self.stats.predraft_hits += 1
+                self.stats.predraft_rejection_hits += rejected
                 return self._cut_forbidden(block)
         if self.draft is not None and k > 0 and not self.draft_started:
             await self._start_draft_or_drop()  # (its prefill is not a proposal's time)
@@ -562,7 +571,9 @@ class SpeculativeRun:
         with tracer().start_as_current_span("specdec.predraft") as span:
             span.set_attribute("specdec.step", self.step + 1)
             try:
-                drafted = await draft.propose(self.session_id, self.step + 1, self.k_max + 1, commit, proposal.tokens)
+                drafted = await draft.propose(
+                    self.session_id, self.step + 1, self.k_max + 1, commit, proposal.tokens, len(proposal)
+                )
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 log.debug("session %s: pre-draft failed: %s", self.session_id, exc)
                 return None

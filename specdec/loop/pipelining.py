@@ -17,34 +17,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdec.exact.proposal import DraftProposal
+from specdec.exact.proposal import Branch, DraftProposal
 
 
 @dataclass(frozen=True)
 class PreDraft:
-    """A draft's chain past a block under verification: ``drafted`` was proposed after
-    ``sequence[:base_len] + assumed`` (its first token is the guess at the bonus position)."""
+    """A draft's work past a block under verification: ``drafted`` was proposed after
+    ``sequence[:base_len] + assumed`` (its first token the guess at the bonus position), with a
+    branch for each rejection position it guessed the target's recovered token at."""
 
     base_len: int
     assumed: tuple[int, ...]
     drafted: DraftProposal
 
-    @property
-    def branch(self) -> tuple[int, ...]:
-        """The tokens this pre-draft assumes the step commits: the block and the guessed bonus."""
-        return self.assumed + tuple(self.drafted.tokens[:1])
+    def branches(self) -> list[Branch]:
+        """Every outcome drafted for: all accepted with the guessed bonus, then the rejections."""
+        accepted = []
+        if self.drafted.tokens:
+            rest = DraftProposal(self.drafted.tokens[1:], self.drafted.q[1:])
+            accepted.append(Branch((*self.assumed, self.drafted.tokens[0]), rest))
+        return accepted + list(self.drafted.branches)
 
-    def block_for(self, sequence: Sequence[int], k: int) -> DraftProposal | None:
-        """The block of up to ``k`` proposals after ``sequence`` (the committed tokens now), or
-        None where this pre-draft does not hold it: the sequence is not the branch it assumed,
-        or it drafted fewer than the step takes. A shorter block is not a prefix of what a serial
-        draft would send (that draft might have gone on), so it is never used."""
-        branch = self.branch
-        if len(self.drafted) < 2 or len(sequence) != self.base_len + len(branch):
+    def block_for(self, sequence: Sequence[int], k: int) -> tuple[DraftProposal, bool] | None:
+        """The block of ``k`` proposals after ``sequence`` (the committed tokens now) and whether
+        it is a rejection branch's, or None where this pre-draft does not hold it: no branch
+        assumed that sequence, or its block is shorter than the step takes (a shorter block is
+        not a prefix of what a serial draft would send: that draft might have gone on)."""
+        committed = tuple(sequence[self.base_len :])
+        if len(sequence) < self.base_len:
             return None
-        if tuple(sequence[self.base_len :]) != branch:
-            return None
-        rest = DraftProposal(self.drafted.tokens[1:], self.drafted.q[1:])
-        if len(rest) < k:
-            return None
-        return DraftProposal(rest.tokens[:k], rest.q[:k])
+        for branch in self.branches():
+            if branch.prefix == committed:
+                if len(branch.block) < k:
+                    return None
+                return DraftProposal(branch.block.tokens[:k], branch.block.q[:k]), len(committed) <= len(self.assumed)
+        return None

@@ -32,6 +32,7 @@ class StepStats:
     predrafts: int = 0
     predraft_hits: int = 0
     predraft_seconds: float = 0.0
+    predraft_rejection_hits: int = 0  # of predraft_hits: a rejection branch's
 
     def record_choice(self, k: int) -> None:
         if len(self.steps_by_k) <= k:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from specdec.engine.commits import Commit
 from specdec.errors import InvalidArgumentError, MalformedProposalError
 from specdec.exact.constraint import Constraint
 from specdec.exact.logprobs import RowLogprobs
-from specdec.exact.proposal import DraftProposal
+from specdec.exact.proposal import Branch, DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
 from specdec.exact.verify import TargetVerdict
@@ -124,7 +125,12 @@ def sparse_from_proto(msg: engine_pb2.SparseDistribution) -> SparseDist:
 
 
 def proposal_to_proto(proposal: DraftProposal, load: PassLoad | None = None) -> draft_pb2.ProposeResponse:
-    return draft_pb2.ProposeResponse(tokens=proposed_tokens_to_proto(proposal), load=pass_load_to_proto(load))
+    branches = [
+        draft_pb2.Branch(prefix=list(b.prefix), tokens=proposed_tokens_to_proto(b.block)) for b in proposal.branches
+    ]
+    return draft_pb2.ProposeResponse(
+        tokens=proposed_tokens_to_proto(proposal), load=pass_load_to_proto(load), branches=branches
+    )
 
 
 def pass_load_to_proto(load: PassLoad | None) -> engine_pb2.PassLoad | None:
@@ -164,8 +170,17 @@ def proposed_tokens_to_proto(proposal: DraftProposal) -> list[draft_pb2.Proposed
     ]
 
 
-def proposal_from_proto(tokens: Iterable[draft_pb2.ProposedToken]) -> DraftProposal:
-    """A block as shipped: every token with its q, or (invariant sampling) none with one."""
+def proposal_from_proto(
+    tokens: Iterable[draft_pb2.ProposedToken], branches: Iterable[draft_pb2.Branch] = ()
+) -> DraftProposal:
+    """A block as shipped: every token with its q, or (invariant sampling) none with one; with a
+    pre-draft's branches, each shipped the same way."""
+    block = _block_from_proto(tokens)
+    found = tuple(Branch(tuple(int(t) for t in b.prefix), _block_from_proto(b.tokens)) for b in branches)
+    return replace(block, branches=found) if found else block
+
+
+def _block_from_proto(tokens: Iterable[draft_pb2.ProposedToken]) -> DraftProposal:
     tokens = list(tokens)
     with_q = sum(t.HasField("q") for t in tokens)
     if 0 < with_q < len(tokens):
@@ -293,6 +308,7 @@ def stats_to_proto(stats: StepStats) -> coordinator_pb2.SpeculationStats:
         predrafts=stats.predrafts,
         predraft_hits=stats.predraft_hits,
         predraft_seconds=stats.predraft_seconds,
+        predraft_rejection_hits=stats.predraft_rejection_hits,
     )
 
 

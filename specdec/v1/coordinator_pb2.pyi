@@ -118,7 +118,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., resume_from_index: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("target_passes", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds", "total_seconds", "draft_fallbacks", "draft_failovers", "target_failovers", "drafts", "policy", "steps_by_k", "cached_prompt_tokens", "forced_tokens", "predrafts", "predraft_hits", "predraft_seconds")
+    __slots__ = ("target_passes", "proposed_tokens", "accepted_tokens", "accepted_per_position", "draft_seconds", "verify_seconds", "total_seconds", "draft_fallbacks", "draft_failovers", "target_failovers", "drafts", "policy", "steps_by_k", "cached_prompt_tokens", "forced_tokens", "predrafts", "predraft_hits", "predraft_seconds", "predraft_rejection_hits")
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class SpeculationStats(_message.Message):
     PREDRAFTS_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_REJECTION_HITS_FIELD_NUMBER: _ClassVar[int]
     target_passes: int
     proposed_tokens: int
     accepted_tokens: int
@@ -155,7 +156,8 @@ class SpeculationStats(_message.Message):
     predrafts: int
     predraft_hits: int
     predraft_seconds: float
-    def __init__(self, target_passes: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., draft_fallbacks: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., target_failovers: _Optional[int] = ..., drafts: _Optional[int] = ..., policy: _Optional[str] = ..., steps_by_k: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., predrafts: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., predraft_seconds: _Optional[float] = ...) -> None: ...
+    predraft_rejection_hits: int
+    def __init__(self, target_passes: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., draft_fallbacks: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., target_failovers: _Optional[int] = ..., drafts: _Optional[int] = ..., policy: _Optional[str] = ..., steps_by_k: _Optional[_Iterable[int]] = ..., cached_prompt_tokens: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., predrafts: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., predraft_seconds: _Optional[float] = ..., predraft_rejection_hits: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs", "token", "top_tokens")

@@ -25,19 +25,21 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import engine_pb2 as specdec_dot_v1_dot_engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/engine.proto\"r\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\t\n\x01k\x18\x03 \x01(\x05\x12\"\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x12.specdec.v1.Commit\x12\x0f\n\x07\x61ssumed\x18\x05 \x03(\x05\"L\n\rProposedToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x01q\x18\x02 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\"`\n\x0fProposeResponse\x12)\n\x06tokens\x18\x01 \x03(\x0b\x32\x19.specdec.v1.ProposedToken\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.specdec.v1.PassLoad2\xdc\x02\n\x05\x44raft\x12Q\n\x0cStartSession\x12\x1f.specdec.v1.StartSessionRequest\x1a .specdec.v1.StartSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12?\n\x06\x43ommit\x12\x19.specdec.v1.CommitRequest\x1a\x1a.specdec.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x37\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x16.specdec.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/engine.proto\"\x8e\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\t\n\x01k\x18\x03 \x01(\x05\x12\"\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x12.specdec.v1.Commit\x12\x0f\n\x07\x61ssumed\x18\x05 \x03(\x05\x12\x1a\n\x12rejection_branches\x18\x06 \x01(\x05\"L\n\rProposedToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x01q\x18\x02 \x01(\x0b\x32\x1e.specdec.v1.SparseDistribution\"C\n\x06\x42ranch\x12\x0e\n\x06prefix\x18\x01 \x03(\x05\x12)\n\x06tokens\x18\x02 \x03(\x0b\x32\x19.specdec.v1.ProposedToken\"\x86\x01\n\x0fProposeResponse\x12)\n\x06tokens\x18\x01 \x03(\x0b\x32\x19.specdec.v1.ProposedToken\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.specdec.v1.PassLoad\x12$\n\x08\x62ranches\x18\x03 \x03(\x0b\x32\x12.specdec.v1.Branch2\xdc\x02\n\x05\x44raft\x12Q\n\x0cStartSession\x12\x1f.specdec.v1.StartSessionRequest\x1a .specdec.v1.StartSessionResponse\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12?\n\x06\x43ommit\x12\x19.specdec.v1.CommitRequest\x1a\x1a.specdec.v1.CommitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x37\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x16.specdec.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROPOSEREQUEST']._serialized_start=63
-  _globals['_PROPOSEREQUEST']._serialized_end=177
-  _globals['_PROPOSEDTOKEN']._serialized_start=179
-  _globals['_PROPOSEDTOKEN']._serialized_end=255
-  _globals['_PROPOSERESPONSE']._serialized_start=257
-  _globals['_PROPOSERESPONSE']._serialized_end=353
-  _globals['_DRAFT']._serialized_start=356
-  _globals['_DRAFT']._serialized_end=704
+  _globals['_PROPOSEREQUEST']._serialized_start=64
+  _globals['_PROPOSEREQUEST']._serialized_end=206
+  _globals['_PROPOSEDTOKEN']._serialized_start=208
+  _globals['_PROPOSEDTOKEN']._serialized_end=284
+  _globals['_BRANCH']._serialized_start=286
+  _globals['_BRANCH']._serialized_end=353
+  _globals['_PROPOSERESPONSE']._serialized_start=356
+  _globals['_PROPOSERESPONSE']._serialized_end=490
+  _globals['_DRAFT']._serialized_start=493
+  _globals['_DRAFT']._serialized_end=841
 # @@protoc_insertion_point(module_scope)

@@ -473,7 +473,8 @@ class CoordinatorCore:
             load_aware=not parsed.replayable,
             constraint=constraint,
             forced_runs=parsed.forced_tokens,
-            pipeline=parsed.pipeline,
+            # (an n-gram lookup in this process costs no call: nothing to take off the path)
+            pipeline=parsed.pipeline and parsed.method == "draft_model",
         )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)

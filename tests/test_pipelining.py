@@ -20,7 +20,7 @@ from specdec.exact.proposal import MAX_BLOCK, Branch, DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
 from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun, speculative_generate
-from specdec.loop.pipelining import PreDraft
+from specdec.loop.pipelining import BUDGET_PROBE_EVERY, BranchBudget, PreDraft
 
 PROMPT = [1, 2, 3, 4, 5]
 SAMPLED = SamplingParams(temperature=1.0, seed=7, max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3)
@@ -53,6 +53,23 @@ def test_a_pre_draft_is_used_only_on_the_branch_it_assumed():
     assert used([0, 1, 2, 7, 8, 9], 4) is None  # a longer block than was drafted
     assert used([0, 1], 1) is None
     assert PreDraft(3, (7,), block([9])).block_for([0, 1, 2, 7, 9], 1) is None  # only a guess
+
+
+def test_a_pre_draft_drafts_as_many_branches_as_fit_in_a_verify():
+    budget = BranchBudget(k=2)
+    assert budget.passes(0) == 3 and budget.passes(2) == 1 + 3 + 4  # the guesses' pass, chain, branches
+    assert budget.rejections(2) == 2  # nothing measured: all
+    budget.observe(2, predraft_seconds=0.016, verify_seconds=0.020)  # 2 ms per pass: 8 passes fit in 20
+    assert budget.rejections(2) == 2 and budget.rejections(1) == 1
+    budget.observe(2, predraft_seconds=0.028, verify_seconds=0.020)  # the draft got busier: 3.5 ms per pass
+    assert budget.pass_seconds == pytest.approx(0.7 * 0.0035 + 0.3 * 0.002)
+    assert budget.rejections(2) == 1  # 6 passes x 3.05 ms fit in 20 ms, 8 do not
+    budget.observe(1, predraft_seconds=0.030, verify_seconds=0.020)  # 5 ms per pass
+    assert budget.rejections(2) == 0  # the chain alone: 3 passes
+    for _ in range(3):
+        budget.observe(0, predraft_seconds=0.030, verify_seconds=0.020)  # 10 ms per pass: not even the chain
+    assert [budget.rejections(2) for _ in range(BUDGET_PROBE_EVERY)] == [None] * (BUDGET_PROBE_EVERY - 1) + [0]
+    assert BranchBudget(k=2, fixed=1).rejections(2) == 1 and BranchBudget(k=2, fixed=5).rejections(2) == 2
 
 
 # -- the engines -------------------------------------------------------------------------------
@@ -148,7 +165,7 @@ def test_a_pipelined_run_is_token_for_token_the_serial_run(target_model, draft_m
         params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=20, ignore_eos=True)
         params = dataclasses.replace(params, invariant=invariant)
         serial = speculative_generate(target, draft, PROMPT, params, 2)
-        piped = speculative_generate(target, draft, PROMPT, params, 2, pipeline=True)
+        piped = speculative_generate(target, draft, PROMPT, params, 2, pipeline=True, pipeline_branches=2)
         assert piped.token_ids == serial.token_ids
         assert piped.stats.target_passes == serial.stats.target_passes
         hits, predrafts = hits + piped.stats.predraft_hits, predrafts + piped.stats.predrafts
@@ -170,7 +187,9 @@ class _FailingPreDrafts(LocalDraft):
 def test_a_failing_pre_draft_costs_nothing_but_itself(target_model, draft_model):
     target, draft = TargetEngine(target_model), DraftEngine(draft_model)
     serial = speculative_generate(target, draft, PROMPT, SAMPLED, 2)
-    run = SpeculativeRun(LocalTarget(target), _FailingPreDrafts(draft), PROMPT, SAMPLED, 2, pipeline=True)
+    run = SpeculativeRun(
+        LocalTarget(target), _FailingPreDrafts(draft), PROMPT, SAMPLED, 2, pipeline=True, pipeline_branches=2
+    )
 
     async def go():
         async for _ in run.steps():
@@ -196,7 +215,7 @@ def test_a_lost_verify_cancels_its_pre_draft_and_frees_everything(target_model, 
                 raise RuntimeError("target gone")
             return await super().verify(*args, **kwargs)
 
-    run = SpeculativeRun(Fails(target), LocalDraft(draft), PROMPT, SAMPLED, 2, pipeline=True)
+    run = SpeculativeRun(Fails(target), LocalDraft(draft), PROMPT, SAMPLED, 2, pipeline=True, pipeline_branches=2)
 
     async def go():
         async for _ in run.steps():

@@ -551,6 +551,7 @@ def test_metrics_counters_equal_the_returned_stats(stack):
             [1 + i % 5, 2, 3],
             k=1 + i % 4,
             adaptive=None if i % 2 else False,
+            pipeline=i % 4 == 0,  # fixed k, pipelined drafting (docs/pipelining.md)
             temperature=1.0,
             seed=500 + i,
             max_new_tokens=10 + i,
@@ -574,6 +575,13 @@ def test_metrics_counters_equal_the_returned_stats(stack):
         assert delta(f"specdec_accepted_tokens_by_position_total|position={position}") == sum(
             r.stats.accepted_per_position[position] for r in replies if len(r.stats.accepted_per_position) > position
         )
+    assert delta("specdec_predrafts_total") == sum(r.stats.predrafts for r in replies) > 0
+    rejection_hits = sum(r.stats.predraft_rejection_hits for r in replies)
+    assert delta("specdec_predraft_hits_total|branch=rejection") == rejection_hits
+    assert (
+        delta("specdec_predraft_hits_total|branch=accepted")
+        == sum(r.stats.predraft_hits for r in replies) - rejection_hits
+    )
     assert delta("specdec_time_to_first_token_seconds_count") == len(replies)
     assert delta("specdec_request_latency_seconds_count") == len(replies)
     for service in ("target", "draft"):

@@ -192,8 +192,9 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "pipelined",
-        "pipelined drafting: k=1 blocks, the next block drafted while the target verifies for the branch "
-        "'accepted, bonus as the draft drew it', used when the verdict takes that branch; T=4",
+        "pipelined drafting: k=1 blocks, the next block drafted while the target verifies for the branches "
+        "'accepted, bonus as the draft drew it' and 'rejected, recovered token as the draft guesses it', used "
+        "when the verdict takes one; T=4",
         {"temperature": 1.0},
         k=1,
         tokens=4,
@@ -201,9 +202,9 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "invariant_pipelined_load_aware",
-        "pipelined drafting with invariant sampling (the draft's guess of the bonus shares the target's "
-        "noise) under the randomly loaded load-aware policy: a step takes a prefix of the block drafted "
-        "ahead; every run the target-only run of its seed; T=4",
+        "pipelined drafting with invariant sampling (the draft's guesses share the target's noise) under "
+        "the randomly loaded load-aware policy: a step takes a prefix of a branch's block drafted ahead; "
+        "every run the target-only run of its seed; T=4",
         {"temperature": 0.8, "invariant": True},
         k=2,
         tokens=4,
@@ -403,7 +404,11 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
         if case.load_aware:
             result = _load_aware_run(target, draft, case, params, random.Random(i), chosen_ks, case.pipeline)
         else:
-            result = speculative_generate(target, draft, case.prompt, params, case.k, **policy, pipeline=case.pipeline)
+            # (every rejection branch, whatever the timing: the selftest covers each path)
+            branches = case.k if case.pipeline else None
+            result = speculative_generate(
+                target, draft, case.prompt, params, case.k, **policy, pipeline=case.pipeline, pipeline_branches=branches
+            )
         if case.pipeline:  # the same loads (the same random.Random(i)) and seed, drafted serially
             if case.load_aware:
                 serial = _load_aware_run(target, draft, case, params, random.Random(i), set(), False)
@@ -487,7 +492,15 @@ def _load_aware_run(target, draft, case: Case, params, rng: random.Random, chose
 
     loaded = _RandomlyLoadedTarget(target, rng, chosen_ks)
     run = SpeculativeRun(
-        loaded, LocalDraft(draft), case.prompt, params, case.k, adaptive=True, load_aware=True, pipeline=pipeline
+        loaded,
+        LocalDraft(draft),
+        case.prompt,
+        params,
+        case.k,
+        adaptive=True,
+        load_aware=True,
+        pipeline=pipeline,
+        pipeline_branches=case.k,
     )
 
     async def go():

@@ -34,7 +34,7 @@ from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import StepDecision, TargetVerdict, decide, decide_invariant
 from specdec.loop.adaptive_k import StepCost, make_policy
 from specdec.loop.load_aware_k import DRAFT_CALL_SECONDS, BatchLoad, Costs, GoodputK
-from specdec.loop.pipelining import PreDraft
+from specdec.loop.pipelining import BranchBudget, PreDraft
 from specdec.loop.stats import StepStats
 from specdec.loop.stopping import FINISH_LENGTH, StopChecker
 from specdec.telemetry.tracing import tracer
@@ -202,6 +202,7 @@ class SpeculativeRun:
         constraint: ConstraintFollower | None = None,
         forced_runs: bool = True,
         pipeline: bool = False,
+        pipeline_branches: int | None = None,
     ):
         """``committed``: tokens this request already committed in an earlier run (a resumed or
         taken-over request continues from them, with the same seed, hence the same tokens);
@@ -216,7 +217,8 @@ class SpeculativeRun:
         ``forced_runs`` to commit the runs it forces without a draft call or a target pass
         (:func:`forced_run`); None: neither. ``pipeline``: while the target verifies a block, the
         draft drafts the next one for the branch "all accepted, bonus as the draft guesses"
-        (specdec.loop.pipelining; not for a feature draft, which needs the verdict's features)."""
+        (specdec.loop.pipelining; not for a feature draft, which needs the verdict's features),
+        with as many rejection branches as fit in a verify, or ``pipeline_branches`` every time."""
         if num_speculative_tokens < 0:
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
         if committed_steps is None:
@@ -242,7 +244,8 @@ class SpeculativeRun:
         self.constraint = constraint
         self.forced_runs = forced_runs and params.logprobs is None and not wants_features
         self.pipeline = pipeline and self.draft is not None and not wants_features
-        self._ahead: PreDraft | None = None  # the draft's chain past the block last verified
+        self._ahead: PreDraft | None = None  # the draft's blocks past the block last verified
+        self.budget = BranchBudget(num_speculative_tokens, pipeline_branches)  # how much fits in a verify
         self.prompt = [int(t) for t in prompt]
         self.context_length = target.context_length
         # the policy chose k at the steps the constraint forced nothing; only those replay
@@ -544,9 +547,11 @@ class SpeculativeRun:
     async def _verify_pipelined(self, proposal: DraftProposal) -> tuple[DraftProposal, TargetVerdict]:
         """:meth:`_verify`, with the draft drafting past ``proposal`` meanwhile where the run
         pipelines (the wait for that pre-draft after the verdict counts as draft time)."""
-        if not (self.pipeline and self.draft is not None and proposal.tokens):
+        rejections = self.budget.rejections(len(proposal))
+        if not (self.pipeline and self.draft is not None and proposal.tokens) or rejections is None:
             return await self._verify(proposal)
-        ahead = asyncio.ensure_future(self._predraft(self.draft, proposal))
+        ahead = asyncio.ensure_future(self._predraft(self.draft, proposal, rejections))
+        verify_before = self.stats.verify_seconds
         try:
             proposal, verdict = await self._verify(proposal)
         except BaseException:
@@ -556,14 +561,19 @@ class SpeculativeRun:
         t0 = time.perf_counter()
         predraft = await ahead
         self.stats.draft_seconds += time.perf_counter() - t0
+        if predraft is not None:
+            self.budget.observe(rejections, predraft[1], self.stats.verify_seconds - verify_before)
         # a block the target refused (and the draft with it) has no branch to follow
-        self._ahead = predraft if self.draft is not None and proposal.tokens else None
+        self._ahead = predraft[0] if predraft is not None and self.draft is not None and proposal.tokens else None
         return proposal, verdict
 
-    async def _predraft(self, draft: DraftPeer, proposal: DraftProposal) -> PreDraft | None:
-        """The draft's chain past ``proposal``: the guessed bonus and a block of k_max after it,
-        for the next step (specdec.loop.pipelining). A failure here loses only the pre-draft:
-        the next step's own propose meets it and drops the draft the usual way."""
+    async def _predraft(
+        self, draft: DraftPeer, proposal: DraftProposal, rejections: int
+    ) -> tuple[PreDraft, float] | None:
+        """The draft's blocks past ``proposal`` for the next step (specdec.loop.pipelining): the
+        all-accepted chain and ``rejections`` rejection branches, and the seconds they took. A
+        failure here loses only the pre-draft: the next step's own propose meets it and drops
+        the draft the usual way."""
         commit = self._commit(self.draft_len)
         base_len = len(self.sequence)
         t0 = time.perf_counter()
@@ -572,19 +582,21 @@ class SpeculativeRun:
             span.set_attribute("specdec.step", self.step + 1)
             try:
                 drafted = await draft.propose(
-                    self.session_id, self.step + 1, self.k_max + 1, commit, proposal.tokens, len(proposal)
+                    self.session_id, self.step + 1, self.k_max + 1, commit, proposal.tokens, rejections
                 )
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 log.debug("session %s: pre-draft failed: %s", self.session_id, exc)
                 return None
             finally:
-                self.stats.predraft_seconds += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                self.stats.predraft_seconds += seconds
             span.set_attribute("specdec.proposed", len(drafted))
+            span.set_attribute("specdec.rejection_branches", len(drafted.branches))
         if draft is self.draft:
             self.draft_len = base_len
         if (drafted.tokens and drafted.carries_q == self.params.invariant) or len(drafted) > self.k_max + 1:
             return None  # malformed: not used (the next propose checks the draft again)
-        return PreDraft(base_len, tuple(proposal.tokens), drafted)
+        return PreDraft(base_len, tuple(proposal.tokens), drafted), seconds
 
     async def _verify(self, proposal: DraftProposal) -> tuple[DraftProposal, TargetVerdict]:
         """The target's verdict on ``proposal`` (the block it verified: a drafted block the target
@@ -671,6 +683,7 @@ async def generate_async(
     constraint: ConstraintFollower | None = None,
     forced_runs: bool = True,
     pipeline: bool = False,
+    pipeline_branches: int | None = None,
 ) -> GenerationResult:
     run = SpeculativeRun(
         target,
@@ -687,6 +700,7 @@ async def generate_async(
         constraint=constraint,
         forced_runs=forced_runs,
         pipeline=pipeline,
+        pipeline_branches=pipeline_branches,
     )
     async for _ in run.steps():
         pass
@@ -707,6 +721,7 @@ def speculative_generate(
     constraint: ConstraintFollower | None = None,
     forced_runs: bool = True,
     pipeline: bool = False,
+    pipeline_branches: int | None = None,
 ) -> GenerationResult:
     """In process, over engines: generate with speculative decoding; the law is the target's.
     ``constraint``: a matcher of ``params.constraint`` for the loop (SpeculativeRun)."""
@@ -727,5 +742,6 @@ def speculative_generate(
             constraint=constraint,
             forced_runs=forced_runs,
             pipeline=pipeline,
+            pipeline_branches=pipeline_branches,
         )
     )

@@ -52,3 +52,55 @@ class PreDraft:
                     return None
                 return DraftProposal(branch.block.tokens[:k], branch.block.q[:k]), len(committed) <= len(self.assumed)
         return None
+
+
+# Weight of the newest measurement in the running means of a request's branch budget.
+BUDGET_DECAY = 0.7
+# Steps a request sends no pre-draft after one did not fit, before it measures again.
+BUDGET_PROBE_EVERY = 16
+
+
+@dataclass
+class BranchBudget:
+    """How much a request's pre-draft may draft: the all-accepted chain and as many rejection
+    branches as fit, by the draft's measured seconds per pass, in the time the target takes to
+    verify. A pre-draft that outlasts the verdict puts its tail on the critical path (the next
+    step waits for it), and a busy draft replica -- shared with other sessions' passes -- is
+    slower per pass, so under load a request drafts fewer branches, then none (docs/pipelining.md)."""
+
+    k: int  # the most proposals of a block
+    fixed: int | None = None  # rejection branches of every pre-draft, whatever the timing (None: as fit)
+    pass_seconds: float | None = None  # the draft's wall seconds per pre-draft pass (running mean)
+    verify_seconds: float | None = None  # the target's seconds per verify (running mean)
+    skipped: int = 0  # steps without a pre-draft since the last one
+
+    def passes(self, rejections: int) -> int:
+        """Draft passes of a pre-draft with ``rejections`` branches (a block of k): the guesses'
+        pass, the chain past the block (its bonus guess and k), k per branch."""
+        return (1 if rejections else 0) + self.k + 1 + rejections * self.k
+
+    def rejections(self, block: int) -> int | None:
+        """Rejection branches for a pre-draft past a block of ``block`` proposals, or None: none
+        fits, send no pre-draft (but measure again now and then)."""
+        if self.fixed is not None:
+            return min(self.fixed, block)
+        if self.pass_seconds is None or self.verify_seconds is None:
+            return block  # nothing measured yet
+        fits = [r for r in range(block + 1) if self.passes(r) * self.pass_seconds <= self.verify_seconds]
+        if fits:
+            self.skipped = 0
+            return fits[-1]
+        self.skipped += 1
+        if self.skipped >= BUDGET_PROBE_EVERY:
+            self.skipped = 0
+            return 0
+        return None
+
+    def observe(self, rejections: int, predraft_seconds: float, verify_seconds: float) -> None:
+        per_pass = predraft_seconds / self.passes(rejections)
+        self.pass_seconds = _mean(self.pass_seconds, per_pass)
+        self.verify_seconds = _mean(self.verify_seconds, verify_seconds)
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else BUDGET_DECAY * new + (1 - BUDGET_DECAY) * old

@@ -12,6 +12,12 @@ in the responses exactly):
   specdec_forced_tokens_total                      tokens a structured-output constraint forced,
                                                    proposed by the coordinator (no draft call)
   specdec_emitted_tokens_total                     tokens sent to clients
+  specdec_predrafts_total                          blocks drafted while the previous one was
+                                                   verified (pipelined drafting, docs/pipelining.md)
+  specdec_predraft_hits_total{branch=accepted|rejection}
+                                                   of those, the blocks a step used, by the branch
+                                                   of the verdict they were drafted for
+  specdec_step_seconds_total{part=predraft}        their seconds, beside the draft's on the path
   specdec_time_to_first_token_seconds              histogram
   specdec_inter_token_latency_seconds              histogram (per token, between chunks)
   specdec_request_latency_seconds                  histogram (end to end)
@@ -68,6 +74,10 @@ ACCEPTED_BY_POSITION = Counter(
     "specdec_accepted_tokens_by_position", "Accepted draft tokens by block position", ["position"], registry=REGISTRY
 )
 TARGET_PASSES = Counter("specdec_target_passes", "Target verification passes", registry=REGISTRY)
+PREDRAFTS = Counter("specdec_predrafts", "Blocks drafted while the previous block was verified", registry=REGISTRY)
+PREDRAFT_HITS = Counter(
+    "specdec_predraft_hits", "Blocks drafted ahead that a step used, by branch", ["branch"], registry=REGISTRY
+)
 EMITTED_TOKENS = Counter("specdec_emitted_tokens", "Tokens streamed to clients", registry=REGISTRY)
 TTFT = Histogram(
     "specdec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=REGISTRY
@@ -295,6 +305,11 @@ class RequestRecorder:
             record_choices(s.policy or "fixed", s.steps_by_k)
             STEP_SECONDS.labels("draft").inc(s.draft_seconds)
             STEP_SECONDS.labels("verify").inc(s.verify_seconds)
+            if s.predrafts:
+                PREDRAFTS.inc(s.predrafts)
+                PREDRAFT_HITS.labels("accepted").inc(s.predraft_hits - s.predraft_rejection_hits)
+                PREDRAFT_HITS.labels("rejection").inc(s.predraft_rejection_hits)
+                STEP_SECONDS.labels("predraft").inc(s.predraft_seconds)
 
     def _vllm_finished(self, chunk, now: float) -> None:
         s, labels = chunk.stats, self.labels

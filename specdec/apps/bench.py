@@ -246,6 +246,7 @@ def run(args) -> dict:
         log_dir=Path(args.log_dir) if args.log_dir else None,
         extra_target=replica_flags(args, "target") + _tp_flags(args),
         extra_draft=replica_flags(args, "draft"),
+        coordinator_cpus=getattr(args, "coordinator_cpus", None),
     ) as stack:
 
         async def measure():

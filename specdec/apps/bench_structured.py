@@ -138,6 +138,7 @@ def run_structured(args, say) -> dict:
         log_dir=Path(args.log_dir) if args.log_dir else None,
         extra_target=replica_flags(args, "target"),
         extra_draft=replica_flags(args, "draft"),
+        coordinator_cpus=getattr(args, "coordinator_cpus", None),
     ) as stack:
 
         async def measure():

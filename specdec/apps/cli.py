@@ -10,7 +10,7 @@ import sys
 import time
 
 from specdec.loop.reproducible import SEEDED_SAMPLING
-from specdec.runtime.flags import non_negative_int, positive_int
+from specdec.runtime.flags import cpu_set, non_negative_int, positive_int
 
 # `specdec serve` / `run`'s default k: the best k of the held-out CPU bench with the shipped draft
 # (docs/performance.md); the load-aware policy chooses each step's k in 0..k.
@@ -111,6 +111,7 @@ def cmd_run(args) -> int:
         extra_coordinator=_policy_flags(args),
         extra_target=_device_flags(args, "target"),
         extra_draft=_device_flags(args, "draft"),
+        coordinator_cpus=getattr(args, "coordinator_cpus", None),
     ) as stack:
         if args.seed is None:  # one seeded request throughout: every run and stream of it has the same tokens
             args.seed = secrets.randbits(63)
@@ -214,6 +215,7 @@ def cmd_serve(args) -> int:
         host=args.host,
         extra_target=[*_device_flags(args, "target"), "--tp", str(args.target_tp)],
         extra_draft=_device_flags(args, "draft"),
+        coordinator_cpus=getattr(args, "coordinator_cpus", None),
         extra_coordinator=_policy_flags(args),
         draft_replicas=args.draft_replicas,
         target_replicas=args.target_replicas,
@@ -285,13 +287,20 @@ def _device_flags(args, role: str = "") -> list[str]:
 
 
 def add_cpu_flags(p: argparse.ArgumentParser) -> None:
-    """Each replica on CPUs of its own (the replicas' --cpus), as separate devices would be."""
+    """Each process of the stack on CPUs of its own (the replicas' --cpus), as separate devices
+    would be."""
     for role in ("target", "draft"):
         p.add_argument(
             f"--{role}-cpus",
             default=None,
             help=f"run the {role} replicas on these CPUs only (0-3, 0,2), a thread each (default: every CPU)",
         )
+    p.add_argument(
+        "--coordinator-cpus",
+        type=cpu_set,
+        default=None,
+        help="run the coordinator and its Ray processes on these CPUs only (default: every CPU)",
+    )
 
 
 def _policy_flags(args) -> list[str]:

@@ -118,7 +118,16 @@ class Stack:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
-    def start(self, name: str, args: list[str], address: str, log_dir: Path | None, env: dict | None = None) -> Child:
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        address: str,
+        log_dir: Path | None,
+        env: dict | None = None,
+        cpus: set[int] | None = None,
+    ) -> Child:
+        """Start a child process; ``cpus``: run it, and every process it starts, on those CPUs."""
         out = None
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)  # --log-dir names a folder that may not exist yet
@@ -133,6 +142,8 @@ class Stack:
             )
             child = Child(name, address, process)
             self.children.append(child)
+        if cpus:  # before it starts a thread or a process (Ray's): they inherit it
+            os.sched_setaffinity(process.pid, cpus)
         return child
 
     def wait_healthy(self, child: Child, timeout: float, log: Path | None = None) -> None:
@@ -221,13 +232,15 @@ def local_stack(
     redis_url: str | None = None,
     http_port: int | None = None,
     redis_maxmemory: str | None = None,
+    coordinator_cpus: set[int] | None = None,
 ) -> Iterator[Stack]:
     """Bring the stack up (yields it once the coordinator is SERVING); always tear it down.
 
     ``http_port``: the coordinator's OpenAI-compatible HTTP API (None: a free port; 0: off).
 
     Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here, bounded by
-    ``redis_maxmemory`` (default DEFAULT_MAXMEMORY)."""
+    ``redis_maxmemory`` (default DEFAULT_MAXMEMORY). ``coordinator_cpus``: the coordinator and
+    its Ray processes run on those CPUs only (the replicas' own: their ``--cpus`` flag)."""
     from specdec.runtime.redis_embedded import DEFAULT_MAXMEMORY, EmbeddedRedis
 
     if draft_model == "auto":
@@ -285,6 +298,7 @@ def local_stack(
             coord_addr,
             log_dir,
             {"OTEL_SERVICE_NAME": "specdec-coordinator", **(env or {})},
+            coordinator_cpus,
         )
         stack.wait_healthy(coordinator, startup_timeout, log_dir / "coordinator.log" if log_dir else None)
         stack.coordinator_address = coord_addr

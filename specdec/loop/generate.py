@@ -547,8 +547,10 @@ class SpeculativeRun:
     async def _verify_pipelined(self, proposal: DraftProposal) -> tuple[DraftProposal, TargetVerdict]:
         """:meth:`_verify`, with the draft drafting past ``proposal`` meanwhile where the run
         pipelines (the wait for that pre-draft after the verdict counts as draft time)."""
+        if not (self.pipeline and self.draft is not None and proposal.tokens):
+            return await self._verify(proposal)
         rejections = self.budget.rejections(len(proposal))
-        if not (self.pipeline and self.draft is not None and proposal.tokens) or rejections is None:
+        if rejections is None:  # not even the chain past the block fits in a verify now
             return await self._verify(proposal)
         ahead = asyncio.ensure_future(self._predraft(self.draft, proposal, rejections))
         verify_before = self.stats.verify_seconds

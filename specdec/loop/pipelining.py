@@ -3,12 +3,14 @@
 
 While block y_1..y_k is verified, the draft continues its own chain past it: it draws g at the
 bonus position, then z_1..z_m after y_1..y_k, g -- each with the keyed draw of its position, the
-draw a serial draft would make there. When the verdict accepts all of y and its bonus token is
-g, the committed sequence is exactly the prefix z was drafted from, so z is the block the draft
-would propose now, token for token: the step sends it to the target with no draft call on its
-critical path. Otherwise the pre-draft is dropped and the step drafts as before. Which branch is
-taken depends on the verdict, but the block used is the serial block of the prefix that came,
-so the output (and each seed's tokens) is the serial run's.
+draw a serial draft would make there -- and, for rejection branches, drafts after y_1..y_{j-1}
+and its guess of the token the target recovers at j. When the verdict's committed tokens are one
+branch's prefix, that branch's block is the block the draft would propose now, token for token:
+the step sends it to the target with no draft call on its critical path. Otherwise the pre-draft
+is dropped and the step drafts as before. Which branch is taken depends on the verdict, but the
+block used is the serial block of the prefix that came, so the output (and each seed's tokens)
+is the serial run's. How many branches a pre-draft drafts is what fits in a verify
+(:class:`BranchBudget`).
 
 Pure: the loop (specdec.loop.generate) makes the calls."""
 

@@ -9,6 +9,11 @@ bits at every m, in float32 and bfloat16, while the 1536-wide down projection di
 from m = 64, bfloat16 from m = 5). Summing products over fixed K-chunks in a fixed order keeps
 each chunk's product in the shape class that measured invariant, so the sum is invariant too.
 
+On an AMD EPYC (Zen 4) the same MKL switches kernels by the row count instead: every product of
+1-11 rows rounds unlike the same rows among 12 or more, at every shape. So a product of fewer than
+MIN_ROWS rows runs padded with zero rows to MIN_ROWS (a row's sums do not depend on the other rows
+of one kernel), which the probe measured invariant there.
+
 That is a property of the machine and its library, not of arithmetic: :func:`rows_invariant`
 checks it on the real shapes when a model is loaded, and a path that fails the check is reported
 as not invariant rather than assumed to be.
@@ -27,6 +32,9 @@ K_CHUNK = 512  # the inner dimension of one product (see the module doc)
 # whole (576 measured invariant here too) instead of as 512 + 64, a second product per layer input
 # that cost more in calls than it computed.
 K_TAIL = K_CHUNK // 4
+# The fewest rows a product runs with (fewer are padded with zero rows: see the module doc); a
+# few-row product costs about what 16 rows cost on this CPU's memory-bound products anyway.
+MIN_ROWS = 16
 PROBE_ROWS = (1, 2, 3, 5, 8, 16, 17, 33, 64)  # row counts compared with PROBE_REFERENCE's
 PROBE_REFERENCE = 128
 
@@ -46,6 +54,9 @@ class ChunkedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] -> [n, out]."""
+        rows = x.shape[0]
+        if 0 < rows < MIN_ROWS:  # the library's kernel for a few rows may round otherwise (module doc)
+            return self(torch.cat((x, x.new_zeros(MIN_ROWS - rows, x.shape[1]))))[:rows]
         if len(self.chunks) == 1:
             return library_product(x, self.chunks[0])
         out = None

@@ -231,9 +231,13 @@ def test_a_lost_verify_cancels_its_pre_draft_and_frees_everything(target_model, 
 def test_cpu_lists_parse_as_linux_writes_them():
     import argparse
 
+    from specdec.apps.cli import build_parser
     from specdec.runtime.flags import cpu_set
 
     assert cpu_set("0") == {0}
+    assert build_parser("serve").parse_args(["serve", "--target-cpus", "0-1", "--draft-cpus", "1"]).target_cpus == "0-1"
+    with pytest.raises(SystemExit):  # a usage error naming the flag, before anything starts
+        build_parser("serve").parse_args(["serve", "--draft-cpus", "one"])
     assert cpu_set("0-2,5") == {0, 1, 2, 5}
     for bad in ("", "a", "2-1", "-1", "0,,1"):
         with pytest.raises(argparse.ArgumentTypeError, match="CPU numbers"):

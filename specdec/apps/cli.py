@@ -10,7 +10,7 @@ import sys
 import time
 
 from specdec.loop.reproducible import SEEDED_SAMPLING
-from specdec.runtime.flags import cpu_set, non_negative_int, positive_int
+from specdec.runtime.flags import cpu_list, cpu_set, non_negative_int, positive_int
 
 # `specdec serve` / `run`'s default k: the best k of the held-out CPU bench with the shipped draft
 # (docs/performance.md); the load-aware policy chooses each step's k in 0..k.
@@ -292,6 +292,7 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
     for role in ("target", "draft"):
         p.add_argument(
             f"--{role}-cpus",
+            type=cpu_list,
             default=None,
             help=f"run the {role} replicas on these CPUs only (0-3, 0,2), a thread each (default: every CPU)",
         )
@@ -358,8 +359,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pipeline-drafts",
         action="store_true",
-        help="the draft drafts the next block while the target verifies this one (the same tokens; pays where "
-        "they have devices or cores of their own, --target-cpus / --draft-cpus; docs/pipelining.md)",
+        help="the draft drafts the next block while the target verifies this one (the same tokens; meant for a "
+        "draft and a target on devices of their own: it did not pay on a 2-core CPU, docs/pipelining.md)",
     )
 
 

@@ -43,6 +43,12 @@ def cpu_set(text: str) -> set[int]:
     return cpus
 
 
+def cpu_list(text: str) -> str:
+    """:func:`cpu_set`'s text, checked (for a flag passed on to another process's --cpus)."""
+    cpu_set(text)
+    return text.strip()
+
+
 def byte_count(text: str) -> int:
     """A byte count with an optional unit (256MiB, 2G); 0 allowed."""
     try:

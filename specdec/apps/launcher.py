@@ -241,7 +241,11 @@ def local_stack(
     Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here, bounded by
     ``redis_maxmemory`` (default DEFAULT_MAXMEMORY). ``coordinator_cpus``: the coordinator and
     its Ray processes run on those CPUs only (the replicas' own: their ``--cpus`` flag)."""
+    from specdec.runtime.flags import check_cpus_available
     from specdec.runtime.redis_embedded import DEFAULT_MAXMEMORY, EmbeddedRedis
+
+    if coordinator_cpus:  # before any process starts
+        check_cpus_available(coordinator_cpus, "--coordinator-cpus")
 
     if draft_model == "auto":
         draft_model = default_draft_for(target_model)

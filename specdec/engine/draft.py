@@ -153,9 +153,7 @@ class DraftEngine(_Proposer):
         """Up to ``k`` proposals after the committed tokens and ``prefix`` (see propose_work)."""
         tokens: list[int] = list(prefix)
         qs: list[SparseDist] = []
-        counts = session.counts.clone()
-        for t in prefix:
-            counts[t] += 1.0
+        counts = counts_after(session, prefix)
         first = len(session.tokens)
         for i in range(len(prefix), len(prefix) + self._room(session, k, len(prefix))):
             logits, _ = yield PassRequest(session, list(tokens), 1)
@@ -171,6 +169,14 @@ class DraftEngine(_Proposer):
         return DraftProposal(tokens[len(prefix) :], qs)
 
 
+def counts_after(session: Session, prefix: Sequence[int]) -> torch.Tensor:
+    """The penalty history after the committed tokens and ``prefix`` (a copy: nothing committed)."""
+    counts = session.counts.clone()
+    for t in prefix:
+        counts[t] += 1.0
+    return counts
+
+
 def runner_up(
     session: Session, logits: torch.Tensor, prefix: Sequence[int], excluded: int, position: int
 ) -> int | None:
@@ -180,14 +186,11 @@ def runner_up(
     target's noise there (what the target's Gumbel-max most likely picks instead); else the
     mode of q without ``excluded``. Only a guess: it picks which branch to draft, nothing else."""
     params = session.params
-    counts = session.counts.clone()
-    for t in prefix:
-        counts[t] += 1.0
     allowed = session.allowed_after(prefix)
     scores = logprobs_from_logits(
         logits,
         replace(params, temperature=max(params.temperature, 1.0)) if params.greedy else params,
-        counts,
+        counts_after(session, prefix),
         prompt_seen=session.prompt_seen,
         allowed=allowed,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from specdec.engine.memory import parse_bytes, parse_kv_bytes
 
@@ -41,6 +42,13 @@ def cpu_set(text: str) -> set[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be CPU numbers like 0, 0-3 or 0,2, got {text!r}") from None
     return cpus
+
+
+def check_cpus_available(cpus: set[int], flag: str) -> None:
+    """Refuse (SystemExit naming ``flag``) CPUs this process may not run on."""
+    available = os.sched_getaffinity(0)
+    if not cpus <= available:
+        raise SystemExit(f"{flag} {sorted(cpus)}: this process may run on CPUs {sorted(available)} only")
 
 
 def cpu_list(text: str) -> str:

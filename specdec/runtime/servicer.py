@@ -22,7 +22,15 @@ from specdec.errors import DrainingError
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security, wire
 from specdec.runtime.batcher import IterationLoop
-from specdec.runtime.flags import byte_count, cpu_set, kv_byte_count, non_negative_float, non_negative_int, positive_int
+from specdec.runtime.flags import (
+    byte_count,
+    check_cpus_available,
+    cpu_set,
+    kv_byte_count,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
 from specdec.runtime.registry import Heartbeat, Registry, Replica
@@ -185,9 +193,7 @@ def apply_pass_arguments(args) -> None:
 def pin_to_cpus(cpus: set[int]) -> None:
     """Run every thread of this process (and those it starts later) on ``cpus`` only: a Linux
     affinity is per thread, and libraries may have started threads before this runs."""
-    available = os.sched_getaffinity(0)
-    if not cpus <= available:
-        raise SystemExit(f"--cpus {sorted(cpus)}: this process may run on CPUs {sorted(available)} only")
+    check_cpus_available(cpus, "--cpus")
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(task), cpus)

@@ -228,3 +228,14 @@ def test_the_summary_line_says_how_much_of_the_prompt_came_from_the_prefix_cache
     assert "time to first token 0.10s (48 prompt tokens from the prefix cache)" in summary(answer)
     answer.stats = pb.SpeculationStats(target_passes=2)
     assert "prefix cache" not in summary(answer)
+
+
+def test_the_summary_line_says_how_many_blocks_drafted_ahead_were_used():
+    from specdec.apps.client import StreamedAnswer, summary
+    from specdec.v1 import coordinator_pb2 as pb
+
+    answer = StreamedAnswer(token_ids=[1, 2, 3], seconds=1.0, first_token_seconds=0.1)
+    answer.stats = pb.SpeculationStats(target_passes=2, drafts=2, proposed_tokens=4, predrafts=2, predraft_hits=1)
+    assert "1 of 2 blocks drafted ahead used" in summary(answer)
+    answer.stats = pb.SpeculationStats(target_passes=2, drafts=2, proposed_tokens=4)
+    assert "drafted ahead" not in summary(answer)

@@ -92,6 +92,8 @@ def summary(answer: StreamedAnswer) -> str:
     copied = f" ({cached} prompt tokens from the prefix cache)" if cached else ""
     if s and s.forced_tokens:
         speculation += f", {s.forced_tokens} tokens forced by the constraint"
+    if s and s.predrafts:  # pipelined drafting (docs/pipelining.md)
+        speculation += f", {s.predraft_hits} of {s.predrafts} blocks drafted ahead used"
     return (
         f"[{len(answer.token_ids)} tokens, finish={answer.finish_reason}, seed={answer.seed}]\n"
         f"{speculation}, {rate:.1f} tokens/s, {passes} target passes{paused}, "

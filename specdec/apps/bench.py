@@ -293,8 +293,9 @@ def run(args) -> dict:
 
         asyncio.run(measure())
         summaries = [summarize(mode, t, runs) for (mode, t), runs in results.items()]
+        differing = unlike_serial(results)
         for summary in summaries:
-            differ = unlike_serial(results).get((summary["k"], summary["temperature"]))
+            differ = differing.get((summary["k"], summary["temperature"]))
             if summary["mode"] == "speculative-pipelined" and differ is not None:
                 summary["requests_unlike_serial"] = differ
         sweep: list[dict] = []

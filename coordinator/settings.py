@@ -122,9 +122,10 @@ SETTINGS = (
     Setting(
         "pipeline_drafts",
         _boolean,
-        "requests that do not say draft their next block while the target verifies this one, for the branch "
-        "'all accepted, bonus as the draft guesses'; a step on that branch makes no draft call (the same tokens "
-        "either way; pays where draft and target have devices or cores of their own: docs/pipelining.md)",
+        "requests that do not say draft their next block while the target verifies this one, for the outcomes "
+        "of the verdict the draft can guess; a step landing on one makes no draft call (the same tokens either "
+        "way; meant for a draft and a target on devices of their own, it did not pay on a 2-core CPU: "
+        "docs/pipelining.md)",
         "pipeline_drafts",
         switch=True,
     ),

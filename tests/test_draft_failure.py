@@ -67,3 +67,25 @@ def test_draft_killed_mid_request_changes_nothing(stack):
     )
     assert list(again.token_ids) == expected[:40]
     assert again.stats.draft_fallbacks == 1 and again.stats.proposed_tokens == 0
+
+
+def test_draft_killed_mid_pipeline_changes_nothing(stack):
+    """The same with pipelined drafting (docs/pipelining.md): the draft dies with a pre-draft in
+    flight or its blocks drafted ahead in hand; the request loses nothing and changes nothing."""
+    prompt = [9, 6, 7, 8]
+    with torch.inference_mode():
+        expected = stack.target_model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=200, min_new_tokens=200, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    draft = stack.add_replica("draft", "draft-1")  # (the first test killed draft-0 for good)
+    req = request(prompt, k=2, adaptive=False, pipeline=True, temperature=0.0, max_new_tokens=200, ignore_eos=True)
+    tokens, last = [], None
+    for chunk in stub(stack.coordinator_address).GenerateStream(req, timeout=300):
+        if len(tokens) < 20 <= len(tokens) + len(chunk.token_ids):
+            os.kill(draft.process.pid, signal.SIGKILL)  # mid-request, pre-drafts under way
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    assert tokens == expected
+    assert last.finish_reason == "length"
+    assert last.stats.draft_fallbacks == 1
+    assert last.stats.predrafts > 0 and last.stats.accepted_tokens > 0  # it pipelined before the kill

@@ -10,6 +10,9 @@ from specdec.loop.adaptive_k import StepCost
 from specdec.loop.reproducible import SEEDED_SAMPLING
 
 METHODS = ("draft_model", "ngram", "none")
+# pipelined drafting for requests that do not say: where the draft and target compute apart
+# (coordinator.routing.pipelines), always, never
+PIPELINING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,14 @@ class CoordinatorConfig:
     # a new session goes to the replica this coordinator last sent its prompt's prefix to, while
     # that one is not much busier than the least loaded (coordinator.affinity)
     prefix_routing: bool = True
-    # requests that do not say draft their next block while the target verifies (loop.pipelining)
-    pipeline_drafts: bool = False
+    # whether requests that do not say draft their next block while the target verifies (loop.pipelining)
+    pipeline_drafts: str = "auto"
 
     def __post_init__(self):
         if not 0 <= self.max_k <= MAX_BLOCK:
             raise ValueError(f"max_k must be in [0, {MAX_BLOCK}] (the longest block a replica takes), got {self.max_k}")
+        if self.pipeline_drafts not in PIPELINING:
+            raise ValueError(f"pipeline_drafts must be one of {PIPELINING}, got {self.pipeline_drafts!r}")
         if self.seeded_sampling not in SEEDED_SAMPLING:
             raise ValueError(f"seeded_sampling must be one of {SEEDED_SAMPLING}, got {self.seeded_sampling!r}")
         if isinstance(self.step_cost, dict):  # back from dataclasses.asdict (how it travels to a Ray actor)

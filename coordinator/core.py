@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from coordinator.config import METHODS, CoordinatorConfig
 from coordinator.output_log import OutputLog
 from coordinator.requests import ParsedRequest, RequestParser, canonical
-from coordinator.routing import PeerPool, SessionRouting
+from coordinator.routing import PeerPool, SessionRouting, pipelines
 from specdec.engine.ngram import NgramDraft
 from specdec.errors import (
     InvalidArgumentError,
@@ -474,7 +474,7 @@ class CoordinatorCore:
             constraint=constraint,
             forced_runs=parsed.forced_tokens,
             # (an n-gram lookup in this process costs no call: nothing to take off the path)
-            pipeline=parsed.pipeline and parsed.method == "draft_model",
+            pipeline=parsed.method == "draft_model" and pipelines(parsed.pipeline, routing.draft, routing.target),
         )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)

@@ -41,7 +41,9 @@ class ParsedRequest:
     adaptive: bool
     replayable: bool = False  # k from its own past only (else the load-aware policy may choose it)
     forced_tokens: bool = True  # a constraint's forced runs proposed by the loop (with k > 0)
-    pipeline: bool = False  # the draft drafts the next block while the target verifies (loop.pipelining)
+    # the draft drafts the next block while the target verifies (loop.pipelining); None: where
+    # the session's draft and target compute apart (decided once they are chosen)
+    pipeline: bool | None = None
 
     def resolved(self) -> coordinator_pb2.GenerateRequest:
         """The server defaults this request was given (seed, invariant, k, method, adaptive,
@@ -55,7 +57,8 @@ class ParsedRequest:
         out.speculation.adaptive = self.adaptive
         out.speculation.replayable = self.replayable
         out.speculation.forced_tokens = self.forced_tokens
-        out.speculation.pipeline = self.pipeline
+        if self.pipeline is not None:  # else decided per session, the same tokens either way
+            out.speculation.pipeline = self.pipeline
         return out
 
 
@@ -76,7 +79,7 @@ def canonical(
             setattr(sampling, name, getattr(default_sampling, name))
     spec, default_spec = copy.speculation, defaults.speculation
     for name in ("num_speculative_tokens", "adaptive", "replayable", "forced_tokens", "pipeline"):
-        if not spec.HasField(name):
+        if not spec.HasField(name) and default_spec.HasField(name):
             setattr(spec, name, getattr(default_spec, name))
     if not spec.method:
         spec.method = default_spec.method
@@ -213,7 +216,7 @@ class RequestParser:
         if params.seed is None:
             params = params.with_seed(new_seed())
         forced = spec.forced_tokens if spec.HasField("forced_tokens") else True
-        pipeline = spec.pipeline if spec.HasField("pipeline") else cfg.pipeline_drafts
+        pipeline = spec.pipeline if spec.HasField("pipeline") else {"on": True, "off": False}.get(cfg.pipeline_drafts)
         return ParsedRequest(request_id, prompt_ids, params, k, method, adaptive, replayable, forced, pipeline)
 
     def _encode_messages(self, messages) -> list[int]:

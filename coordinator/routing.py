@@ -14,6 +14,7 @@ from coordinator.affinity import PrefixAffinity, choose_near_prefix, prefix_keys
 from coordinator.peers import GrpcDraft, GrpcTarget
 from coordinator.replica_choice import choose_target, draft_candidates, least_loaded, target_candidates
 from specdec.errors import PeerError
+from specdec.runtime.placement import computes_apart
 from specdec.runtime.registry import HEARTBEAT_S, Registry, Replica, same_model
 
 log = logging.getLogger("specdec.routing")
@@ -80,6 +81,8 @@ class PeerPool:
                     info.draft_kind if info else "model",
                     info.vocab_size if info else 0,
                     feature_size=info.feature_size if info else 0,
+                    node=info.node if info else "",
+                    devices=",".join(info.devices) if info else "",
                 )
 
     async def replicas(self, kind: str) -> list[Replica]:
@@ -174,6 +177,16 @@ class PeerPool:
         await asyncio.gather(*(peer.close() for peer in list(self._targets.values()) + list(self._drafts.values())))
 
 
+def pipelines(asked: bool | None, draft: Replica | None, target: Replica | None) -> bool:
+    """Whether a session drafts its next block while the target verifies (docs/pipelining.md):
+    as the request (or the coordinator's --pipeline-drafts on / off) says, else where its draft
+    and target compute apart -- where they share hardware, the draft's pre-drafting slows the
+    target's verify by about what it saves (docs/pipelining.md, "Measured")."""
+    if asked is not None:
+        return asked
+    return draft is not None and target is not None and computes_apart(draft.placement, target.placement)
+
+
 class SessionRouting:
     """The replicas of one session: chosen at start, kept for its life (affinity), replaced
     only when one fails (the loop's Failover)."""
@@ -183,6 +196,7 @@ class SessionRouting:
         self.prompt = prompt  # the request's prompt: replicas that hold its prefix are preferred
         self.salt = salt  # ... in its prefix-cache scope
         self.target: Replica | None = None
+        self.draft: Replica | None = None
         self.tried_targets: set[str] = set()
         self.tried_drafts: set[str] = set()
 
@@ -197,6 +211,7 @@ class SessionRouting:
         if self.target is None:
             raise RuntimeError("a session's draft is chosen for its target: call first_target() first")
         draft = await self.pool.pick_draft(self.target, self.tried_drafts, self.prompt, self.salt)
+        self.draft = draft
         if draft is None:
             return None
         self.tried_drafts.add(draft.replica_id)

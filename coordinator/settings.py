@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from coordinator.config import METHODS, CoordinatorConfig
+from coordinator.config import METHODS, PIPELINING, CoordinatorConfig
 from specdec.loop.adaptive_k import StepCost
 from specdec.loop.reproducible import SEEDED_SAMPLING
 
@@ -44,6 +44,16 @@ def _seeded_sampling(value: Any) -> str:
     return str(value)
 
 
+def _pipelining(value: Any) -> str:
+    """auto / on / off, or a YAML boolean (on / off)."""
+    if str(value) in PIPELINING:
+        return str(value)
+    try:
+        return "on" if _boolean(value) else "off"
+    except ValueError:
+        raise ValueError(f"must be one of {', '.join(PIPELINING)}, got {value!r}") from None
+
+
 def _step_cost(value: Any) -> StepCost:
     return StepCost.parse(str(value))
 
@@ -56,6 +66,7 @@ class Setting:
     field: str | None = None  # the CoordinatorConfig field it sets (None: a setting of the front)
     invert: bool = False  # a flag that turns the field off (--fixed-k sets default_adaptive False)
     switch: bool = False  # a flag that turns the field on (--replayable-schedule)
+    bare: Any = None  # the value of the flag given without one (--pipeline-drafts: on); None: it needs one
 
     @property
     def flag(self) -> str:
@@ -121,13 +132,14 @@ SETTINGS = (
     ),
     Setting(
         "pipeline_drafts",
-        _boolean,
-        "requests that do not say draft their next block while the target verifies this one, for the outcomes "
-        "of the verdict the draft can guess; a step landing on one makes no draft call (the same tokens either "
-        "way; meant for a draft and a target on devices of their own, it did not pay on a 2-core CPU: "
-        "docs/pipelining.md)",
+        _pipelining,
+        "whether requests that do not say draft their next block while the target verifies this one, for the "
+        "outcomes of the verdict the draft can guess (a step landing on one makes no draft call; the same tokens "
+        "either way): 'auto' where the session's draft and target compute apart (other nodes, or GPUs of their "
+        "own; on one CPU the draft slowed the target by what it saved), 'on' (the flag alone), or 'off'; "
+        "docs/pipelining.md",
         "pipeline_drafts",
-        switch=True,
+        bare="on",
     ),
     Setting("max_speculative_tokens", int, "largest k a request may ask for", "max_k"),
     Setting("default_max_new_tokens", int, "max_new_tokens of a request that does not say", "default_max_new_tokens"),
@@ -157,7 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         default = _DEFAULTS.get(s.field) if s.field else 0
         shown = f" (default: {default})" if default not in (None, "") and "default:" not in s.help else ""
-        parser.add_argument(s.flag, type=_argparse_type(s), default=None, help=s.help + shown)
+        bare = {} if s.bare is None else {"nargs": "?", "const": s.bare}
+        parser.add_argument(s.flag, type=_argparse_type(s), default=None, help=s.help + shown, **bare)
 
 
 def _argparse_type(setting: Setting) -> Callable[[str], Any]:

@@ -19,6 +19,7 @@ from specdec.runtime.servicer import (
     cache_limits,
     main_async,
     profiled_costs,
+    replica_placement,
 )
 from specdec.telemetry import tracing
 from specdec.v1 import draft_pb2_grpc, engine_pb2
@@ -94,6 +95,8 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             cost_seconds=[t for _, t in self.cost_points],
             pass_backend=stats.get("pass_backend", ""),
             batch_invariant=bool(stats.get("batch_invariant", False)),
+            node=self.placement.node,
+            devices=list(self.placement.devices),
         )
 
 
@@ -144,6 +147,7 @@ def main(args) -> int:
         servicer = DraftServicer(engine, args.model, fingerprint)
         batch = batch_runner_for(engine, args)
         servicer.cost_points = profiled_costs(engine, batch, args)
+        servicer.placement = replica_placement(engine, args)
         replica_id = args.replica_id or new_replica_id()
 
         def describe(address: str, draining: bool) -> Replica:
@@ -159,6 +163,8 @@ def main(args) -> int:
                 args.max_sessions,
                 draining,
                 feature_size=getattr(engine, "feature_size", 0),
+                node=servicer.placement.node,
+                devices=",".join(servicer.placement.devices),
             )
 
         return ServiceSpec(

@@ -19,6 +19,7 @@ from specdec.runtime.servicer import (
     cache_limits,
     main_async,
     profiled_costs,
+    replica_placement,
 )
 from specdec.telemetry import tracing
 from specdec.v1 import engine_pb2, target_pb2_grpc
@@ -106,6 +107,8 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             cost_seconds=[t for _, t in self.cost_points],
             pass_backend=stats.get("pass_backend", ""),
             batch_invariant=bool(stats.get("batch_invariant", False)),
+            node=self.placement.node,
+            devices=list(self.placement.devices),
         )
 
 
@@ -191,6 +194,7 @@ def main(args) -> int:
         servicer = TargetServicer(engine, args.model, eos, fingerprint, tp)
         batch = batch_runner_for(engine, args)
         servicer.cost_points = profiled_costs(engine, batch, args)
+        servicer.placement = replica_placement(engine, args)
         replica_id = args.replica_id or new_replica_id()
 
         def describe(address: str, draining: bool) -> Replica:
@@ -206,6 +210,8 @@ def main(args) -> int:
                 args.max_sessions,
                 draining,
                 feature_size=int(model.config.hidden_size),
+                node=servicer.placement.node,
+                devices=",".join(servicer.placement.devices),
             )
 
         return ServiceSpec(

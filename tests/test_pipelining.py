@@ -21,6 +21,7 @@ from specdec.exact.sampling import SamplingParams
 from specdec.exact.sparse import SparseDist
 from specdec.loop.generate import LocalDraft, LocalTarget, SpeculativeRun, speculative_generate
 from specdec.loop.pipelining import BUDGET_PROBE_EVERY, BranchBudget, PreDraft
+from specdec.runtime.placement import Placement, computes_apart
 
 PROMPT = [1, 2, 3, 4, 5]
 SAMPLED = SamplingParams(temperature=1.0, seed=7, max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3)
@@ -276,3 +277,126 @@ print(sorted(os.sched_getaffinity(early.native_id)), sorted(late[0]), args.threa
         timeout=120,
     )
     assert bad.returncode != 0 and "may run on CPUs" in bad.stderr
+
+
+# -- where it pays: the coordinator pipelines a session whose draft and target compute apart ----
+CPU_HERE = Placement("node-a", ("cpu",))
+
+
+@pytest.mark.parametrize(
+    "a, b, apart",
+    [
+        (CPU_HERE, Placement("node-a", ("cpu",)), False),  # one machine's CPUs: the draft slowed the target
+        (CPU_HERE, Placement("node-b", ("cpu",)), True),  # two machines
+        (Placement("node-a", ("cuda:GPU-1",)), Placement("node-a", ("cuda:GPU-2",)), True),  # GPUs of their own
+        (Placement("node-a", ("cuda:GPU-1",)), Placement("node-a", ("cuda:GPU-1",)), False),  # one GPU shared
+        (Placement("node-a", ("cuda:GPU-1", "cuda:GPU-2")), Placement("node-a", ("cuda:GPU-2",)), False),  # TP rank
+        (Placement("node-a", ("cuda:GPU-1",)), CPU_HERE, False),  # a CPU draft beside a GPU target's host
+        (Placement("", ("cpu",)), Placement("node-b", ("cpu",)), False),  # unknown: assume shared
+        (Placement("node-a", ()), Placement("node-b", ("cpu",)), False),
+    ],
+)
+def test_replicas_compute_apart_only_on_other_nodes_or_gpus_of_their_own(a, b, apart):
+    assert computes_apart(a, b) is apart and computes_apart(b, a) is apart
+
+
+def test_a_session_pipelines_as_asked_else_where_its_draft_and_target_compute_apart():
+    from coordinator.routing import pipelines
+    from specdec.runtime.registry import Replica
+
+    def replica(kind: str, node: str, devices: str) -> Replica:
+        return Replica(kind, f"{kind}-{node}", f"{node}:1", "m", "fp", node=node, devices=devices)
+
+    target = replica("target", "a", "cpu")
+    assert not pipelines(None, replica("draft", "a", "cpu"), target)
+    assert pipelines(None, replica("draft", "b", "cpu"), target)
+    assert not pipelines(None, replica("draft", "b", ""), target)  # a replica that does not say where it runs
+    assert not pipelines(None, None, target)  # no draft replica
+    assert pipelines(True, replica("draft", "a", "cpu"), target)  # the request (or --pipeline-drafts on) wins
+    assert not pipelines(False, replica("draft", "b", "cpu"), target)
+
+
+def test_placement_round_trips_the_registry_record_and_is_bounded():
+    from specdec.runtime.registry import MAX_RECORD_DEVICES_TEXT, Replica, record_problem
+
+    gpus = Replica("target", "t", "h:1", "m", "fp", node="node-a", devices="cuda:GPU-1,cuda:GPU-2")
+    back = Replica.from_hash(gpus.to_hash())
+    assert back == gpus and back.placement == Placement("node-a", ("cuda:GPU-1", "cuda:GPU-2"))
+    assert Replica("target", "t", "h:1").placement == Placement("", ())  # an older record: unknown
+    assert record_problem(gpus, "target") is None
+    too_many = dataclasses.replace(gpus, devices="x" * (MAX_RECORD_DEVICES_TEXT + 1))
+    assert "devices" in (record_problem(too_many, "target") or "")
+    assert "node" in (record_problem(dataclasses.replace(gpus, node="n" * 5000), "target") or "")
+
+
+def test_pipeline_drafts_is_auto_by_default_and_a_flag_a_serve_arg_or_an_environment_variable():
+    import argparse
+
+    from coordinator import settings
+    from coordinator.server import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--target", "h:1"])).pipeline_drafts == "auto"
+    assert config_from_args(parser.parse_args(["--target", "h:1", "--pipeline-drafts"])).pipeline_drafts == "on"
+    assert config_from_args(parser.parse_args(["--target", "h:1", "--pipeline-drafts", "off"])).pipeline_drafts == "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--target", "h:1", "--pipeline-drafts", "sometimes"])
+    assert settings.parse_values({"pipeline_drafts": True}) == {"pipeline_drafts": "on"}  # a YAML boolean
+    assert settings.values_from_env({"SPECDEC_PIPELINE_DRAFTS": "false"}) == {"pipeline_drafts": "off"}
+    with pytest.raises(ValueError, match=r"pipeline_drafts.*auto, on, off"):
+        settings.parse_values({"pipeline_drafts": "sometimes"})
+
+
+@pytest.mark.parametrize("setting, parsed", [("auto", None), ("on", True), ("off", False)])
+def test_a_request_that_does_not_say_takes_the_setting_and_auto_is_decided_per_session(setting, parsed):
+    from coordinator.config import CoordinatorConfig
+    from coordinator.requests import RequestParser, canonical
+    from specdec.v1 import coordinator_pb2 as pb
+
+    parser = RequestParser(CoordinatorConfig(target_address="h:1", pipeline_drafts=setting))
+    parser.vocab_size, parser.context_length = 32, 64
+    request = pb.GenerateRequest(prompt_token_ids=[1, 2, 3])
+    mine = parser.parse(request, "r")
+    assert mine.pipeline is parsed
+    stored = pb.GenerateRequest.FromString(canonical(request, "r", mine.resolved()))
+    # auto stays a choice of whichever coordinator runs it (the same tokens either way)
+    assert stored.speculation.HasField("pipeline") is (parsed is not None)
+    asked = pb.GenerateRequest(prompt_token_ids=[1, 2, 3])
+    asked.speculation.pipeline = False
+    assert parser.parse(asked, "r").pipeline is False  # the request's own word wins
+
+
+@pytest.mark.integration
+def test_a_draft_on_another_node_is_pipelined_by_default_and_gives_the_same_tokens(tmp_path, target_model, draft_model):
+    """Through a real stack: a draft replica that reports another node (--node-name) gets
+    pre-drafts without the request asking; a request saying off gets none; the tokens agree."""
+    from stack_util import info, request, stub
+
+    from specdec.apps.launcher import local_stack
+    from specdec.modeling.tiny import word_tokenizer
+
+    for name, model in (("target", target_model), ("draft", draft_model)):
+        model.save_pretrained(tmp_path / name)
+        word_tokenizer(VOCAB).save_pretrained(tmp_path / name)
+    with local_stack(
+        str(tmp_path / "target"),
+        str(tmp_path / "draft"),
+        num_speculative_tokens=2,
+        log_dir=tmp_path / "logs",
+        extra_draft=["--node-name", "another-node"],
+        http_port=0,
+    ) as stack:
+        draft_address = next(c.address for c in stack.children if c.name == "draft-0")
+        assert info(draft_address, "draft").node == "another-node"
+        coordinator = stub(stack.coordinator_address)
+        replies = {
+            asked: coordinator.Generate(
+                request(PROMPT, k=2, adaptive=False, pipeline=asked, temperature=1.0, seed=11, max_new_tokens=40),
+                timeout=120,
+            )
+            for asked in (None, False)
+        }
+    assert replies[None].stats.predrafts > 0 and replies[None].stats.predraft_hits > 0
+    assert replies[False].stats.predrafts == 0
+    assert list(replies[None].token_ids) == list(replies[False].token_ids)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 from otlp_collector import start_collector
-from stack_util import generate_many, live_sessions, request, save_selftest_pair, scrape, stub
+from stack_util import generate_many, info, live_sessions, request, save_selftest_pair, scrape, stub
 
 from specdec.apps.launcher import local_stack
 from specdec.apps.selftest import BASE_SEED, CASES, case_params, case_runs, exact_law, judge
@@ -551,7 +551,8 @@ def test_metrics_counters_equal_the_returned_stats(stack):
             [1 + i % 5, 2, 3],
             k=1 + i % 4,
             adaptive=None if i % 2 else False,
-            pipeline=i % 4 == 0,  # fixed k, pipelined drafting (docs/pipelining.md)
+            # fixed k, pipelined drafting (docs/pipelining.md); the rest as the server decides
+            pipeline=True if i % 4 == 0 else None,
             temperature=1.0,
             seed=500 + i,
             max_new_tokens=10 + i,
@@ -576,6 +577,10 @@ def test_metrics_counters_equal_the_returned_stats(stack):
             r.stats.accepted_per_position[position] for r in replies if len(r.stats.accepted_per_position) > position
         )
     assert delta("specdec_predrafts_total") == sum(r.stats.predrafts for r in replies) > 0
+    # by default only where draft and target compute apart: not on one machine's CPUs (runtime.placement)
+    assert all(
+        r.stats.predrafts == 0 for r, req in zip(replies, reqs, strict=True) if not req.speculation.HasField("pipeline")
+    )
     rejection_hits = sum(r.stats.predraft_rejection_hits for r in replies)
     assert delta("specdec_predraft_hits_total|branch=rejection") == rejection_hits
     assert (
@@ -652,3 +657,13 @@ def test_internal_rpcs_bound_what_a_client_sends(stack):
         request = draft_pb2.ProposeRequest(session_id="nobody", step=1, k=1, assumed=[1], rejection_branches=2)
         draft.Propose(request, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rejection_branches" in info.value.details()
+
+
+def test_replicas_report_where_they_compute(stack):
+    """Node and devices in Info (and the registry): what the coordinator's pipelining default reads."""
+    import socket
+
+    addr = addresses(stack)
+    for kind in ("target", "draft"):
+        described = info(addr[kind], kind)
+        assert described.node == socket.gethostname() and list(described.devices) == ["cpu"], kind

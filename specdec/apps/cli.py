@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 
+from coordinator.config import PIPELINING
 from specdec.loop.reproducible import SEEDED_SAMPLING
 from specdec.runtime.flags import cpu_list, cpu_set, non_negative_int, positive_int
 
@@ -306,7 +307,7 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
 
 def _policy_flags(args) -> list[str]:
     flags = ["--fixed-k"] if args.fixed_k else []
-    flags += ["--pipeline-drafts"] if getattr(args, "pipeline_drafts", False) else []
+    flags += ["--pipeline-drafts", args.pipeline_drafts] if getattr(args, "pipeline_drafts", None) else []
     flags += ["--seeded-sampling", args.seeded_sampling] if args.seeded_sampling else []
     return flags + (["--replayable-schedule"] if args.replayable_schedule else [])
 
@@ -358,9 +359,13 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     add_cpu_flags(p)
     p.add_argument(
         "--pipeline-drafts",
-        action="store_true",
-        help="the draft drafts the next block while the target verifies this one (the same tokens; meant for a "
-        "draft and a target on devices of their own: it did not pay on a 2-core CPU, docs/pipelining.md)",
+        nargs="?",
+        const="on",
+        choices=PIPELINING,
+        default=None,
+        help="whether the draft drafts the next block while the target verifies this one (the same tokens): "
+        "'auto' (default) where the draft and target compute apart -- other nodes or GPUs of their own, not "
+        "one machine's CPUs, where it did not pay --, 'on' (the flag alone) or 'off'; docs/pipelining.md",
     )
 
 

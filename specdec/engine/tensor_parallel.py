@@ -37,6 +37,7 @@ from typing import Any
 
 from specdec.engine.sessions import PassRequest, RowsRequest, SessionStore, run_alone, run_rows
 from specdec.errors import InvalidArgumentError, SpecdecError
+from specdec.modeling.loading import device_identity
 
 log = logging.getLogger("specdec.tp")
 
@@ -340,6 +341,7 @@ def _gather_rank_stats(engine) -> list[dict]:
         "rank": dist.get_rank(),
         "param_bytes": local_param_bytes(engine.store.model),
         "kv_bytes": engine.store.total_kv_bytes,
+        "device": device_identity(engine.store.device),
     }
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)

@@ -115,6 +115,17 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_identity(device) -> str:
+    """A name for the hardware a torch device computes on that is the same in every process of a
+    node: "cpu", or a GPU's UUID (``cuda:1`` in one container may be ``cuda:0`` in another)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"cuda:{uuid}" if uuid is not None else f"cuda:{index}"
+
+
 def default_dtype(device: str) -> torch.dtype:
     return torch.float32 if device == "cpu" else torch.bfloat16
 

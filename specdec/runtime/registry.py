@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from specdec.runtime.placement import MAX_DEVICES, Placement
+
 log = logging.getLogger("specdec.runtime.registry")
 
 PREFIX = "specdec:replica"
@@ -27,6 +29,7 @@ REPLICA_TTL_S = 3.0
 MAX_RECORD_SESSIONS = 1 << 20
 MAX_RECORD_VOCAB = 1 << 24
 MAX_RECORD_TEXT = 1024
+MAX_RECORD_DEVICES_TEXT = MAX_DEVICES * 64  # a GPU's identity is its UUID (runtime.placement)
 KINDS = ("draft", "target")
 DRAFT_KINDS = ("", "model", "ngram", "feature")
 
@@ -44,6 +47,12 @@ class Replica:
     capacity: int = 0  # max sessions (0 = unknown)
     draining: bool = False
     feature_size: int = 0  # target: its hidden size; feature draft: the features it reads
+    node: str = ""  # where it computes (runtime.placement): the node ...
+    devices: str = ""  # ... and its devices' identities, comma-separated ("" = unknown)
+
+    @property
+    def placement(self) -> Placement:
+        return Placement.of(self.node, self.devices.split(","))
 
     @property
     def key(self) -> str:
@@ -76,9 +85,11 @@ def record_problem(replica: Replica, key_kind: str | None = None) -> str | None:
     host, _, port = replica.address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return f"address {replica.address[:64]!r} is not HOST:PORT"
-    for name in ("replica_id", "address", "model_id", "fingerprint"):
+    for name in ("replica_id", "address", "model_id", "fingerprint", "node"):
         if len(getattr(replica, name)) > MAX_RECORD_TEXT:
             return f"{name} longer than {MAX_RECORD_TEXT} characters"
+    if len(replica.devices) > MAX_RECORD_DEVICES_TEXT:
+        return f"devices longer than {MAX_RECORD_DEVICES_TEXT} characters"
     if replica.draft_kind not in DRAFT_KINDS:
         return f"draft_kind {replica.draft_kind!r}"
     for name, top in (("load", MAX_RECORD_SESSIONS), ("capacity", MAX_RECORD_SESSIONS)):

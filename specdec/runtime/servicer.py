@@ -19,6 +19,7 @@ from specdec.engine.batching import BatchRunner, PassLoad
 from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, resolve_kv_cap
 from specdec.engine.sessions import CacheLimits
 from specdec.errors import DrainingError
+from specdec.modeling.loading import device_identity
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security, wire
 from specdec.runtime.batcher import IterationLoop
@@ -33,6 +34,7 @@ from specdec.runtime.flags import (
 )
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
+from specdec.runtime.placement import CPU, Placement, this_node
 from specdec.runtime.registry import Heartbeat, Registry, Replica
 from specdec.telemetry import logs, metrics, tracing
 from specdec.v1 import engine_pb2
@@ -91,6 +93,17 @@ def cache_limits(args, device, ranks_on_host: int = 1) -> CacheLimits:
     return CacheLimits(args.max_sessions, args.max_session_kv_bytes, cap, args.prefix_cache_bytes)
 
 
+def replica_placement(engine, args) -> Placement:
+    """Where a replica's passes compute: its node, and each device (a tensor-parallel group:
+    every rank's, as the ranks report them; a draft without a model, the n-gram one: the CPU)."""
+    if hasattr(engine, "rank_stats"):
+        devices = [rank.get("device", "") for rank in engine.rank_stats()]
+    else:
+        store = getattr(engine, "store", None)
+        devices = [device_identity(store.device)] if store is not None else [CPU]
+    return Placement.of(this_node(args.node_name), devices)
+
+
 def add_replica_arguments(p) -> None:
     """The flags every draft/target replica takes (device, caps, registry, drain, metrics, TLS)."""
     security.add_arguments(p)
@@ -127,6 +140,13 @@ def add_replica_arguments(p) -> None:
         default=None,
         help="run on these CPUs only (0-3, 0,2), with as many torch threads unless --threads says: cores of "
         "its own for this replica, as a device of its own would be (default: every CPU)",
+    )
+    p.add_argument(
+        "--node-name",
+        default=None,
+        help="the machine this replica computes on, as it reports it (coordinators pipeline drafting only for "
+        "a draft and a target that share no hardware: docs/pipelining.md; default: SPECDEC_NODE_NAME, else the "
+        "hostname)",
     )
     p.add_argument("--redis", default=None, help="register in this Redis (default: REDIS_URL; unset = no registry)")
     p.add_argument(
@@ -210,6 +230,7 @@ class SessionServicer:
     model_spec: str
     batching: IterationLoop | None = None  # set where the engine's calls are batched
     cost_points: list[tuple[int, float]] = []  # noqa: RUF012 - replaced, never mutated: its pass profile
+    placement = Placement()  # where it computes (set at start: replica_placement)
 
     async def engine_call(
         self,

@@ -98,7 +98,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind", "sessions_started", "replica_id", "draining", "tp_size", "rank_param_bytes", "rank_kv_bytes", "feature_size", "cost_sizes", "cost_seconds", "pass_backend", "batch_invariant")
+    __slots__ = ("kind", "model_id", "vocab_size", "context_length", "eos_token_ids", "tokenizer_fingerprint", "live_sessions", "kv_bytes", "kv_bytes_per_token", "draft_kind", "sessions_started", "replica_id", "draining", "tp_size", "rank_param_bytes", "rank_kv_bytes", "feature_size", "cost_sizes", "cost_seconds", "pass_backend", "batch_invariant", "node", "devices")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,8 @@ class EngineInfo(_message.Message):
     COST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PASS_BACKEND_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     model_id: str
     vocab_size: int
@@ -141,7 +143,9 @@ class EngineInfo(_message.Message):
     cost_seconds: _containers.RepeatedScalarFieldContainer[float]
     pass_backend: str
     batch_invariant: bool
-    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ..., sessions_started: _Optional[int] = ..., replica_id: _Optional[str] = ..., draining: _Optional[bool] = ..., tp_size: _Optional[int] = ..., rank_param_bytes: _Optional[_Iterable[int]] = ..., rank_kv_bytes: _Optional[_Iterable[int]] = ..., feature_size: _Optional[int] = ..., cost_sizes: _Optional[_Iterable[int]] = ..., cost_seconds: _Optional[_Iterable[float]] = ..., pass_backend: _Optional[str] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
+    node: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., live_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., draft_kind: _Optional[str] = ..., sessions_started: _Optional[int] = ..., replica_id: _Optional[str] = ..., draining: _Optional[bool] = ..., tp_size: _Optional[int] = ..., rank_param_bytes: _Optional[_Iterable[int]] = ..., rank_kv_bytes: _Optional[_Iterable[int]] = ..., feature_size: _Optional[int] = ..., cost_sizes: _Optional[_Iterable[int]] = ..., cost_seconds: _Optional[_Iterable[float]] = ..., pass_backend: _Optional[str] = ..., batch_invariant: _Optional[bool] = ..., node: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PassLoad(_message.Message):
     __slots__ = ("size", "sessions", "seconds", "live_sessions")

@@ -1,7 +1,7 @@
 """The coordinator's request handling, independent of how it is hosted (a Ray actor in the
-product, in process in tests): validate the public request, route it to replicas, run the
-speculative loop, make every committed chunk durable (Redis) before it is sent, and resume or
-take over requests whose client or coordinator was lost.
+product, in process in tests): admit a request, route it to replicas and run the speculative
+loop. Parsing a request is ``coordinator.requests``'; keeping it in the session log (every chunk
+durable before it is sent, resume, takeover) is ``coordinator.durable``'.
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from coordinator.config import METHODS, CoordinatorConfig
+from coordinator.durable import DurableRequests
 from coordinator.output_log import OutputLog
-from coordinator.requests import ParsedRequest, RequestParser, canonical
+from coordinator.requests import ParsedRequest, RequestParser
 from coordinator.routing import PeerPool, SessionRouting, pipelines
 from specdec.engine.ngram import NgramDraft
 from specdec.errors import (
     InvalidArgumentError,
-    LeaseLostError,
     PeerError,
     ResourceExhaustedError,
     SessionExistsError,
-    SessionNotFoundError,
 )
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
 from specdec.modeling.loading import longest_token_chars, try_load_tokenizer
@@ -40,47 +39,7 @@ log = logging.getLogger("specdec.coordinator")
 
 HEALTH_PROBE_S = 1.0  # a health probe's wait for Redis or a target
 MAX_HEALTH_PROBES = 8  # targets probed per health check (one answering is enough)
-LOG_POLL_S = 0.05  # a resumed stream's wait for new log entries
-LEASE_CHECK_POLLS = 20  # ... and how many waits between looks at the lease
 MAX_REQUEST_ID_CHARS = 256  # a client's request_id: a Redis key and a log field, so bounded
-
-
-async def run_ahead(source: AsyncGenerator, depth: int = 1) -> AsyncIterator:
-    """The items of ``source``, which runs in its own task up to ``depth`` items ahead of the
-    caller: while the caller logs item n to Redis and hands it to Ray (a few ms per step), the
-    next step's RPCs are already in flight. Order and exceptions are the source's; closing this
-    iterator (a client gone, an error downstream) cancels the source's task and closes the source,
-    so its cleanup (the sessions' release) has run when this returns."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=depth)
-    end = object()
-
-    async def pump() -> None:
-        try:
-            async for item in source:
-                await queue.put((item, None))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
-            await queue.put((end, exc))
-            return
-        finally:
-            await source.aclose()  # cancelled while an item waited in the queue: clean up now
-        await queue.put((end, None))
-
-    task = asyncio.ensure_future(pump())
-    try:
-        while True:
-            item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is end:
-                return
-            yield item
-    finally:
-        if not task.done():
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def _redis_errors():
@@ -101,14 +60,17 @@ class CoordinatorCore:
             config.target_timeout_s,
             config.prefix_routing,
         )
-        self.log: OutputLog | None = None
-        if config.redis_url:
-            self.log = OutputLog(config.redis_url, config.output_ttl_s, config.max_output_bytes)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.requests = RequestParser(config)  # the model's figures and tokenizer, set at setup
+        self.log: OutputLog | None = None
+        self.durable: DurableRequests | None = None  # the session log's requests (with REDIS_URL)
+        if config.redis_url:
+            self.log = OutputLog(config.redis_url, config.output_ttl_s, config.max_output_bytes)
+            self.durable = DurableRequests(
+                self.log, self.owner, self.requests, config.max_resume_readers, self._admitted, self._generate
+            )
         self.model_id = ""  # the target's model, as it reports it
         self.active = 0
-        self.readers = 0  # resumed streams reading the session log
         self.live_ids: set[str] = set()  # without a session log: the client-given ids in flight
         self.ngram: NgramDraft | None = None
 
@@ -177,7 +139,8 @@ class CoordinatorCore:
         self.active += 1  # taken before the room check's await: concurrent calls see it
         try:
             if logged:
-                await self._session_log.check_room()
+                assert self.log is not None  # a logged request is one of DurableRequests'
+                await self.log.check_room()
             yield
         finally:
             self.active -= 1
@@ -200,9 +163,9 @@ class CoordinatorCore:
             )
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            if self.log is None or not durable:
+            if self.durable is None or not durable:
                 if request.resume_from_index:
-                    why = "set REDIS_URL" if self.log is None else "this API's requests are not logged"
+                    why = "set REDIS_URL" if self.durable is None else "this API's requests are not logged"
                     raise InvalidArgumentError("resume_from_index", f"resuming needs the session log ({why})")
                 if request.request_id:  # without the log, the ids in flight here (checked and taken at once)
                     if request_id in self.live_ids:
@@ -217,155 +180,10 @@ class CoordinatorCore:
                     if request.request_id:
                         self.live_ids.discard(request_id)
                 return
-            meta = await self.log.meta(request_id) if request.request_id else None
-            if meta is None:
-                if request.resume_from_index:
-                    raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
-                parsed = self.requests.parse(request, request_id, await self.requests.encode(request))
-                async with self._admitted(logged=True):
-                    if await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner):
-                        async for chunk in self._owned(parsed, [], [], 0, trace_carrier):
-                            yield chunk
-                        return
-                meta = await self.log.meta(request_id)  # created concurrently by another call
-                if meta is None:  # ... and already expired or deleted
-                    raise SessionNotFoundError(f"request_id {request_id!r}: created and gone meanwhile; retry")
-            async for chunk in self._resume(request, request_id, meta, trace_carrier):
+            async for chunk in self.durable.stream(request, request_id, trace_carrier):
                 yield chunk
         except _redis_errors() as exc:
             raise PeerError("UNAVAILABLE", f"session log (Redis) unavailable: {exc}") from None
-
-    # -- durable generation, resume, takeover --------------------------------------------------
-    @property
-    def _session_log(self) -> OutputLog:
-        """The Redis session log (the durable paths below only run when REDIS_URL gave one)."""
-        assert self.log is not None
-        return self.log
-
-    async def _owned(
-        self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int], from_index: int, trace_carrier
-    ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
-        """Generate while holding the lease: append each chunk (one step's tokens) to the log,
-        then send it (the next step runs meanwhile: see :func:`run_ahead`)."""
-        session_log = self._session_log
-        keeper = asyncio.create_task(session_log.keep_lease(parsed.request_id, self.owner))
-        tokens = list(committed)
-        try:
-            async for chunk in run_ahead(self._generate(parsed, committed, committed_steps, trace_carrier)):
-                if keeper.done():  # the lease lapsed: another coordinator may be generating it
-                    raise LeaseLostError(f"request {parsed.request_id!r}: lease lost; resume with resume_from_index")
-                start = len(tokens)
-                await session_log.append(parsed.request_id, start, chunk, self.owner)  # fenced
-                tokens.extend(chunk.token_ids)
-                out = self._trim(chunk, start, from_index, tokens)
-                if out is not None:
-                    yield out
-        finally:
-            keeper.cancel()
-            with contextlib.suppress(Exception):  # the lease expires by itself
-                await asyncio.shield(session_log.release_lease(parsed.request_id, self.owner))
-
-    async def _resume(self, request, request_id: str, meta: dict, trace_carrier):
-        """A resumed stream: counted against ``max_resume_readers`` (each polls the log)."""
-        if self.readers >= self.config.max_resume_readers:
-            raise ResourceExhaustedError(
-                f"{self.readers} resumed streams are reading, the limit is {self.config.max_resume_readers}"
-            )
-        self.readers += 1
-        try:
-            async for chunk in self._read_log(request, request_id, meta, trace_carrier):
-                yield chunk
-        finally:
-            self.readers -= 1
-
-    async def _read_log(self, request, request_id: str, meta: dict, trace_carrier):
-        session_log = self._session_log
-        stored = coordinator_pb2.GenerateRequest.FromString(meta["request"])
-        if canonical(request, request_id, stored) != stored.SerializeToString(deterministic=True):
-            raise InvalidArgumentError("request_id", f"{request_id!r} is already used by a different request")
-        from_index = request.resume_from_index
-        tokens: list[int] = []
-        steps: list[int] = []  # tokens per log entry, i.e. per step of the runs that wrote them
-        last, polls = b"-", 0
-        while True:
-            # Polled, not a blocking read: a waiting reader holds no pooled connection, so readers
-            # can never starve the lease refreshes and appends of the pool (issue 24).
-            entries = await session_log.entries(request_id, last)
-            for entry in entries:
-                last = entry.entry_id
-                out = self._absorb(entry, from_index, tokens, steps)
-                if out is not None:
-                    yield out
-                if entry.chunk.finish_reason:
-                    return
-            if entries:
-                continue
-            polls += 1
-            if (polls - 1) % LEASE_CHECK_POLLS:  # the lease: at the first wait, then once a second
-                await asyncio.sleep(LOG_POLL_S)
-                continue
-            if from_index > len(tokens) and await session_log.lease_holder(request_id) is None:
-                raise InvalidArgumentError(
-                    "resume_from_index", f"{from_index} is past the {len(tokens)} tokens this request committed"
-                )
-            # Nobody is generating it (its coordinator died, or its client cancelled): take over,
-            # continuing from the committed tokens with the same seed, hence the same tokens.
-            if await session_log.lease_holder(request_id) is None and await session_log.acquire_lease(
-                request_id, self.owner
-            ):
-                for entry in await session_log.entries(request_id, last):  # appended before the lease lapsed
-                    last = entry.entry_id
-                    out = self._absorb(entry, from_index, tokens, steps)
-                    if out is not None:
-                        yield out
-                    if entry.chunk.finish_reason:
-                        await session_log.release_lease(request_id, self.owner)
-                        return
-                log.info("request %s: taking over after %d committed tokens", request_id, len(tokens))
-                parsed = self.requests.parse(stored, request_id, await self.requests.encode(stored))
-                try:
-                    async with self._admitted(logged=True):
-                        async for chunk in self._owned(parsed, tokens, steps, from_index, trace_carrier):
-                            yield chunk
-                except ResourceExhaustedError:  # no room to take it over here: it stays resumable
-                    await session_log.release_lease(request_id, self.owner)
-                    raise
-                return
-
-    def _absorb(self, entry, from_index: int, tokens: list[int], steps: list[int]):
-        """Adds one log entry to what a resumed call has read (its tokens, and the step that wrote
-        them, for the policy's replay); returns the part of it the caller has not seen, or None.
-        An entry that does not start where the read tokens end is skipped (a duplicate: appends
-        are exactly-once, readers defensive all the same) or refused (a gap)."""
-        if entry.start < len(tokens):
-            log.warning("request log: skipping a duplicate entry at token %d", entry.start)
-            return None
-        if entry.start > len(tokens):
-            raise PeerError("UNAVAILABLE", f"session log: entry at token {entry.start} after {len(tokens)} tokens")
-        tokens.extend(entry.chunk.token_ids)
-        steps.append(len(entry.chunk.token_ids))
-        return self._trim(entry.chunk, entry.start, from_index, tokens)
-
-    def _trim(self, chunk, start: int, from_index: int, tokens: list[int]):
-        """The part of ``chunk`` (tokens [start, start+len)) at or after ``from_index``; None if
-        nothing is left to send. ``tokens``: every token up to the end of this chunk."""
-        end = start + len(chunk.token_ids)
-        if start >= from_index:
-            return chunk
-        if end <= from_index and not chunk.finish_reason:
-            return None
-        out = coordinator_pb2.GenerateChunk()
-        out.CopyFrom(chunk)
-        cut = max(0, from_index - start)
-        del out.token_ids[:]
-        out.token_ids.extend(chunk.token_ids[cut:])
-        del out.logprobs[:]
-        out.logprobs.extend(chunk.logprobs[cut:])
-        if self.requests.tokenizer is not None:  # text of the remainder only
-            head = self.requests.tokenizer.decode(tokens[: min(from_index, end)], skip_special_tokens=True)
-            whole = self.requests.tokenizer.decode(tokens[:end], skip_special_tokens=True)
-            out.text = whole[len(head) :] if whole.startswith(head) else chunk.text
-        return out
 
     # -- one run of the loop -------------------------------------------------------------------
     async def _generate(

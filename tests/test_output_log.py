@@ -90,10 +90,10 @@ def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis
         try:
             readers = [asyncio.ensure_future(read()) for _ in range(50)]
             for _ in range(200):  # every reader reaches its polling wait (a loaded machine: later)
-                if core.readers == 50:
+                if core.durable.readers == 50:
                     break
                 await asyncio.sleep(0.05)
-            assert core.readers == 50
+            assert core.durable.readers == 50
             # Polling: between polls nobody holds a pooled connection. The readers poll in step, so a
             # single look can land inside a burst of 50 reads on a loaded machine; the least of many
             # looks cannot be small if each waiting reader parked a connection (a blocking read).
@@ -108,7 +108,7 @@ def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis
             await writer.append(rid, 0, chunk(5, 6), "W")
             await writer.append(rid, 2, chunk(7, finish="length"), "W")
             assert await asyncio.wait_for(asyncio.gather(*readers), 10) == [[5, 6, 7]] * 50
-            assert core.readers == 0
+            assert core.durable.readers == 0
         finally:
             keeper.cancel()
             await writer.close()

@@ -1,4 +1,4 @@
-"""coordinator.core.run_ahead: the speculative loop runs one step ahead of logging and sending,
+"""coordinator.durable.run_ahead: the speculative loop runs one step ahead of logging and sending,
 without reordering, losing or hiding anything, and without leaking sessions when stopped."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from coordinator.core import run_ahead
+from coordinator.durable import run_ahead
 
 
 def test_items_arrive_in_order_while_the_source_works_ahead():

@@ -74,6 +74,7 @@ COPY pyproject.toml README.md ./
 COPY specdec ./specdec
 COPY draft_service ./draft_service
 COPY target_service ./target_service
+COPY replica ./replica
 COPY coordinator ./coordinator
 COPY proto ./proto
 # the distilled draft for the default target (a few tens of MB); other models are mounted

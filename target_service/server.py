@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.errors import InvalidArgumentError
-from specdec.exact.proposal import MAX_BLOCK
-from specdec.runtime import security, wire
-from specdec.runtime.grpc_server import grpc_method
-from specdec.runtime.servicer import (
+from replica.servicer import (
     ServiceSpec,
     SessionServicer,
     add_replica_arguments,
@@ -21,6 +17,10 @@ from specdec.runtime.servicer import (
     profiled_costs,
     replica_placement,
 )
+from specdec.errors import InvalidArgumentError
+from specdec.exact.proposal import MAX_BLOCK
+from specdec.runtime import security, wire
+from specdec.runtime.grpc_server import grpc_method
 from specdec.telemetry import tracing
 from specdec.v1 import engine_pb2, target_pb2_grpc
 

@@ -321,14 +321,14 @@ def test_the_pool_accounts_whole_blocks_and_growth_stops_at_the_cap():
 
 
 def test_a_pass_waits_for_every_session_stepping_not_only_the_last_passes():
-    """The gather window (specdec/runtime/batcher.py): two sessions that fell out of phase -- A's
+    """The gather window (replica/batcher.py): two sessions that fell out of phase -- A's
     pass ran alone while B was elsewhere -- are brought back into one pass: A's next request waits
     (up to the window) for B, which is stepping, although the pass before carried A alone. Waiting
     only for as many as the last pass carried kept such a pair in one-session passes for good. A
     session that sent no work lately (idle, or released) is not waited for."""
     import asyncio
 
-    from specdec.runtime.batcher import IterationLoop
+    from replica.batcher import IterationLoop
 
     store = SessionStore(kernel_llama(seed=4), name="target")
     runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8)
@@ -465,8 +465,8 @@ def test_the_iteration_loop_outlives_failed_iterations_and_says_not_serving_whil
     UNHEALTHY_AFTER_FAILURES in a row the replica reports NOT_SERVING until an iteration runs."""
     import asyncio
 
+    from replica.batcher import UNHEALTHY_AFTER_FAILURES, IterationLoop
     from specdec.errors import ReplicaFaultError
-    from specdec.runtime.batcher import UNHEALTHY_AFTER_FAILURES, IterationLoop
 
     store = SessionStore(kernel_llama(seed=6), name="target")
     runner = BatchRunner(store, max_batch_tokens=64, max_batch_sessions=8)

@@ -93,7 +93,16 @@ def test_the_checks_fail_on_a_deliberate_break(tmp_path):
     for name in ("Dockerfile", ".dockerignore", "pyproject.toml"):
         (context / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, context / name)
-    for name in ("specdec", "draft_service", "target_service", "coordinator", "proto", "models", "benchmarks"):
+    for name in (
+        "specdec",
+        "draft_service",
+        "target_service",
+        "replica",
+        "coordinator",
+        "proto",
+        "models",
+        "benchmarks",
+    ):
         (context / name).mkdir()
     (context / "deploy" / "image").mkdir(parents=True)
     (context / "README.md").write_text("")

@@ -67,7 +67,7 @@ def test_meminfo_and_cgroup_files_are_read(tmp_path):
 
 def test_a_replica_started_without_a_cap_gets_one_below_the_memory_it_has():
     """Before: --max-kv-bytes defaulted to 0, no cap at all."""
-    from specdec.runtime.servicer import add_replica_arguments, cache_limits
+    from replica.servicer import add_replica_arguments, cache_limits
 
     parser = argparse.ArgumentParser()
     add_replica_arguments(parser)
@@ -84,7 +84,7 @@ def test_a_replica_started_without_a_cap_gets_one_below_the_memory_it_has():
 def test_a_bad_byte_count_flag_is_a_usage_error_that_says_what_it_takes(flag, capsys):
     import argparse
 
-    from specdec.runtime.servicer import add_replica_arguments
+    from replica.servicer import add_replica_arguments
 
     parser = argparse.ArgumentParser(prog="specdec target")
     add_replica_arguments(parser)

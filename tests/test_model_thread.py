@@ -1,6 +1,6 @@
 """Every model call of a draft/target service runs on the process's one model thread.
 
-Why it matters (specdec/runtime/model_thread.py): PyTorch's CPU kernels run on an OpenMP team owned by the
+Why it matters (replica/model_thread.py): PyTorch's CPU kernels run on an OpenMP team owned by the
 calling thread; passes spread over a thread pool gave the target service one team per pool thread
 and made a SmolLM2 Verify 1.5-2.5x slower on the 2-core machine.
 """
@@ -10,12 +10,12 @@ import threading
 
 from coordinator.peers import GrpcDraft, GrpcTarget
 from draft_service.server import DraftServicer
+from replica.model_thread import on_model_thread
 from specdec.engine.commits import Commit
 from specdec.engine.draft import DraftEngine
 from specdec.engine.target import TargetEngine
 from specdec.exact.sampling import SamplingParams
 from specdec.runtime import grpc_server as srv
-from specdec.runtime.model_thread import on_model_thread
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 from target_service.server import TargetServicer
 
@@ -114,7 +114,7 @@ def test_a_release_queued_behind_a_busy_model_thread_runs_after_its_deadline(tar
     import grpc
     import pytest
 
-    from specdec.runtime.model_thread import model_executor
+    from replica.model_thread import model_executor
     from specdec.v1 import engine_pb2
 
     engine = TargetEngine(target_model)

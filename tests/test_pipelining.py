@@ -255,7 +255,7 @@ def test_a_replica_pinned_to_cpus_runs_every_thread_there_with_a_thread_each():
     cpu = min(os.sched_getaffinity(0))
     code = f"""
 import argparse, os, threading
-from specdec.runtime.servicer import add_replica_arguments, apply_pass_arguments
+from replica.servicer import add_replica_arguments, apply_pass_arguments
 early = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True)
 early.start()
 p = argparse.ArgumentParser()

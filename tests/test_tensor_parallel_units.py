@@ -163,7 +163,7 @@ def test_the_startup_profile_is_replayed_and_leaves_both_ranks_alike(wire):
 def test_a_tensor_parallel_target_batches_its_works():
     import argparse
 
-    from specdec.runtime.servicer import batch_runner_for
+    from replica.servicer import batch_runner_for
 
     args = argparse.Namespace(max_batch_tokens=256, max_batch_sessions=64, max_waiting_sessions=64)
     assert DistributedTargetEngine.supports_works

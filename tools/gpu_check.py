@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from replica.batcher import IterationLoop
+from replica.model_thread import on_model_thread
 from specdec.engine.batching import BatchRunner
 from specdec.engine.draft import DraftEngine
 from specdec.engine.target import TargetEngine
@@ -39,8 +41,6 @@ from specdec.exact.sampling import SamplingParams
 from specdec.loop.generate import generate_async
 from specdec.modeling.lean_llama import Pass
 from specdec.modeling.tiny import smollm2_shaped
-from specdec.runtime.batcher import IterationLoop
-from specdec.runtime.model_thread import on_model_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -182,9 +182,9 @@ def build_request(
 
 def run(args) -> dict:
 
+    from replica.model_thread import call_on_model_thread, on_model_thread
     from specdec.apps.launcher import local_stack
     from specdec.modeling.loading import default_draft_for, encode_prompt, load_model, load_tokenizer
-    from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
     from specdec.v1 import coordinator_pb2_grpc
 
     say = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -226,7 +226,7 @@ def run(args) -> dict:
     hf_target = hf_draft = None
     if hf_modes:
         say("loading the target (and draft) in process for the transformers baselines...")
-        # loaded on the thread that runs them (specdec/runtime/model_thread.py)
+        # loaded on the thread that runs them (replica/model_thread.py)
         hf_target = call_on_model_thread(load_model, args.target_model, "cpu", quiet=True)
         if args.assistant_model:
             say(f"transformers assisted generation drafts with {args.assistant_model}")
@@ -267,7 +267,7 @@ def run(args) -> dict:
                                     assistant = hf_draft if mode.mode == "hf-assisted" else None
                                     lookup = mode.k if mode.mode == "hf-assisted" else 0
                                     # The model thread, as in the services: passes spread over a pool's
-                                    # threads run slower on CPU (specdec/runtime/model_thread.py).
+                                    # threads run slower on CPU (replica/model_thread.py).
                                     sample = await on_model_thread(
                                         hf_one,
                                         hf_target,

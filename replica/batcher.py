@@ -17,9 +17,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from replica.model_thread import on_model_thread
 from specdec.engine.batching import BatchRunner, Job, PassLoad
 from specdec.engine.sessions import Work
-from specdec.runtime.model_thread import on_model_thread
 from specdec.telemetry import metrics
 
 ADMISSION_POLL_SECONDS = 0.02

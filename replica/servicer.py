@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from replica.batcher import IterationLoop
+from replica.model_thread import call_on_model_thread, on_model_thread
 from specdec.engine.batching import BatchRunner, PassLoad
 from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, resolve_kv_cap
 from specdec.engine.sessions import CacheLimits
@@ -22,7 +24,6 @@ from specdec.errors import DrainingError
 from specdec.modeling.loading import device_identity
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security, wire
-from specdec.runtime.batcher import IterationLoop
 from specdec.runtime.flags import (
     byte_count,
     check_cpus_available,
@@ -33,7 +34,6 @@ from specdec.runtime.flags import (
     positive_int,
 )
 from specdec.runtime.grpc_server import grpc_method
-from specdec.runtime.model_thread import call_on_model_thread, on_model_thread
 from specdec.runtime.placement import CPU, Placement, this_node
 from specdec.runtime.registry import Heartbeat, Registry, Replica
 from specdec.telemetry import logs, metrics, tracing
@@ -41,7 +41,7 @@ from specdec.v1 import engine_pb2
 
 DEFAULT_PREFIX_CACHE = 256 << 20
 
-log = logging.getLogger("specdec.runtime.servicer")
+log = logging.getLogger("specdec.replica.servicer")
 
 
 @dataclass

@@ -72,8 +72,6 @@ RUN --mount=type=secret,id=ca --mount=type=bind,source=deploy/image,target=/imag
     fi
 COPY pyproject.toml README.md ./
 COPY specdec ./specdec
-COPY draft_service ./draft_service
-COPY target_service ./target_service
 COPY replica ./replica
 COPY coordinator ./coordinator
 COPY proto ./proto

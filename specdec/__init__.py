@@ -5,8 +5,9 @@ import-linter, see pyproject.toml and docs/architecture.md):
 
     apps        the CLI, launcher, client, bench, selftest
     training    distillation of drafts, corpora, prompt sets (beside apps)
-    (services)  draft_service, target_service, coordinator: servicers and entry points
-    runtime     wire, gRPC scaffolding, model thread, Redis, peers, the coordinator's request path
+    (processes) replica (the draft and target replicas: servicers, batching, entry points) and
+                coordinator (the public API, routing, the session log): packages beside specdec
+    runtime     what both share: wire, gRPC scaffolding, security, the registry, placement, flags
     telemetry   tracing, metrics
     loop        the speculative run of one request, its policy, stop handling
     engine      per-session KV caches, draft / target / n-gram engines, tensor parallelism

@@ -216,7 +216,7 @@ def test_a_command_imports_only_its_own_module():
     from specdec.apps.cli import build_parser
 
     args = build_parser().parse_args(["target", "--port", "5"])
-    assert args.port == 5 and args.func.__module__ == "target_service.server"
+    assert args.port == 5 and args.func.__module__ == "replica.target"
 
 
 def test_the_summary_line_says_how_much_of_the_prompt_came_from_the_prefix_cache():

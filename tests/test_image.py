@@ -95,8 +95,6 @@ def test_the_checks_fail_on_a_deliberate_break(tmp_path):
         shutil.copy(ROOT / name, context / name)
     for name in (
         "specdec",
-        "draft_service",
-        "target_service",
         "replica",
         "coordinator",
         "proto",

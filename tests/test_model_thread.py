@@ -9,15 +9,15 @@ import asyncio
 import threading
 
 from coordinator.peers import GrpcDraft, GrpcTarget
-from draft_service.server import DraftServicer
+from replica.draft import DraftServicer
 from replica.model_thread import on_model_thread
+from replica.target import TargetServicer
 from specdec.engine.commits import Commit
 from specdec.engine.draft import DraftEngine
 from specdec.engine.target import TargetEngine
 from specdec.exact.sampling import SamplingParams
 from specdec.runtime import grpc_server as srv
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
-from target_service.server import TargetServicer
 
 
 class ThreadLog:

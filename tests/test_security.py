@@ -93,10 +93,10 @@ def test_a_redis_password_never_reaches_what_is_printed():
 
 def _serve_target(model, sec: Security):
     """A real target service over ``model`` on a grpc.aio server with ``sec``; (server, port)."""
+    from replica.target import SERVICE, TargetServicer
     from specdec.engine.target import TargetEngine
     from specdec.runtime import grpc_server as srv
     from specdec.v1 import target_pb2_grpc
-    from target_service.server import SERVICE, TargetServicer
 
     server = srv.create_server(token=sec.token or None)
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(TargetEngine(model), "tiny-target"), server)
@@ -248,8 +248,8 @@ def test_services_listen_on_loopback_unless_told_otherwise():
     code = (
         "import argparse\n"
         "from coordinator.server import add_arguments as c\n"
-        "from draft_service.server import add_arguments as d\n"
-        "from target_service.server import add_arguments as t\n"
+        "from replica.draft import add_arguments as d\n"
+        "from replica.target import add_arguments as t\n"
         "for add in (c, d, t):\n"
         '    p = argparse.ArgumentParser(); add(p); print(p.get_default("host"))\n'
     )

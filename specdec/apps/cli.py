@@ -374,8 +374,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
 MODULE_COMMANDS = {
     "bench": ("measure speculative vs target-only vs transformers, in one run", "specdec.apps.bench"),
     "distill": ("train a small draft for a target by knowledge distillation", "specdec.training.distill"),
-    "draft": ("run the draft gRPC service", "draft_service.server"),
-    "target": ("run the target gRPC service", "target_service.server"),
+    "draft": ("run the draft gRPC service", "replica.draft"),
+    "target": ("run the target gRPC service", "replica.target"),
     "coordinator": ("run the coordinator (public gRPC API) on Ray", "coordinator.server"),
     "health": ("probe a specdec port's health (with this process's TLS settings)", "specdec.apps.ops:health"),
     "secrets": (

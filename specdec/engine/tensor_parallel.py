@@ -17,7 +17,7 @@ and feeds them the same passes computes what rank 0 computes; its results are dr
 
 A pass that fails on any rank may leave that rank's caches unlike the others': the group goes down
 (rank 0 signals itself SIGUSR1: NOT_SERVING, deregister, exit; a rank > 0 exits non-zero) and the
-supervisor (``target_service.supervisor``) kills the rest; the coordinator's failover takes over.
+supervisor (``replica.supervisor``) kills the rest; the coordinator's failover takes over.
 Collectives time out after ``SPECDEC_TP_TIMEOUT_SECONDS``; an idle rank 0 sends a heartbeat at a
 quarter of that, so an idle group stays up and a silent one is found.
 """

@@ -132,9 +132,9 @@ def main(args) -> int:
     if tp < 1:
         raise SystemExit("specdec target: --tp must be >= 1")
     if tp > 1 and not os.environ.get("SPECDEC_TP_RANK_PROCESS"):
+        from replica.supervisor import supervise
         from specdec.engine.tensor_parallel import check_divisible, collective_timeout
         from specdec.modeling.loading import load_config
-        from target_service.supervisor import supervise
 
         check_divisible(load_config(args.model), tp)  # fail before starting any rank
         collective_timeout()  # (a bad SPECDEC_TP_TIMEOUT_SECONDS too)

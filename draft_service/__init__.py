@@ -1,1 +1,0 @@
-"""The draft gRPC service: its servicer and entry point (``specdec draft``)."""

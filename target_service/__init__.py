@@ -1,1 +1,0 @@
-"""The target gRPC service: its servicer and entry point (``specdec target``, ``--tp N``)."""

@@ -11,11 +11,9 @@ from replica.servicer import (
     SessionServicer,
     add_replica_arguments,
     apply_pass_arguments,
-    batch_runner_for,
     cache_limits,
     main_async,
-    profiled_costs,
-    replica_placement,
+    replica_spec,
 )
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import MAX_BLOCK
@@ -130,12 +128,10 @@ def build_engine(args):
 def main(args) -> int:
     security.apply_arguments(args)  # TLS / token flags -> this process's environment
     apply_pass_arguments(args)
-    import os
 
     from specdec.engine.draft import DraftEngine, FeatureDraftEngine
     from specdec.modeling.grammar import Grammars
     from specdec.modeling.loading import eos_token_ids, tokenizer_fingerprint, try_load_tokenizer
-    from specdec.runtime.registry import Replica, new_replica_id
 
     def spec() -> ServiceSpec:
         engine = build_engine(args)
@@ -144,46 +140,17 @@ def main(args) -> int:
         if isinstance(engine, (DraftEngine, FeatureDraftEngine)) and tokenizer is not None:  # masked proposals
             eos = sorted(eos_token_ids(engine.store.model, tokenizer))
             engine.store.grammars = Grammars(tokenizer, engine.vocab_size, eos)
-        servicer = DraftServicer(engine, args.model, fingerprint)
-        batch = batch_runner_for(engine, args)
-        servicer.cost_points = profiled_costs(engine, batch, args)
-        servicer.placement = replica_placement(engine, args)
-        replica_id = args.replica_id or new_replica_id()
-
-        def describe(address: str, draining: bool) -> Replica:
-            return Replica(
-                "draft",
-                replica_id,
-                address,
-                args.model,
-                fingerprint,
-                engine.kind,
-                args.vocab_size if args.model == "ngram" else engine.vocab_size,
-                engine.stats()["live_sessions"],
-                args.max_sessions,
-                draining,
-                feature_size=getattr(engine, "feature_size", 0),
-                node=servicer.placement.node,
-                devices=",".join(servicer.placement.devices),
-            )
-
-        return ServiceSpec(
-            "draft",
-            SERVICE,
-            draft_pb2_grpc.add_DraftServicer_to_server,
-            servicer,
-            engine,
-            args.host,
-            args.port,
-            args.session_ttl,
-            redis_url=args.redis or os.environ.get("REDIS_URL"),
-            advertise=args.advertise,
-            describe=describe,
-            drain_seconds=args.drain_seconds,
-            metrics_port=args.metrics_port,
-            health_port=args.health_port,
-            batch=batch,
-            batch_gather_ms=args.batch_gather_ms,
+        return replica_spec(
+            args,
+            kind="draft",
+            full_service_name=SERVICE,
+            add_to_server=draft_pb2_grpc.add_DraftServicer_to_server,
+            servicer=DraftServicer(engine, args.model, fingerprint),
+            engine=engine,
+            fingerprint=fingerprint,
+            vocab_size=args.vocab_size if args.model == "ngram" else engine.vocab_size,
+            feature_size=getattr(engine, "feature_size", 0),
+            draft_kind=engine.kind,
         )
 
     return main_async(spec, "draft")

@@ -35,7 +35,7 @@ from specdec.runtime.flags import (
 )
 from specdec.runtime.grpc_server import grpc_method
 from specdec.runtime.placement import CPU, Placement, this_node
-from specdec.runtime.registry import Heartbeat, Registry, Replica
+from specdec.runtime.registry import Heartbeat, Registry, Replica, new_replica_id
 from specdec.telemetry import logs, metrics, tracing
 from specdec.v1 import engine_pb2
 
@@ -64,6 +64,66 @@ class ServiceSpec:
     health_port: int = 0  # a plaintext port with the health service alone (0: none)
     batch: BatchRunner | None = None  # where the engine's calls are batched (continuous batching)
     batch_gather_ms: float = 8.0  # before a pass, wait this long for the sessions stepping now
+
+
+def replica_spec(
+    args,
+    *,
+    kind: str,
+    full_service_name: str,
+    add_to_server: Callable[[Any, grpc.aio.Server], None],
+    servicer: SessionServicer,
+    engine: Any,
+    fingerprint: str,
+    vocab_size: int,
+    feature_size: int,
+    draft_kind: str = "",
+    on_stop: Callable[[], None] | None = None,
+) -> ServiceSpec:
+    """A draft or target replica as its flags (``add_replica_arguments``) describe it: its batch
+    runner and profiled pass cost, where it computes, and the registry entry its heartbeat
+    publishes (what the coordinator routes by)."""
+    batch = batch_runner_for(engine, args)
+    servicer.cost_points = profiled_costs(engine, batch, args)
+    servicer.placement = replica_placement(engine, args)
+    replica_id = args.replica_id or new_replica_id()
+
+    def describe(address: str, draining: bool) -> Replica:
+        return Replica(
+            kind=kind,
+            replica_id=replica_id,
+            address=address,
+            model_id=args.model,
+            fingerprint=fingerprint,
+            draft_kind=draft_kind,
+            vocab_size=vocab_size,
+            load=engine.stats()["live_sessions"],
+            capacity=args.max_sessions,
+            draining=draining,
+            feature_size=feature_size,
+            node=servicer.placement.node,
+            devices=",".join(servicer.placement.devices),
+        )
+
+    return ServiceSpec(
+        name=kind,
+        full_service_name=full_service_name,
+        add_to_server=add_to_server,
+        servicer=servicer,
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        session_ttl=args.session_ttl,
+        redis_url=args.redis or os.environ.get("REDIS_URL"),
+        advertise=args.advertise,
+        describe=describe,
+        drain_seconds=args.drain_seconds,
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+        on_stop=on_stop,
+        batch=batch,
+        batch_gather_ms=args.batch_gather_ms,
+    )
 
 
 def batch_runner_for(engine, args) -> BatchRunner | None:

@@ -11,11 +11,9 @@ from replica.servicer import (
     SessionServicer,
     add_replica_arguments,
     apply_pass_arguments,
-    batch_runner_for,
     cache_limits,
     main_async,
-    profiled_costs,
-    replica_placement,
+    replica_spec,
 )
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import MAX_BLOCK
@@ -126,8 +124,6 @@ def main(args) -> int:
     import os
     import sys
 
-    from specdec.runtime.registry import Replica, new_replica_id
-
     tp = args.tp
     if tp < 1:
         raise SystemExit("specdec target: --tp must be >= 1")
@@ -191,47 +187,17 @@ def main(args) -> int:
             serve_constraints(engine)
         fingerprint = tokenizer_fingerprint(tokenizer)
         eos = eos_token_ids(model, tokenizer)
-        servicer = TargetServicer(engine, args.model, eos, fingerprint, tp)
-        batch = batch_runner_for(engine, args)
-        servicer.cost_points = profiled_costs(engine, batch, args)
-        servicer.placement = replica_placement(engine, args)
-        replica_id = args.replica_id or new_replica_id()
-
-        def describe(address: str, draining: bool) -> Replica:
-            return Replica(
-                "target",
-                replica_id,
-                address,
-                args.model,
-                fingerprint,
-                "",
-                engine.vocab_size,
-                engine.stats()["live_sessions"],
-                args.max_sessions,
-                draining,
-                feature_size=int(model.config.hidden_size),
-                node=servicer.placement.node,
-                devices=",".join(servicer.placement.devices),
-            )
-
-        return ServiceSpec(
-            "target",
-            SERVICE,
-            target_pb2_grpc.add_TargetServicer_to_server,
-            servicer,
-            engine,
-            args.host,
-            args.port,
-            args.session_ttl,
-            redis_url=args.redis or os.environ.get("REDIS_URL"),
-            advertise=args.advertise,
-            describe=describe,
-            drain_seconds=args.drain_seconds,
-            metrics_port=args.metrics_port,
-            health_port=args.health_port,
+        return replica_spec(
+            args,
+            kind="target",
+            full_service_name=SERVICE,
+            add_to_server=target_pb2_grpc.add_TargetServicer_to_server,
+            servicer=TargetServicer(engine, args.model, eos, fingerprint, tp),
+            engine=engine,
+            fingerprint=fingerprint,
+            vocab_size=engine.vocab_size,
+            feature_size=int(model.config.hidden_size),
             on_stop=lambda: on_stop() if on_stop else None,
-            batch=batch,
-            batch_gather_ms=args.batch_gather_ms,
         )
 
     return main_async(spec, "target")

@@ -1,8 +1,9 @@
 """The coordinator as a Ray Serve application, for KubeRay's RayService (deploy/).
 
 Locally, ``specdec coordinator`` serves the front (``coordinator.front``) on its own grpc.aio
-server (see README for why). On Kubernetes, KubeRay manages Ray Serve applications, so the same
-front is served here as a Serve deployment behind Serve's gRPC ingress:
+server (docs/architecture.md, "One front, two hosts", says why). On Kubernetes, KubeRay manages
+Ray Serve applications, so the same front is served here as a Serve deployment behind Serve's gRPC
+ingress:
 
     serveConfigV2:
       grpc_options:

@@ -33,7 +33,7 @@ class StepCost:
     ``1 + fixed + per_token * k``. ``fixed``: the draft call and the commit it carries;
     ``per_token``: one more draft forward plus one more verified row. Fixed numbers (not timings)
     so that a request's steps are reproducible; the defaults were measured on the 2-core CPU
-    machine with the shipped SmolLM2 pair (README, Performance). On a GPU target, verifying k rows
+    machine with the shipped SmolLM2 pair (docs/performance.md). On a GPU target, verifying k rows
     costs about as much as one: ``per_token`` is then mostly the draft's."""
 
     fixed: float = 0.17

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,21 @@ class StepCost:
 
     def of(self, k: int) -> float:
         return 1.0 if k == 0 else 1.0 + self.fixed + self.per_token * k
+
+
+class KPolicy(Protocol):
+    """How a request chooses each step's k: fixed (FixedK), from its own past only (AdaptiveK),
+    or from the load as well (loop.load_aware_k.GoodputK). A policy sees only what the run
+    committed, so a resumed run rebuilds it by ``replay``."""
+
+    def next_k(self) -> int: ...
+    def observe(self, k: int, accepted: int) -> None:
+        """A step proposed ``k`` and the target accepted ``accepted`` of them."""
+        ...
+
+    def replay(self, step_lengths: Iterable[int]) -> None:
+        """The state after steps that committed these many tokens each (a resumed request)."""
+        ...
 
 
 class FixedK:
@@ -122,5 +138,5 @@ class AdaptiveK:
             self.observe(k, min(k, max(0, n - 1)))
 
 
-def make_policy(k: int, adaptive: bool, cost: StepCost = StepCost()):
+def make_policy(k: int, adaptive: bool, cost: StepCost = StepCost()) -> KPolicy:
     return AdaptiveK(k, cost) if adaptive and k > 0 else FixedK(k)

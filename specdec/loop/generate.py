@@ -32,7 +32,7 @@ from specdec.exact.proposal import DraftProposal
 from specdec.exact.rng import new_seed
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import StepDecision, TargetVerdict, decide, decide_invariant
-from specdec.loop.adaptive_k import StepCost, make_policy
+from specdec.loop.adaptive_k import KPolicy, StepCost, make_policy
 from specdec.loop.load_aware_k import DRAFT_CALL_SECONDS, BatchLoad, Costs, GoodputK
 from specdec.loop.pipelining import BranchBudget, PreDraft
 from specdec.loop.stats import StepStats
@@ -237,7 +237,8 @@ class SpeculativeRun:
         )
         self.target = target
         self.draft = draft if num_speculative_tokens > 0 else None
-        self.policy: Any = make_policy(num_speculative_tokens, adaptive, step_cost)
+        self.policy: KPolicy = make_policy(num_speculative_tokens, adaptive, step_cost)
+        self.goodput: GoodputK | None = None  # the policy, once it is the load-aware one
         # A forced run is committed without a target pass: it has no logprob rows and no target
         # features for a feature draft, so those requests verify every token.
         wants_features = draft is not None and bool(getattr(draft, "wants_features", False))
@@ -471,18 +472,18 @@ class SpeculativeRun:
         elif self.draft is not None and hasattr(self.draft, "cost_curve"):
             draft_curve = await self.draft.cost_curve()
         regime = getattr(self.target, "regime", None)
-        self.policy = GoodputK(self.k_max, Costs(target_curve, draft_curve, call), regime=regime)
-        self.policy.replay(self.committed_steps)
+        self.policy = self.goodput = GoodputK(self.k_max, Costs(target_curve, draft_curve, call), regime=regime)
+        self.goodput.replay(self.committed_steps)
         # The first step decides for the load the request joins, as the replica last reported it
         # (that report most likely counts this session already), not for an idle replica: that
         # would make every new request under load prefill the draft and speculate once.
         live = getattr(self.target, "last_live_sessions", 0)
         if live > 1:
-            self.policy.observe_load(BatchLoad(other_live=live - 1))
+            self.goodput.observe_load(BatchLoad(other_live=live - 1))
 
     def _observe_load(self, k: int, cycle: float, proposing: float) -> None:
         """Tell a load-aware policy what this step saw of the batch."""
-        if not self.load_aware:
+        if not self.load_aware or self.goodput is None:
             return
         take = getattr(self.target, "take_load", None)
         target_load = take(self.session_id) if take is not None else None
@@ -503,7 +504,7 @@ class SpeculativeRun:
                 last_k=k,
                 propose_seconds=proposing,
             )
-        self.policy.observe_load(load)
+        self.goodput.observe_load(load)
 
     async def _propose(self, k: int) -> DraftProposal:
         """The draft's block of up to ``k`` (EMPTY without a draft); a draft that fails is dropped.

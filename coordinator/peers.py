@@ -21,6 +21,7 @@ from specdec.errors import MalformedProposalError, PeerError
 from specdec.exact.proposal import DraftProposal
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import TargetVerdict
+from specdec.loop.generate import DraftPeer, TargetPeer
 from specdec.loop.load_aware_k import CostCurve, SpeculationRegime
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import client_channel
@@ -181,7 +182,7 @@ def _forget_from(tracked: set):
     return forget
 
 
-class GrpcDraft(_LoadReports):
+class GrpcDraft(_LoadReports, DraftPeer):
     kind = "draft"
 
     def __init__(
@@ -237,7 +238,7 @@ class GrpcDraft(_LoadReports):
         await self.channel.close()
 
 
-class GrpcTarget(_LoadReports):
+class GrpcTarget(_LoadReports, TargetPeer):
     kind = "target"
 
     def __init__(self, address: str, timeout: float = 60.0, channel: grpc.aio.Channel | None = None):

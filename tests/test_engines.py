@@ -384,6 +384,8 @@ def test_nan_logits_raise_a_clear_error():
 class CorruptingDraft:
     """A draft whose shipped q does not contain its proposal (a malformed block)."""
 
+    kind = "model"
+
     def __init__(self, inner):
         self.inner = inner
 

@@ -38,7 +38,7 @@ from specdec.engine.batching import BatchRunner
 from specdec.engine.draft import DraftEngine
 from specdec.engine.target import TargetEngine
 from specdec.exact.sampling import SamplingParams
-from specdec.loop.generate import generate_async
+from specdec.loop.generate import DraftPeer, TargetPeer, generate_async
 from specdec.modeling.lean_llama import Pass
 from specdec.modeling.tiny import smollm2_shaped
 
@@ -53,7 +53,7 @@ def load(spec: str, device: str, dtype: torch.dtype):
     return load_model(spec, device, dtype, quiet=True)
 
 
-class Batched:
+class Batched(TargetPeer, DraftPeer):
     """An engine behind its iteration loop, as a service runs it, for the coordinator's loop."""
 
     def __init__(self, engine):

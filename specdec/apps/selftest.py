@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from specdec.exact.sampling import SamplingParams, probs_from_logits, token_counts
+from specdec.loop.generate import TargetPeer
 
 ALPHA = 1e-3  # per-case significance level
 BASE_SEED = 20231130
@@ -446,7 +447,7 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     return verdict
 
 
-class _RandomlyLoadedTarget:
+class _RandomlyLoadedTarget(TargetPeer):
     """An in-process target that reports a pseudo-random batch around each verify (the load-aware
     policy's input) and a fixed cost curve: memory-bound up to 8 rows, compute past it."""
 

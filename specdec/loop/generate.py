@@ -33,7 +33,7 @@ from specdec.exact.rng import new_seed
 from specdec.exact.sampling import SamplingParams
 from specdec.exact.verify import StepDecision, TargetVerdict, decide, decide_invariant
 from specdec.loop.adaptive_k import KPolicy, StepCost, make_policy
-from specdec.loop.load_aware_k import DRAFT_CALL_SECONDS, BatchLoad, Costs, GoodputK
+from specdec.loop.load_aware_k import DRAFT_CALL_SECONDS, BatchLoad, CostCurve, Costs, GoodputK, SpeculationRegime
 from specdec.loop.pipelining import BranchBudget, PreDraft
 from specdec.loop.stats import StepStats
 from specdec.loop.stopping import FINISH_LENGTH, StopChecker
@@ -77,9 +77,13 @@ def cut_where_forbidden(proposal: DraftProposal, admitted: int) -> DraftProposal
 
 # -- peers -----------------------------------------------------------------------------------
 class DraftPeer(Protocol):
+    """A draft replica as the loop uses it. A class that subclasses this one explicitly inherits
+    the defaults of the members a draft need not report (in process, nothing reported)."""
+
     # A feature draft reads the target's hidden states: ``start`` then gets the prompt's
     # (``features``, [len(prompt) - 1, H]) and every commit the feature before each new token.
-    wants_features: bool
+    wants_features: bool = False
+    in_process: bool = False  # an engine in this process: a call costs no round trip
 
     async def start(
         self, session_id: str, prompt: Sequence[int], params: SamplingParams, features: torch.Tensor | None = None
@@ -100,9 +104,22 @@ class DraftPeer(Protocol):
 
     async def release(self, session_id: str) -> None: ...
 
+    async def cost_curve(self) -> CostCurve | None:
+        """Its batched pass's cost (the load-aware policy's model); None: not reported."""
+        return None
+
+    def take_load(self, session_id: str) -> PassLoad | None:
+        """The pass that served the session's last call; None: not reported."""
+        return None
+
 
 class TargetPeer(Protocol):
+    """A target replica as the loop uses it. A class that subclasses this one explicitly inherits
+    the defaults of the members a target need not report (no batching, no prefix cache)."""
+
     context_length: int
+    last_live_sessions: int = 0  # the replica's live sessions as it last reported them
+    regime: SpeculationRegime | None = None  # its sessions' shared measure of whether speculation pays
 
     async def start(
         self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False
@@ -111,6 +128,18 @@ class TargetPeer(Protocol):
         self, session_id: str, step: int, proposal: DraftProposal, commit: Commit | None, return_features: bool = False
     ) -> TargetVerdict: ...
     async def release(self, session_id: str) -> None: ...
+
+    async def cost_curve(self) -> CostCurve | None:
+        """Its batched pass's cost (the load-aware policy's model); None: not reported."""
+        return None
+
+    def take_load(self, session_id: str) -> PassLoad | None:
+        """The pass that served the session's last call; None: not reported."""
+        return None
+
+    def take_cached_tokens(self, session_id: str) -> int:
+        """The prompt positions the session's start copied from a prefix cache."""
+        return 0
 
 
 class Failover(Protocol):
@@ -125,12 +154,14 @@ TARGET_LOST = frozenset({"UNAVAILABLE", "NOT_FOUND", "DEADLINE_EXCEEDED", "CANCE
 MAX_FAILOVERS = 3
 
 
-class LocalDraft:
+class LocalDraft(DraftPeer):
     """A draft engine in this process (engine calls run inline; ``await`` lets sessions interleave)."""
+
+    in_process = True
 
     def __init__(self, engine):
         self.engine = engine
-        self.wants_features = getattr(engine, "kind", "") == "feature"
+        self.wants_features = engine.kind == "feature"
 
     async def start(self, session_id, prompt, params, features=None):
         if self.wants_features:
@@ -146,7 +177,7 @@ class LocalDraft:
         self.engine.release(session_id)
 
 
-class LocalTarget:
+class LocalTarget(TargetPeer):
     def __init__(self, engine):
         self.engine = engine
         self.context_length = engine.context_length
@@ -241,7 +272,7 @@ class SpeculativeRun:
         self.goodput: GoodputK | None = None  # the policy, once it is the load-aware one
         # A forced run is committed without a target pass: it has no logprob rows and no target
         # features for a feature draft, so those requests verify every token.
-        wants_features = draft is not None and bool(getattr(draft, "wants_features", False))
+        wants_features = draft is not None and draft.wants_features
         self.constraint = constraint
         self.forced_runs = forced_runs and params.logprobs is None and not wants_features
         self.pipeline = pipeline and self.draft is not None and not wants_features
@@ -276,7 +307,7 @@ class SpeculativeRun:
 
     @property
     def wants_features(self) -> bool:
-        return self.draft is not None and bool(getattr(self.draft, "wants_features", False))
+        return self.draft is not None and self.draft.wants_features
 
     async def _start_on(self, peer: Any, call: Any) -> Any:
         """Await a peer's start call so that a cancellation of this request (a client gone, a
@@ -294,13 +325,12 @@ class SpeculativeRun:
         features = await self._start_on(target, call)
         if self.wants_features:
             self.features = features
-        take = getattr(target, "take_cached_tokens", None)
-        cached = take(self.session_id) if take is not None else 0
+        cached = target.take_cached_tokens(self.session_id)
         if not self.stats.target_passes:  # the run's first start (not a failover's re-prefill)
             self.stats.cached_prompt_tokens = min(cached, len(self.prompt))
 
     async def _start_draft(self, draft: DraftPeer) -> None:
-        if getattr(draft, "wants_features", False):
+        if draft.wants_features:
             call = draft.start(self.session_id, self.sequence, self.params, self.features)
         else:
             call = draft.start(self.session_id, self.sequence, self.params)
@@ -360,7 +390,7 @@ class SpeculativeRun:
     async def steps(self) -> AsyncGenerator[list[int], None]:
         started = time.perf_counter()
         sid = self.session_id
-        regime = getattr(self.target, "regime", None) if self.load_aware else None
+        regime = self.target.regime if self.load_aware else None
         if regime is not None:
             regime.request_started()
         try:
@@ -460,24 +490,22 @@ class SpeculativeRun:
     async def _use_load_aware_policy(self) -> None:
         """Switch to the goodput policy where the target reports its pass cost (a replica that
         does not batch reports none: the request keeps the adaptive policy)."""
-        curve_of = getattr(self.target, "cost_curve", None)
-        target_curve = await curve_of() if curve_of is not None else None
+        target_curve = await self.target.cost_curve()
         if target_curve is None:
             self.load_aware = False
             self.stats.policy = "adaptive"
             return
         draft_curve, call = None, DRAFT_CALL_SECONDS
-        if isinstance(self.draft, LocalDraft):
-            call = 0.0  # in this process (the n-gram draft): no round trip
-        elif self.draft is not None and hasattr(self.draft, "cost_curve"):
+        if self.draft is not None:
             draft_curve = await self.draft.cost_curve()
-        regime = getattr(self.target, "regime", None)
+            call = 0.0 if self.draft.in_process else call  # the n-gram draft: no round trip
+        regime = self.target.regime
         self.policy = self.goodput = GoodputK(self.k_max, Costs(target_curve, draft_curve, call), regime=regime)
         self.goodput.replay(self.committed_steps)
         # The first step decides for the load the request joins, as the replica last reported it
         # (that report most likely counts this session already), not for an idle replica: that
         # would make every new request under load prefill the draft and speculate once.
-        live = getattr(self.target, "last_live_sessions", 0)
+        live = self.target.last_live_sessions
         if live > 1:
             self.goodput.observe_load(BatchLoad(other_live=live - 1))
 
@@ -485,10 +513,8 @@ class SpeculativeRun:
         """Tell a load-aware policy what this step saw of the batch."""
         if not self.load_aware or self.goodput is None:
             return
-        take = getattr(self.target, "take_load", None)
-        target_load = take(self.session_id) if take is not None else None
-        take = getattr(self.draft, "take_load", None)
-        draft_load = take(self.session_id) if take is not None else None
+        target_load = self.target.take_load(self.session_id)
+        draft_load = self.draft.take_load(self.session_id) if self.draft is not None else None
         if draft_load is not None:
             self.draft_load = draft_load
         others = self.draft_load.sessions - 1 if self.draft_load is not None else 0

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API's request schema, and its translation to the gRPC API's
-``GenerateRequest``: pure functions, so the HTTP front (``coordinator.http_front``) stays a thin
+``GenerateRequest``: pure functions, so the HTTP front (``coordinator.http_api``) stays a thin
 encoding of the one request path.
 
 Parameters keep vLLM's meaning (docs/http-api.md lists each and the order of the transforms).

@@ -98,11 +98,11 @@ class CoordinatorDeployment:
             raise
 
     async def __call__(self, request):
-        """Serve's HTTP proxy: the OpenAI-compatible HTTP API (coordinator.http_front) on the
+        """Serve's HTTP proxy: the OpenAI-compatible HTTP API (coordinator.http_api) on the
         same front as the gRPC methods."""
         from prometheus_client import generate_latest
 
-        from coordinator.http_front import OpenAIApp, error_response
+        from coordinator.http_api import OpenAIApp, error_response
 
         try:
             await self._start()

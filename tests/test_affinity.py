@@ -103,7 +103,7 @@ def test_prefix_routing_is_on_by_default_and_each_way_of_running_the_coordinator
     import argparse
 
     from coordinator import settings
-    from coordinator.server import add_arguments, config_from_args
+    from coordinator.main import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -65,7 +65,7 @@ def test_through_the_ray_hop_the_cause_is_classified_and_its_traceback_dropped()
 
 
 def test_the_http_api_maps_the_same_way():
-    from coordinator.http_front import error_of
+    from coordinator.http_api import error_of
 
     error = error_of(RuntimeError(SECRET))
     assert error.status == 500 and "error id" in error.message and "4242" not in error.message

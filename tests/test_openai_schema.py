@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator import openai_schema as schema
-from coordinator.http_front import error_of
+from coordinator.http_api import error_of
 from specdec.errors import InvalidArgumentError, PeerError, ResourceExhaustedError, SessionNotFoundError
 
 

@@ -333,7 +333,7 @@ def test_pipeline_drafts_is_auto_by_default_and_a_flag_a_serve_arg_or_an_environ
     import argparse
 
     from coordinator import settings
-    from coordinator.server import add_arguments, config_from_args
+    from coordinator.main import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -187,7 +187,7 @@ def test_coordinator_flags_and_serve_app_args_select_the_policy(monkeypatch):
     import argparse
 
     from coordinator import serve_app, settings
-    from coordinator.server import add_arguments, config_from_args
+    from coordinator.main import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -124,7 +124,7 @@ def test_the_setting_is_a_flag_a_serve_arg_and_an_environment_variable():
     import argparse
 
     from coordinator import settings
-    from coordinator.server import add_arguments, config_from_args
+    from coordinator.main import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -247,7 +247,7 @@ def check_the_https_api(http_url: str, certs) -> None:
 def test_services_listen_on_loopback_unless_told_otherwise():
     code = (
         "import argparse\n"
-        "from coordinator.server import add_arguments as c\n"
+        "from coordinator.main import add_arguments as c\n"
         "from replica.draft import add_arguments as d\n"
         "from replica.target import add_arguments as t\n"
         "for add in (c, d, t):\n"

@@ -376,7 +376,7 @@ MODULE_COMMANDS = {
     "distill": ("train a small draft for a target by knowledge distillation", "specdec.training.distill"),
     "draft": ("run the draft gRPC service", "replica.draft"),
     "target": ("run the target gRPC service", "replica.target"),
-    "coordinator": ("run the coordinator (public gRPC API) on Ray", "coordinator.server"),
+    "coordinator": ("run the coordinator (public gRPC API) on Ray", "coordinator.main"),
     "health": ("probe a specdec port's health (with this process's TLS settings)", "specdec.apps.ops:health"),
     "secrets": (
         "print a Kubernetes Secret of fresh token, passwords, API keys and certificates",

@@ -109,7 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"specdec coordinator: cannot listen on {args.host}:{args.port}")
     http = None
     if args.http_port:
-        from coordinator.http_api_server import HttpServer
+        from coordinator.http_server import HttpServer
 
         http = await HttpServer.start(
             front, front.model_name, args.host, args.http_port, security.current(), args.http_stall_timeout

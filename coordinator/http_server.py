@@ -11,7 +11,7 @@ import sys
 import uvicorn
 
 from coordinator.front import CoordinatorFront
-from coordinator.http_front import STALL_TIMEOUT_S, OpenAIApp
+from coordinator.http_api import STALL_TIMEOUT_S, OpenAIApp
 from specdec.runtime.security import Security
 from specdec.telemetry import metrics
 

@@ -291,7 +291,7 @@ def test_distill_feature_draft_tiny_target(tmp_path):
         assert {weights.get_tensor(k).dtype for k in names} == {torch.bfloat16}
     greedy = SamplingParams(temperature=0.0, seed=0, max_new_tokens=30, ignore_eos=True)
     from specdec.modeling.loading import encode_prompt
-    from specdec.training.distill import DEFAULT_DISTILL_PROMPTS
+    from specdec.training.prompts import DEFAULT_DISTILL_PROMPTS
 
     text = json.loads(Path(DEFAULT_DISTILL_PROMPTS.split(",")[0]).read_text().splitlines()[-1])["text"]
     prompt = encode_prompt(load_tokenizer(str(out)), text, chat=True)  # like the corpus's (unseen) prompts

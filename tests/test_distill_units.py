@@ -7,7 +7,8 @@ import pytest
 
 from specdec.modeling.tiny import word_tokenizer
 from specdec.training.corpus import sharded_records
-from specdec.training.distill import add_arguments, check_arguments, finished_messages, user_turn_opening
+from specdec.training.distill import add_arguments, check_arguments
+from specdec.training.self_prompts import finished_messages, user_turn_opening
 from specdec.training.trainer import warmup_cosine
 
 

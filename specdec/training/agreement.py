@@ -42,7 +42,7 @@ def bench_records(target, tokenizer, split: str, tokens: int, teacher_top: int) 
 
 
 def saved_draft_missing(directory: str) -> str | None:
-    """What keeps ``directory`` from being a draft saved by this command, or None: checked before
+    """What keeps ``directory`` from being a draft saved by ``specdec distill``, or None: checked before
     a run spends its corpus and training time, not when the draft is first read."""
     folder = Path(directory)
     if not folder.is_dir():
@@ -53,7 +53,7 @@ def saved_draft_missing(directory: str) -> str | None:
 
 def saved_draft_agreement(directory: str, records: list[Record], device) -> float:
     """Teacher-forced top-1 agreement on ``records`` (whole, never cut to a training length) of a
-    draft saved by this command (its own head vocabulary applied, weights in float32 as the
+    draft saved by ``specdec distill`` (its own head vocabulary applied, weights in float32 as the
     services run them)."""
     from transformers import AutoModelForCausalLM
 

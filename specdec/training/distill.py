@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import sys
 import time
 from pathlib import Path
 
@@ -48,7 +46,7 @@ import torch
 from specdec.training.agreement import bench_agreements, bench_records, saved_draft_missing
 from specdec.training.corpus import say
 from specdec.training.distill_features import distill_feature_draft
-from specdec.training.logprob_corpus import build_corpus, corpus_settings
+from specdec.training.logprob_corpus import Record, build_corpus, corpus_settings
 from specdec.training.prompts import BENCH_PROMPTS, DEFAULT_DISTILL_PROMPTS, load_prompts
 from specdec.training.self_prompts import write_self_prompts
 from specdec.training.student import (
@@ -60,15 +58,8 @@ from specdec.training.student import (
     start_from_draft,
     write_model_card,
 )
-from specdec.training.student_training import LR_FLOOR, distill_loss, evaluate, make_batch
-from specdec.training.trainer import (
-    check_resumable,
-    load_checkpoint,
-    split_records,
-    student_bf16,
-    training_data,
-    warmup_cosine,
-)
+from specdec.training.student_training import Training, train_student
+from specdec.training.trainer import split_records, student_bf16, training_data
 
 
 def prompt_files(spec: str, self_prompts: int = 0) -> list[Path]:
@@ -136,10 +127,121 @@ def check_arguments(args) -> torch.device:
     return device
 
 
-def distill(args) -> dict:
-    from tqdm import tqdm
+def load_target(spec: str, device: torch.device):
+    """(target model in float32 on ``device``, its tokenizer): the corpus is made of text prompts,
+    so a target without a tokenizer is refused."""
+    from specdec.modeling.loading import load_model, try_load_tokenizer
 
-    from specdec.modeling.loading import eos_token_ids, load_model, try_load_tokenizer
+    target = load_model(spec, str(device), torch.float32)
+    tokenizer = try_load_tokenizer(spec)
+    if tokenizer is None:
+        raise SystemExit("the target has no tokenizer: cannot build a corpus from text prompts")
+    return target, tokenizer
+
+
+def prompts_to_avoid(sources: list[tuple[Path, list[dict]]]) -> set[str]:
+    """What a self-written prompt must not repeat: the prompt files' prompts, and every bench prompt
+    (the bench yardstick is only honest on prompts never trained on)."""
+    exclude = {p["text"] for _, prompts in sources for p in prompts}
+    if BENCH_PROMPTS.is_file():
+        exclude |= {p["text"] for p in load_prompts(BENCH_PROMPTS)}  # never a bench prompt
+    return exclude
+
+
+def prompt_sources(args, target, tokenizer, out: Path) -> list[tuple[Path, list[dict]]]:
+    """(prompt file, its prompts) for every ``--prompts`` file, then for the prompts the target writes
+    itself (``--self-prompts``, kept in ``OUT/corpus/self_prompts.jsonl``)."""
+    sources = []
+    for prompt_file in prompt_files(args.prompts, args.self_prompts):
+        prompts = load_prompts(prompt_file, args.num_prompts, args.split)
+        if not prompts:
+            raise SystemExit(f"no prompts in {prompt_file} (split {args.split!r})")
+        say(f"{len(prompts)} prompts from {prompt_file}")
+        sources.append((prompt_file, prompts))
+    if args.self_prompts:
+        exclude = prompts_to_avoid(sources)
+        self_file = out / "corpus" / "self_prompts.jsonl"
+        sources.append((self_file, write_self_prompts(target, tokenizer, args, self_file, exclude)))
+    return sources
+
+
+def split_corpora(
+    target, tokenizer, sources: list[tuple[Path, list[dict]]], args, corpus_root: Path, deadline: float | None
+) -> tuple[list[Record], list[Record]]:
+    """(training, held-out) records of every source's corpus, each split on its own."""
+    train, held_out = [], []
+    for prompt_file, prompts in sources:
+        # one corpus per prompt file: adding a file generates answers for that file only
+        records = build_corpus(
+            target,
+            tokenizer,
+            prompts,
+            args,
+            corpus_root / prompt_file.stem,
+            corpus_settings(prompt_file, args),
+            deadline,
+        )
+        if not records:
+            continue  # the corpus time cap came before this file's first batch
+        file_train, file_held = split_records(records, args.eval_sequences)
+        train += file_train
+        held_out += file_held
+    if not train or not held_out:
+        raise SystemExit("specdec distill: the corpus is empty (is --corpus-minutes too short for one batch?)")
+    return train, held_out
+
+
+def new_student(target, args, device: torch.device):
+    """The student of the shape the flags ask for, on ``device``: started from the target's
+    embeddings, or from ``--init-from``'s weights. Moves the target to the CPU."""
+    student = build_student(
+        target.cpu(), args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.seed
+    )
+    if args.init_from:
+        start_from_draft(student, args.init_from)
+    return student.to(device)
+
+
+def run_report(
+    args,
+    run: Training,
+    device: torch.device,
+    train: list[Record],
+    held_out: list[Record],
+    parameters: int,
+    head_ids: list[int],
+    coverage: float,
+    bench_report: dict,
+    command_started: float,
+) -> dict:
+    """What ``distill.json`` and the model card say about the run."""
+    return {
+        "target": args.target,
+        "steps": run.steps,
+        "exported_step": run.exported_step,
+        "stopped_by": run.stopped_by,
+        "device": str(device),
+        "train_sequences": len(train),
+        "held_out_sequences": len(held_out),
+        "supervised_tokens": sum(len(r.top_ids) for r in train),
+        "parameters": parameters,
+        "head_vocab": len(head_ids),
+        "head_coverage_held_out": coverage,
+        "kl_start": run.before[0],
+        "kl_end": run.after[0],
+        "top1_start": run.before[1],
+        "top1_end": run.after[1],
+        "train_seconds": time.monotonic() - run.started,
+        "total_seconds": time.monotonic() - command_started,
+        **bench_report,
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+    }
+
+
+def distill(args) -> dict:
+    """``specdec distill``: prompts -> corpus -> head vocabulary -> student -> training -> export
+    (``--kind feature``: the same first step, then ``distill_feature_draft``)."""
+    from specdec.modeling.loading import eos_token_ids
 
     command_started = time.monotonic()
     device = check_arguments(args)
@@ -149,48 +251,14 @@ def distill(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    target = load_model(args.target, str(device), torch.float32)
-    tokenizer = try_load_tokenizer(args.target)
-    if tokenizer is None:
-        raise SystemExit("the target has no tokenizer: cannot build a corpus from text prompts")
-    sources = []
-    for prompt_file in prompt_files(args.prompts, args.self_prompts):
-        prompts = load_prompts(prompt_file, args.num_prompts, args.split)
-        if not prompts:
-            raise SystemExit(f"no prompts in {prompt_file} (split {args.split!r})")
-        say(f"{len(prompts)} prompts from {prompt_file}")
-        sources.append((prompt_file, prompts))
-    if args.self_prompts:
-        exclude = {p["text"] for _, prompts in sources for p in prompts}
-        if BENCH_PROMPTS.is_file():
-            exclude |= {p["text"] for p in load_prompts(BENCH_PROMPTS)}  # never a bench prompt
-        self_file = out / "corpus" / "self_prompts.jsonl"
-        sources.append((self_file, write_self_prompts(target, tokenizer, args, self_file, exclude)))
+    target, tokenizer = load_target(args.target, device)
+    sources = prompt_sources(args, target, tokenizer, out)
     if args.kind == "feature":
         return distill_feature_draft(
             args, target, tokenizer, [p for _, prompts in sources for p in prompts], out, command_started, deadline
         )
-    train, held_out = [], []
     corpus_deadline = command_started + args.corpus_minutes * 60 if args.corpus_minutes else None
-    for prompt_file, prompts in sources:
-        # one corpus per prompt file: adding a file generates answers for that file only
-        records = build_corpus(
-            target,
-            tokenizer,
-            prompts,
-            args,
-            out / "corpus" / prompt_file.stem,
-            corpus_settings(prompt_file, args),
-            corpus_deadline,
-        )
-        if not records:
-            continue  # the corpus time cap came before this file's first batch
-        file_train, file_held = split_records(records, args.eval_sequences)
-        train += file_train
-        held_out += file_held
-    if not train or not held_out:
-        raise SystemExit("specdec distill: the corpus is empty (is --corpus-minutes too short for one batch?)")
+    train, held_out = split_corpora(target, tokenizer, sources, args, out / "corpus", corpus_deadline)
     say(f"corpus ready after {(time.monotonic() - command_started) / 60:.1f} min")
     # the yardstick the bench will see: the target's greedy answers to prompts never trained on
     bench = bench_records(target, tokenizer, args.bench_split, args.bench_tokens, args.teacher_top)
@@ -203,113 +271,22 @@ def distill(args) -> dict:
         f"{sum(len(r.top_ids) for r in train)} supervised tokens; head vocabulary {len(head_ids)} tokens "
         f"covers {coverage:.1%} of held-out greedy choices"
     )
-
-    student = build_student(
-        target.cpu(), args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.seed
-    )
-    if args.init_from:
-        start_from_draft(student, args.init_from)
-    student = student.to(device)
+    student = new_student(target, args, device)
     del target  # the corpus holds everything training needs from the target
-    optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
-    step, before, best = 0, None, None
-    ckpt = out / "checkpoint.pt"
     data = training_data(head_ids, train, held_out)
-    if ckpt.exists() and not args.restart:
-        state = load_checkpoint(ckpt, device)
-        check_resumable(ckpt, state.get("data"), data)
-        student.load_state_dict(state["student"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, before, best = state["step"], state["before"], state.get("best")
-        rng.setstate(state["rng"])
-        say(f"resuming from {ckpt} at step {step}")
-    if before is None:
-        before = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
-    student.train()
-    progress = tqdm(total=args.steps, initial=step, desc="distilling", file=sys.stderr)
-    started = time.monotonic()
-    # training stops early when the time budget would be overrun; a tenth of the budget (at most a
-    # minute) is kept for the final evaluation and the export
-    train_seconds = (deadline - min(60.0, 6.0 * args.time_budget_minutes) - started) if deadline else None
-    stopped_by = "steps"
-    while step < args.steps:
-        if train_seconds is not None and time.monotonic() - started >= train_seconds:
-            stopped_by = "time budget"
-            say(f"time budget reached at step {step} of {args.steps}")
-            break
-        batch = make_batch([train[rng.randrange(len(train))] for _ in range(args.batch_size)], args.seq_len).to(device)
-        spent = (time.monotonic() - started) / train_seconds if train_seconds else 0.0
-        lr = warmup_cosine(step, args.steps, args.lr, args.warmup, LR_FLOOR, spent)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss, agree, n = distill_loss(student, batch, head, slot, args.kd_temperature, args.student_bf16)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        progress.update(1)
-        progress.set_postfix(kl=f"{loss.item():.3f}", top1=f"{agree / max(1, n):.2f}", lr=f"{lr:.1e}")
-        if args.eval_every and step % args.eval_every == 0:
-            kl, top1 = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
-            say(f"step {step}: held-out KL {kl:.3f}, top-1 agreement {top1:.3f}")
-            if best is None or top1 > best["top1"]:
-                best = {
-                    "step": step,
-                    "kl": kl,
-                    "top1": top1,
-                    "student": {k: v.detach().cpu().clone() for k, v in student.state_dict().items()},
-                }
-        if step % args.checkpoint_every == 0 or step == args.steps:
-            torch.save(
-                {
-                    "student": student.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "step": step,
-                    "before": before,
-                    "best": best,
-                    "rng": rng.getstate(),
-                    "data": data,
-                },
-                ckpt,
-            )
-    progress.close()
-    after = evaluate(student, held_out, head, slot, args.kd_temperature, args.seq_len)
-    exported_step = step
-    if best is not None and best["top1"] > after[1]:
-        # later steps overfit: export the evaluation with the best held-out agreement
-        student.load_state_dict(best["student"])
-        after, exported_step = (best["kl"], best["top1"]), best["step"]
-        say(f"exporting the step-{exported_step} weights (best held-out agreement)")
+    run = train_student(student, train, held_out, head, slot, args, device, out / "checkpoint.pt", data, deadline)
     export(student, tokenizer, out, head_ids, args.save_dtype, note=f"distilled from {args.target}")
-    params = sum(p.numel() for p in student.parameters())
+    parameters = sum(p.numel() for p in student.parameters())
     bench_report = bench_agreements(student, head, slot, bench, args, device)
-    report = {
-        "target": args.target,
-        "steps": step,
-        "exported_step": exported_step,
-        "stopped_by": stopped_by,
-        "device": str(device),
-        "train_sequences": len(train),
-        "held_out_sequences": len(held_out),
-        "supervised_tokens": sum(len(r.top_ids) for r in train),
-        "parameters": params,
-        "head_vocab": len(head_ids),
-        "head_coverage_held_out": coverage,
-        "kl_start": before[0],
-        "kl_end": after[0],
-        "top1_start": before[1],
-        "top1_end": after[1],
-        "train_seconds": time.monotonic() - started,
-        "total_seconds": time.monotonic() - command_started,
-        **bench_report,
-        "settings": {k: v for k, v in vars(args).items() if k != "func"},
-    }
+    report = run_report(
+        args, run, device, train, held_out, parameters, head_ids, coverage, bench_report, command_started
+    )
     (out / "distill.json").write_text(json.dumps(report, indent=2))
     write_model_card(out, report)
+    before, after = run.before, run.after
     say(
         f"held-out KL(target || draft) {before[0]:.3f} -> {after[0]:.3f}, top-1 agreement "
-        f"{before[1]:.3f} -> {after[1]:.3f}; {params / 1e6:.1f}M parameters saved to {out}"
+        f"{before[1]:.3f} -> {after[1]:.3f}; {parameters / 1e6:.1f}M parameters saved to {out}"
     )
     return report
 

@@ -87,7 +87,7 @@ def build_student(target, layers: int, hidden: int, heads: int, kv_heads: int, i
 
 
 def start_from_draft(student, directory: str) -> None:
-    """Start ``student`` from the weights of a draft saved by this command (instead of the
+    """Start ``student`` from the weights of a draft saved by ``specdec distill`` (instead of the
     projected target embeddings): new data then refines a trained draft rather than paying
     again for what it already learnt. The shapes must be the same; the head vocabulary may
     differ (the embeddings cover the whole vocabulary, the head is a choice of their rows)."""

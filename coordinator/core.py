@@ -19,7 +19,7 @@ from coordinator.config import METHODS, CoordinatorConfig
 from coordinator.durable import DurableRequests
 from coordinator.output_log import OutputLog
 from coordinator.requests import ParsedRequest, RequestParser
-from coordinator.routing import PeerPool, SessionRouting, pipelines
+from coordinator.routing import PeerPool, SessionRouting, pipelines, shares_hardware
 from specdec.engine.ngram import NgramDraft
 from specdec.errors import (
     InvalidArgumentError,
@@ -293,6 +293,7 @@ class CoordinatorCore:
             forced_runs=parsed.forced_tokens,
             # (an n-gram lookup in this process costs no call: nothing to take off the path)
             pipeline=parsed.method == "draft_model" and pipelines(parsed.pipeline, routing.draft, routing.target),
+            shares_hardware=shares_hardware(routing.draft, routing.target),
         )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)

@@ -187,6 +187,14 @@ def pipelines(asked: bool | None, draft: Replica | None, target: Replica | None)
     return draft is not None and target is not None and computes_apart(draft.placement, target.placement)
 
 
+def shares_hardware(draft: Replica | None, target: Replica | None) -> bool:
+    """Whether a session's draft computes on its target's hardware (unknown placements: assumed
+    so); no draft replica (the n-gram draft in the coordinator): False, nothing drafts there."""
+    if draft is None or target is None:
+        return False
+    return not computes_apart(draft.placement, target.placement)
+
+
 class SessionRouting:
     """The replicas of one session: chosen at start, kept for its life (affinity), replaced
     only when one fails (the loop's Failover)."""

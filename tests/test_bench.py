@@ -194,7 +194,8 @@ def test_summaries_and_the_leviathan_prediction():
 def test_a_sustained_level_keeps_its_workers_busy_and_never_runs_more_at_once():
     import asyncio
 
-    from specdec.apps.bench import _drain, level_requests
+    from specdec.apps.bench import level_requests
+    from specdec.apps.bench_stream import drain
 
     assert [level_requests(level, 0) for level in (1, 4)] == [1, 4]  # one wave
     assert [level_requests(level, 8) for level in (1, 4, 16)] == [8, 8, 16]
@@ -209,7 +210,7 @@ def test_a_sustained_level_keeps_its_workers_busy_and_never_runs_more_at_once():
         running -= 1
         return i * i
 
-    assert asyncio.run(_drain(10, 3, one)) == [i * i for i in range(10)]
+    assert asyncio.run(drain(10, 3, one)) == [i * i for i in range(10)]
     assert peak == 3 and sorted(order) == list(range(10)) and order[:3] == [0, 1, 2]
 
 
@@ -241,3 +242,58 @@ def test_a_structured_workload_is_a_jsonl_of_schemas_or_one_schema_for_every_pro
         load_workload(str(prompts.rename(tmp_path / "rows.jsonl")), "", None, None)
     with pytest.raises(SystemExit, match="no file"):
         load_workload(str(tmp_path / "missing.json"), str(prompts), None, None)
+
+
+def test_bench_burst_runs_the_sequence_with_the_default_and_target_only_interleaved(tmp_path):
+    """specdec bench --burst: every level of every sequence in both modes, which goes first
+    alternating; greedy streams of the default equal target-only's; the table names each level."""
+    from specdec.apps.bench_burst import burst_levels, first_mode
+
+    assert burst_levels("1,16, 1") == [1, 16, 1]
+    for bad in ("", "1,0", "1,x"):
+        with pytest.raises(SystemExit):
+            burst_levels(bad)
+    assert [first_mode(0, p) for p in range(3)] == ["speculative-default", "target-only", "speculative-default"]
+    assert first_mode(1, 0) == "target-only"  # the next sequence starts the other way round
+
+    target = tiny_llama(32, seed=6, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=512)
+    for name, model in (("target", target), ("draft", perturbed(target, 0.04, seed=2))):
+        model.save_pretrained(tmp_path / name)
+        word_tokenizer(32).save_pretrained(tmp_path / name)
+    out = tmp_path / "burst.json"
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("specdec")),
+            "bench",
+            "--burst",
+            "1,3,1",
+            "--num-prompts",
+            "2",
+            "--target-model",
+            str(tmp_path / "target"),
+            "--draft-model",
+            str(tmp_path / "draft"),
+            "--repeats",
+            "2",
+            "--temperatures",
+            "0",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["levels"] == [1, 3, 1] and report["sequences"] == 2
+    for row, level in zip(report["rows"], [1, 3, 1], strict=True):
+        assert row["level"] == level and row["streams"] == 2 * 2 * level  # waves of 2 x level, 2 sequences
+        assert row["streams_unlike_target_only"] == 0
+        assert len(row["ratio_per_sequence"]) == 2 and row["ratio"] > 0
+    assert "burst: levels [1, 3, 1]" in proc.stdout

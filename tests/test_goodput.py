@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 
 import pytest
 
@@ -249,18 +248,23 @@ def test_each_scored_window_is_logged_at_debug(caplog):
     # 6 sessions commit 42 * 6 // 10 = 25 tokens a step: 250 in the window's second, 41.7 per session
     assert lines[0] == (
         "regime window 0: on at 5-8 sessions (up to 6 in 10 steps), 250 tokens in 1.00 s:"
-        " 41.7 tokens/s per session; measured [5-8:on=41.7]; model's on/off []"
+        " 41.7 tokens/s per session; measured [5-8:on=41.7]; model's on/off [] at contention 0.00"
     )
     assert (
         lines[2].startswith("regime window 2: off (exploring) at 5-8 sessions") and "not scored (warm-up)" in lines[2]
     )
-    # the cost model's expected gain of "on" per bucket, as the requests last reported it
-    regime.speculating(6, model_gain=1.25)
-    regime.speculating(2, model_gain=0.8)
+    # the cost model's expected gain of "on" per bucket (measured or scored), as the latest
+    # request's model gives it, and the contention it is blended at (load_aware_k.ModelGains)
+    from specdec.loop.load_aware_k import ModelGains
+
+    def gains(sessions: int) -> ModelGains:
+        return ModelGains(1.25, 0.5) if sessions > 2 else ModelGains(0.8, 0.8)
+
     now[0] += 10
     with caplog.at_level(logging.DEBUG, logger="specdec.loop.load_aware_k"):
-        regime.speculating(6, model_gain=1.25)
-    assert caplog.records[-1].getMessage().endswith("; model's on/off [2:0.80, 5-8:1.25]")
+        regime.speculating(6, gains=gains, shared=False)
+    # 5-8 measured both (41.7 on, 50.0 off: 0.83x): the contention fitted to it, 1/0.83 = 0.67/1.25 + 0.33/0.5
+    assert caplog.records[-1].getMessage().endswith("; model's on/off [5-8:0.83] at contention 0.33")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="specdec.loop.load_aware_k"):
         _run_windows(regime, now, 2, 6, {True: 42, False: 50})
@@ -441,7 +445,7 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
         def __init__(self, off_steps):
             self.left = off_steps
 
-        def speculating(self, sessions, model_gain=math.inf):
+        def speculating(self, sessions, **model):
             self.left -= 1
             return self.left < 0, 0
 
@@ -495,9 +499,9 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
     seen: list[int] = []
 
     class Recording(Regime):
-        def speculating(self, sessions, model_gain=math.inf):
+        def speculating(self, sessions, **model):
             seen.append(sessions)
-            return super().speculating(sessions, model_gain)
+            return super().speculating(sessions, **model)
 
     for reported, first in ((0, 1), (1, 1), (9, 9)):
         seen.clear()
@@ -529,3 +533,74 @@ def test_a_cost_curve_refuses_nan_and_inf_and_a_report_of_them_moves_nothing():
     for bad in (float("nan"), float("inf")):
         curve.observe(4, bad)
     assert curve.points == [(1, 0.01), (4, 0.02)]
+
+
+# -- a burst on a fresh or idle server (issue 50) ------------------------------------------------
+def test_the_serial_model_is_the_lockstep_one_for_one_session_and_dearer_for_many():
+    from specdec.loop.load_aware_k import CostCurve, Costs, ModelGains, model_gains, serial_seconds
+
+    flat = Costs(CostCurve([(1, 0.030), (8, 0.032), (64, 0.080)]), CostCurve([(1, 0.004), (16, 0.006)]), 0.002)
+    expected = [1.0, 1.7, 2.2]
+    alone = model_gains(expected, 1, flat)
+    assert alone.lockstep == pytest.approx(alone.serial) and alone.lockstep > 1.2  # one session: no contention
+    many = model_gains(expected, 16, flat)
+    assert many.serial < 0.3 < many.lockstep  # 16 sessions taking turns on shared cores: speculation loses
+    one_alone = flat.target.seconds(3) + 0.002 + 2 * flat.draft.seconds(1)  # 3 rows, 2 positions
+    assert serial_seconds(2, 16, flat) == pytest.approx(16 * one_alone)
+    gains = ModelGains(1.2, 0.4)
+    assert gains.blended(0.0) == pytest.approx(1.2) and gains.blended(1.0) == pytest.approx(0.4)
+    assert gains.blended(0.25) == pytest.approx(0.8)  # the step's time, hence 1 / gain, is linear in it
+
+
+def test_the_contention_starts_from_the_placement_and_is_fitted_to_measured_buckets():
+    """Before anything is measured, the regime assumes contention where the draft and target share
+    their hardware (the serial model) and none where they compute apart (the lockstep model);
+    once a bucket past one session measured both regimes, the contention is what fits it."""
+    from specdec.loop.load_aware_k import ModelGains
+
+    def model(sessions: int) -> ModelGains:
+        return ModelGains(1.3, 1.3) if sessions == 1 else ModelGains(1.2, 0.4)
+
+    for shared, first in ((True, False), (False, True)):
+        regime, _ = _regime_clock()
+        assert regime.speculating(8, gains=model, shared=shared)[0] is first
+        assert regime.contention() == (1.0 if shared else 0.0)
+    regime, _ = _regime_clock()
+    regime.rates.update({(load_bucket(2), True): 24.0, (load_bucket(2), False): 30.0})  # measured 0.8x
+    regime.speculating(2, gains=model, shared=True)
+    assert regime.contention() == pytest.approx(0.25)  # 1/0.8 = 0.75/1.2 + 0.25/0.4
+    assert regime.model_gain(load_bucket(16)) == pytest.approx(0.8)  # an unvisited bucket's prior
+    assert regime.model_gain(load_bucket(1)) == pytest.approx(1.3)  # one session: the models agree
+
+
+def test_a_burst_after_a_lone_stream_is_decided_for_at_its_first_step():
+    """A burst arrives within a window a lone stream ran "on": where the model says speculation
+    loses at the burst's load, the burst's first step already runs "off" (the window closes at
+    once, unscored), and the next windows explore nothing; a burst "on" would pay for keeps on."""
+    from specdec.loop.load_aware_k import REGIME_SETTLE_WINDOWS, ModelGains
+
+    def model(sessions: int) -> ModelGains:
+        return ModelGains(1.3, 1.3) if sessions == 1 else ModelGains(1.1, 0.2)
+
+    for shared in (True, False):
+        regime, now = _regime_clock()
+        for _ in range(3):  # a lone stream: "on"
+            on, window = regime.speculating(1, gains=model, shared=shared)
+            regime.committed(window, 4)
+            now[0] += 5
+        assert on
+        for _ in range(16):
+            regime.request_started()
+        on, window = regime.speculating(1, gains=model, shared=shared)  # the report still says 1
+        assert on is not shared  # no window length waited for
+        if not shared:
+            continue
+        seen = []
+        for _ in range(REGIME_SETTLE_WINDOWS + 40):  # windows of 16 sessions: "off" measured, "on" ruled out
+            for _ in range(10):
+                on, window = regime.speculating(16, gains=model, shared=True)
+                regime.committed(window, 16 * 30 // 10 if not on else 16 * 20 // 10)
+                now[0] += 1
+            seen.append(on)
+        assert not any(seen)  # never explored "on": the model rules it out at 16 sessions on shared cores
+        assert regime.rates.get((load_bucket(16), False)) and (load_bucket(16), True) not in regime.rates

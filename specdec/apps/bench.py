@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.apps.bench_stream import Sample, percentile, replica_flags, stream_one
+from specdec.apps.bench_burst import DEFAULT_BURST
+from specdec.apps.bench_stream import Sample, drain, percentile, replica_flags, stream_one
 from specdec.apps.cli import SERVE_DEFAULT_K, add_cpu_flags
 from specdec.loop.reproducible import SEEDED_SAMPLING
 from specdec.runtime.flags import positive_int
@@ -379,20 +380,6 @@ def level_requests(level: int, sustained: int) -> int:
     return level if sustained <= 0 else max(level, sustained)
 
 
-async def _drain(count: int, workers: int, run_one) -> list:
-    """``run_one(i)`` for i in 0..count-1, at most ``workers`` at a time (each worker takes the
-    next request as its last one ends); results in request order."""
-    results: list = [None] * count
-    queue = iter(range(count))
-
-    async def worker():
-        for i in queue:  # one shared iterator: each request is taken once
-            results[i] = await run_one(i)
-
-    await asyncio.gather(*(worker() for _ in range(min(workers, count))))
-    return results
-
-
 async def _concurrency(
     address, prompts, modes: list[Mode], temperature, max_new_tokens, levels, repeats, say, sustained: int = 0
 ) -> tuple[list[dict], dict[str, dict[int, list[int]]]]:
@@ -422,7 +409,7 @@ async def _concurrency(
             for rep in range(repeats):
                 for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:  # rotated per repeat
                     started = time.perf_counter()
-                    samples = await _drain(
+                    samples = await drain(
                         level_requests(level, sustained), level, lambda i, mode=mode: stream_one(stub, make(i, mode))
                     )
                     runs[mode].append((time.perf_counter() - started, samples))
@@ -762,6 +749,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "with JSON schemas (a JSONL of {id, text, schema}, or a schema file for every prompt of --prompts; "
         "no FILE: the bundled workload)",
     )
+    p.add_argument(
+        "--burst",
+        nargs="?",
+        const=DEFAULT_BURST,
+        default=None,
+        metavar="LEVELS",
+        help="bursts instead: on one fresh stack, --repeats sequences of these stream counts (no LEVELS: "
+        f"{DEFAULT_BURST}), each a wave of 2 x level requests with the server's default and target-only "
+        "interleaved, at the first --temperatures (docs/goodput.md, 'Bursts')",
+    )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write tokens/s and acceptance vs k here (PNG)")
     p.add_argument("--log-dir", default=None, help="service logs (default: inherited output)")
@@ -778,6 +775,15 @@ def main(args) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(srep, indent=2))
         return 0 if not srep["greedy_differs_from_target_only"] else 1
+    if args.burst is not None:
+        from specdec.apps.bench_burst import burst_table, run_burst
+
+        modes = {"speculative-default": DEFAULT_MODE(args.default_k), "target-only": Mode("target-only", 0, "none")}
+        brep = run_burst(args, modes, build_request, lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
+        print(burst_table(brep))
+        if args.json:
+            Path(args.json).write_text(json.dumps(brep, indent=2))
+        return 0 if not any(row["streams_unlike_target_only"] for row in brep["rows"]) else 1
     if args.quick:
         args.num_prompts = args.num_prompts or 4
         args.ks, args.repeats, args.max_new_tokens = "2,4", 2, min(args.max_new_tokens, 24)

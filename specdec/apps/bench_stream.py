@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import dataclass, field
@@ -73,3 +74,17 @@ def replica_flags(args, role: str) -> list[str]:
     flags = ["--dtype", args.dtype] if getattr(args, "dtype", None) else []
     flags += ["--cpus", getattr(args, f"{role}_cpus")] if getattr(args, f"{role}_cpus", None) else []
     return flags + (["--no-batch-invariant"] if getattr(args, "no_batch_invariant", False) else [])
+
+
+async def drain(count: int, workers: int, run_one) -> list:
+    """``run_one(i)`` for i in 0..count-1, at most ``workers`` at a time (each worker takes the
+    next request as its last one ends); results in request order."""
+    results: list = [None] * count
+    queue = iter(range(count))
+
+    async def worker():
+        for i in queue:  # one shared iterator: each request is taken once
+            results[i] = await run_one(i)
+
+    await asyncio.gather(*(worker() for _ in range(min(workers, count))))
+    return results

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 log = logging.getLogger("specdec.loop.load_aware_k")
@@ -163,21 +163,70 @@ def step_goodputs(expected: Sequence[float], load: BatchLoad, costs: Costs) -> l
     trips, the coordinator, a shared CPU), with the modelled passes of that step replaced by the
     modelled passes of a batch proposing k each; where nothing was measured, the modelled cycle."""
     sessions = max(load.other_live, load.other_sessions) + 1
+    base = unmodelled_seconds(load, costs)
+    return [
+        sessions * tokens / max(1e-6, base + lockstep_seconds(k, sessions, costs)) for k, tokens in enumerate(expected)
+    ]
+
+
+def unmodelled_seconds(load: BatchLoad, costs: Costs) -> float:
+    """What the request's last step took beyond its modelled passes (round trips, the
+    coordinator, a shared CPU); 0 where nothing was measured."""
+    if load.cycle_seconds <= 0:
+        return 0.0
     observed_rows = load.other_rows + load.last_k + 1
+    return max(0.0, load.cycle_seconds - costs.target.seconds(observed_rows) - load.propose_seconds)
 
-    def passes(k: int) -> float:
-        target = costs.target.seconds(sessions * (k + 1))
-        if k == 0:
-            return target
-        per_position = costs.draft.seconds(sessions) if costs.draft is not None else 0.0
-        return target + costs.draft_call_seconds + k * per_position
 
-    if load.cycle_seconds > 0:
-        measured_passes = costs.target.seconds(observed_rows) + load.propose_seconds
-        base = max(0.0, load.cycle_seconds - measured_passes)
-    else:
-        base = 0.0
-    return [sessions * tokens / max(1e-6, base + passes(k)) for k, tokens in enumerate(expected)]
+def lockstep_seconds(k: int, sessions: int, costs: Costs) -> float:
+    """The modelled passes of a step of ``sessions`` proposing ``k`` each in step: one target
+    pass over all their rows, then (k > 0) ``k`` draft positions over all of them."""
+    target = costs.target.seconds(sessions * (k + 1))
+    if k == 0:
+        return target
+    per_position = costs.draft.seconds(sessions) if costs.draft is not None else 0.0
+    return target + costs.draft_call_seconds + k * per_position
+
+
+def serial_seconds(k: int, sessions: int, costs: Costs) -> float:
+    """The modelled passes of the same step where the draft and target share their hardware:
+    the sessions fall out of step (one drafts while another is verified), so each pays its own
+    passes, and the passes take turns on the shared cores instead of overlapping -- every
+    session's target pass of k + 1 rows and its k draft positions, one after another."""
+    per_position = costs.draft.seconds(1) if costs.draft is not None else 0.0
+    return sessions * (costs.target.seconds(k + 1) + costs.draft_call_seconds + k * per_position)
+
+
+@dataclass(frozen=True)
+class ModelGains:
+    """The cost model's expected tokens per second of speculating over not, per session, at one
+    load: with the sessions' passes in ``lockstep`` (what the profiles show: separate devices),
+    and ``serial`` (hardware the draft and target share: see :func:`serial_seconds`)."""
+
+    lockstep: float
+    serial: float
+
+    def blended(self, contention: float) -> float:
+        """The gain at ``contention`` between the two (0: lockstep, 1: serial; the step's time is
+        linear in it, so the gain's inverse is)."""
+        if not (math.isfinite(self.lockstep) and math.isfinite(self.serial)):
+            return self.lockstep
+        inverse = (1.0 - contention) / max(1e-9, self.lockstep) + contention / max(1e-9, self.serial)
+        return 1.0 / max(1e-9, inverse)
+
+
+def model_gains(expected: Sequence[float], sessions: int, costs: Costs, base: float = 0.0) -> ModelGains:
+    """:class:`ModelGains` at ``sessions`` for the k the lockstep model finds best (1 ..
+    len(expected) - 1); ``base``: the step's unmodelled seconds."""
+    off = base + lockstep_seconds(0, sessions, costs)
+
+    def gain(k: int, seconds: float) -> float:
+        return expected[k] * off / (expected[0] * max(1e-6, base + seconds))
+
+    best = max(range(1, len(expected)), key=lambda k: (gain(k, lockstep_seconds(k, sessions, costs)), -k))
+    return ModelGains(
+        gain(best, lockstep_seconds(best, sessions, costs)), gain(best, serial_seconds(best, sessions, costs))
+    )
 
 
 def choose_k(expected: Sequence[float], load: BatchLoad, costs: Costs) -> int:
@@ -201,6 +250,7 @@ class GoodputK:
     decay: float = 0.9
     max_probe_gap: int = 16
     regime: SpeculationRegime | None = None  # the replica's measured on/off (None: the model alone)
+    shared_hardware: bool = False  # the draft and target compute on the same hardware (runtime.placement)
     window: int = field(init=False, default=-1)  # the regime window of this step
     acceptance: PositionAcceptance = field(init=False)
     load: BatchLoad = field(init=False, default=IDLE)
@@ -232,9 +282,15 @@ class GoodputK:
     def next_k(self) -> int:
         if self.regime is not None:
             sessions = max(self.load.other_live, self.load.other_sessions) + 1
-            goodputs = step_goodputs(self.acceptance.expected_tokens(), self.load, self.costs)
+            expected = self.acceptance.expected_tokens()
+            goodputs = step_goodputs(expected, self.load, self.costs)
             deepest = max(range(1, len(goodputs)), key=lambda k: (goodputs[k], -k))
-            on, self.window = self.regime.speculating(sessions, model_gain=goodputs[deepest] / goodputs[0])
+            base, costs = unmodelled_seconds(self.load, self.costs), self.costs
+            on, self.window = self.regime.speculating(
+                sessions,
+                gains=lambda at: model_gains(expected, at, costs, base),
+                shared=self.shared_hardware,
+            )
             # measured to pay on this replica now: the model chooses only how deep
             return deepest if on else 0
         best = self._best(self.load)
@@ -278,6 +334,8 @@ REGIME_EXPLORE_MAX = 20  # ... the gap doubling, up to this, while each explorat
 REGIME_RATE = 0.3  # EWMA weight of one window's figure
 REGIME_CLEAR_MARGIN = 0.3  # the better regime this far ahead: explore the other only every explore_far windows
 REGIME_EXPLORE_FAR = 60  # windows between explorations of a loser that far behind
+REGIME_SETTLE_WINDOWS = 4  # after the load jumps (4x or more), this many windows explore nothing
+REGIME_MODEL_CLEAR = 0.6  # a model gain below this (or above its inverse) rules the other regime out
 
 
 def load_bucket(sessions: int) -> int:
@@ -375,7 +433,10 @@ class SpeculationRegime:
         self._requests = 0  # load-aware requests of this coordinator on the replica, prefills included
         self._since_explore: dict[int, int] = {}
         self._gap: dict[int, int] = {}
-        self._gains: dict[int, float] = {}  # per bucket: the cost model's goodput of "on" over "off"
+        # the cost model's gains of "on" over "off" at any load, as the latest request sees them
+        self._model: Callable[[int], ModelGains] | None = None
+        self._shared = False  # the latest request's draft and target share their hardware
+        self._moved_at = -REGIME_SETTLE_WINDOWS  # the window the load last jumped at: no exploring just after
 
     @property
     def window(self) -> int:
@@ -404,14 +465,51 @@ class SpeculationRegime:
         on = any(b > bucket and self.rates[(b, True)] >= self.rates[(b, False)] for b in both)
         return None if off == on else on
 
+    def contention(self) -> float:
+        """How far the machine is from the lockstep model towards the serial one (0: separate
+        devices, as the profiles see them; 1: every session's passes taking turns on shared
+        cores): fitted to every bucket past one session that measured both regimes (their
+        measured gain of "on" over "off" against the model's two), their mean; before any has,
+        1 where the draft and target share hardware, else 0. What no profile shows -- the draft's
+        and the coordinator's work taking the target's cores -- so that an unvisited bucket's
+        first regime is right."""
+        fits = []
+        for bucket in {b for b, _ in self.rates}:
+            if bucket == 0 or (bucket, True) not in self.rates or (bucket, False) not in self.rates:
+                continue  # one session: the two models agree, nothing to fit
+            if self._model is None:
+                break
+            gains = self._model(1 << bucket)
+            spread = 1.0 / max(1e-9, gains.serial) - 1.0 / max(1e-9, gains.lockstep)
+            measured = self.rates[(bucket, True)] / max(1e-9, self.rates[(bucket, False)])
+            if math.isfinite(spread) and abs(spread) > 1e-6:
+                fits.append(min(2.0, max(0.0, (1.0 / max(1e-9, measured) - 1.0 / gains.lockstep) / spread)))
+        if fits:
+            return sum(fits) / len(fits)
+        return 1.0 if self._shared else 0.0
+
+    def model_gain(self, bucket: int) -> float:
+        """The cost model's gain of "on" over "off" at ``bucket``'s load (its largest session
+        count), at the fitted :meth:`contention`; infinite before any request said."""
+        if self._model is None:
+            return math.inf
+        return self._model(1 << bucket).blended(self.contention())
+
     def _prior(self, bucket: int) -> bool:
         """The regime a bucket starts in, before it has measured anything: what the measured
         buckets imply, else the cost model's expectation for this load (on where it has said
         nothing)."""
         implied = self._implied(bucket)
-        return self._gains.get(bucket, math.inf) > 1.0 if implied is None else implied
+        return self.model_gain(bucket) > 1.0 if implied is None else implied
 
-    def _next_regime(self, bucket: int) -> tuple[bool, bool]:
+    def _ruled_out(self, bucket: int, regime: bool) -> bool:
+        """Whether the model expects ``regime`` to lose clearly at ``bucket``'s load."""
+        gain = self.model_gain(bucket)
+        if not math.isfinite(gain):  # no model: nothing ruled out
+            return False
+        return gain < REGIME_MODEL_CLEAR if regime else gain > 1.0 / REGIME_MODEL_CLEAR
+
+    def _next_regime(self, bucket: int, window: int) -> tuple[bool, bool]:
         """The next window's regime, and whether it is an exploration. A bucket that the others'
         measurements settle (:meth:`_implied`) follows them without exploring, unless its own
         figures disagree: only the buckets at the boundary between "on" and "off" pay for
@@ -420,7 +518,10 @@ class SpeculationRegime:
         runs the other after ``explore_first`` scored windows (held until its own figure is in:
         with 1, the window deciding after the switch still sees one regime measured and explores
         on), then keeps the better measured one and
-        runs the loser again after a gap of windows."""
+        runs the loser again after a gap of windows. A loser the model rules out clearly
+        (:meth:`_ruled_out`) waits the far gap, first time included, and nothing explores in the
+        first ``REGIME_SETTLE_WINDOWS`` windows after the load jumped: a burst does not pay for
+        measuring. ``window``: the id of the window being decided."""
         known = {regime: self.rates[(bucket, regime)] for regime in (True, False) if (bucket, regime) in self.rates}
         implied = self._implied(bucket)
         if not known or (implied is not None and len(known) == 1):
@@ -431,8 +532,10 @@ class SpeculationRegime:
             best, gap = known[True] >= known[False], self._explore_gap(bucket, known)
             if implied == best:
                 return best, False
+        if self._ruled_out(bucket, not best):
+            gap = max(gap, self.explore_far)
         since = self._since_explore[bucket] = self._since_explore.get(bucket, 0) + 1
-        if since < gap:
+        if since < gap or window - self._moved_at < REGIME_SETTLE_WINDOWS:
             return best, False
         self._since_explore[bucket] = 0
         return not best, True
@@ -453,12 +556,16 @@ class SpeculationRegime:
         gap = self._gap.get(bucket, self.explore_every)
         self._gap[bucket] = min(2 * gap, self.explore_max) if best_now == best_before else self.explore_every
 
-    def _roll(self, sessions: int) -> None:
+    def _roll(self, sessions: int, jumped: bool = False) -> None:
+        """Close the current window once it has run its length (or at once where the load
+        ``jumped`` to a bucket whose regime differs: its figure, of two loads, is not scored)
+        and open the next."""
         now = self.clock()
         current = self._current
-        if now - current.start < self.window_seconds:
+        if now - current.start < self.window_seconds and not jumped:
             return
         current.end = now
+        current.disturbed |= jumped
         # Windows roll when a step decides: one that outlived two lengths saw the replica go quiet
         # (between requests, or only other policies' requests running), and its figure would count
         # the quiet time as the regime's; nor does its load say anything of the load coming now.
@@ -478,13 +585,15 @@ class SpeculationRegime:
             explored = closed.exploring and bucket == closed.chosen_for and closed.per_session_rate() is not None
             if explored and had_both:
                 self._after_exploring(bucket, before)
-        if current.exploring and current.switched:
+        if current.exploring and current.switched and not jumped:
             # an exploration's first window only warms up (it is not scored): run it once more
             on, exploring, chosen_for = current.on, True, current.chosen_for
         else:
             # for the load now as well as the window's: a burst of arrivals is decided for itself
             chosen_for = load_bucket(sessions if quiet else max(sessions, current.max_sessions))
-            on, exploring = self._next_regime(chosen_for)
+            if abs(chosen_for - current.chosen_for) >= 2:  # the load jumped 4x or more
+                self._moved_at = current.id + 1
+            on, exploring = self._next_regime(chosen_for, current.id + 1)
         switched = on != current.on and not quiet  # after a quiet spell nothing is in flight to warm up
         nxt = _Window(current.id + 1, on, now, exploring=exploring, chosen_for=chosen_for, switched=switched)
         nxt.disturbed = self._burst(current.max_sessions)
@@ -499,28 +608,52 @@ class SpeculationRegime:
         table = ", ".join(
             f"{load_bucket_label(b)}:{'on' if on else 'off'}={r:.1f}" for (b, on), r in sorted(self.rates.items())
         )
-        gains = ", ".join(f"{load_bucket_label(b)}:{g:.2f}" for b, g in sorted(self._gains.items()) if math.isfinite(g))
+        buckets = sorted({b for b, _ in self.rates} | {load_bucket(closed.max_sessions)})
+        gains = ", ".join(f"{load_bucket_label(b)}:{g:.2f}" for b in buckets if math.isfinite(g := self.model_gain(b)))
         return (
             f"regime window {closed.id}: {'on' if closed.on else 'off'}{' (exploring)' if closed.exploring else ''}"
             f" at {load_bucket_label(load_bucket(closed.max_sessions))} sessions (up to {closed.max_sessions} in"
             f" {closed.decisions} steps), {closed.tokens} tokens in {closed.end - closed.start:.2f} s: {figure};"
-            f" measured [{table}]; model's on/off [{gains}]"
+            f" measured [{table}]; model's on/off [{gains}] at contention {self.contention():.2f}"
         )
+
+    def _jumps(self, sessions: int) -> bool:
+        """Whether the load rose past the bucket the current window was chosen for, to one that
+        runs the other regime: a burst is decided for at its first step, not a window later."""
+        current = self._current
+        bucket = load_bucket(sessions)
+        if (current.id == 0 and not current.decisions) or bucket <= max(
+            current.chosen_for, load_bucket(current.max_sessions)
+        ):
+            return False
+        known = {on: self.rates[(bucket, on)] for on in (True, False) if (bucket, on) in self.rates}
+        coming = known[True] >= known[False] if len(known) == 2 else self._prior(bucket)
+        return coming != current.on
 
     def _burst(self, sessions: int) -> bool:
         return self._prefilling > 0 and 4 * self._prefilling >= sessions
 
-    def speculating(self, sessions: int, model_gain: float = math.inf) -> tuple[bool, int]:
+    def speculating(
+        self,
+        sessions: int,
+        model_gain: float = math.inf,
+        gains: Callable[[int], ModelGains] | None = None,
+        shared: bool = False,
+    ) -> tuple[bool, int]:
         """The regime now, and the window it belongs to (a step reports its tokens with it).
-        ``model_gain``: the goodput the request's cost model expects of speculating at this load
-        over not (above 1: "on" pays; a bucket's prior until it has measured)."""
+        ``gains``: the request's cost model at any number of sessions (else ``model_gain`` at
+        every load): what it expects of speculating over not (above 1: "on" pays; a bucket's
+        prior until it has measured). ``shared``: the request's draft and target share their
+        hardware (the contention before any is measured)."""
         # The replica's report lags a burst of arrivals (they report nothing before their first
         # step), while this coordinator's own requests on it are counted as they come.
         sessions = max(sessions, self._requests)
-        self._gains[load_bucket(sessions)] = model_gain
-        self._roll(sessions)
+        self._model = gains or (lambda _sessions: ModelGains(model_gain, model_gain))
+        self._shared = shared
+        self._roll(sessions, jumped=self._jumps(sessions))
         if self._current.id == 0 and not self._current.decisions:  # the very first window
-            self._current.on = self._prior(load_bucket(sessions))
+            self._current.chosen_for = load_bucket(sessions)
+            self._current.on = self._prior(self._current.chosen_for)
         self._current.see(sessions)
         return self._current.on, self._current.id
 

@@ -13,6 +13,7 @@ METHODS = ("draft_model", "ngram", "none")
 # pipelined drafting for requests that do not say: where the draft and target compute apart
 # (coordinator.routing.pipelines), always, never
 PIPELINING = ("auto", "on", "off")
+MAX_CONTENTION = 2.0  # the regime's fitted contention is clamped here too (loop.load_aware_k)
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,15 @@ class CoordinatorConfig:
     prefix_routing: bool = True
     # whether requests that do not say draft their next block while the target verifies (loop.pipelining)
     pipeline_drafts: str = "auto"
+    # what the load-aware regime assumes of the machine before it has measured it (None: from the
+    # replicas' placement; 0: the draft's work leaves the target's alone, 1: they take turns)
+    contention: float | None = None
 
     def __post_init__(self):
         if not 0 <= self.max_k <= MAX_BLOCK:
             raise ValueError(f"max_k must be in [0, {MAX_BLOCK}] (the longest block a replica takes), got {self.max_k}")
+        if self.contention is not None and not 0.0 <= self.contention <= MAX_CONTENTION:
+            raise ValueError(f"contention must be in [0, {MAX_CONTENTION}] or unset, got {self.contention}")
         if self.pipeline_drafts not in PIPELINING:
             raise ValueError(f"pipeline_drafts must be one of {PIPELINING}, got {self.pipeline_drafts!r}")
         if self.seeded_sampling not in SEEDED_SAMPLING:

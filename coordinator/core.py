@@ -256,6 +256,14 @@ class CoordinatorCore:
                 await steps.aclose()  # idempotent; on cancellation this frees the sessions
             span.end()
 
+    def _contention(self, routing: SessionRouting) -> float:
+        """What a session's load-aware k assumes of the machine before its target's regime has
+        measured it: the coordinator's --contention, else 1 where the draft shares its target's
+        hardware and 0 where they compute apart (docs/goodput.md, "Bursts")."""
+        if self.config.contention is not None:
+            return self.config.contention
+        return 1.0 if shares_hardware(routing.draft, routing.target) else 0.0
+
     async def _run(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int]) -> SpeculativeRun:
         routing = SessionRouting(self.pool, parsed.prompt_ids, parsed.params.cache_salt)
         target = await routing.first_target()
@@ -293,7 +301,7 @@ class CoordinatorCore:
             forced_runs=parsed.forced_tokens,
             # (an n-gram lookup in this process costs no call: nothing to take off the path)
             pipeline=parsed.method == "draft_model" and pipelines(parsed.pipeline, routing.draft, routing.target),
-            shares_hardware=shares_hardware(routing.draft, routing.target),
+            contention=self._contention(routing),
         )
         if missing:  # no compatible draft replica is alive: target-only steps, as for a dead draft
             log.warning("request %s: no compatible draft replica; target-only steps", parsed.request_id)

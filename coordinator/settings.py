@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from coordinator.config import METHODS, PIPELINING, CoordinatorConfig
+from coordinator.config import MAX_CONTENTION, METHODS, PIPELINING, CoordinatorConfig
 from specdec.loop.adaptive_k import StepCost
 from specdec.loop.reproducible import SEEDED_SAMPLING
 
@@ -52,6 +52,19 @@ def _pipelining(value: Any) -> str:
         return "on" if _boolean(value) else "off"
     except ValueError:
         raise ValueError(f"must be one of {', '.join(PIPELINING)}, got {value!r}") from None
+
+
+def _contention(value: Any) -> float | None:
+    """auto (None: from the replicas' placement) or a number in [0, MAX_CONTENTION]."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be auto or a number in [0, {MAX_CONTENTION:g}], got {value!r}") from None
+    if not 0.0 <= number <= MAX_CONTENTION:
+        raise ValueError(f"must be auto or a number in [0, {MAX_CONTENTION:g}], got {value!r}")
+    return number
 
 
 def _step_cost(value: Any) -> StepCost:
@@ -140,6 +153,15 @@ SETTINGS = (
         "docs/pipelining.md",
         "pipeline_drafts",
         bare="on",
+    ),
+    Setting(
+        "contention",
+        _contention,
+        "what the load-aware policy assumes of the machine at a load it has not measured yet: 'auto' (default) "
+        "1 where a session's draft and target share their hardware (their passes take turns: speculation "
+        "loses under load), 0 where they compute apart (the replicas' profiles hold), or a number in between; "
+        "measured loads refit it (docs/goodput.md, 'Bursts')",
+        "contention",
     ),
     Setting("max_speculative_tokens", int, "largest k a request may ask for", "max_k"),
     Setting("default_max_new_tokens", int, "max_new_tokens of a request that does not say", "default_max_new_tokens"),

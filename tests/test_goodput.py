@@ -262,7 +262,7 @@ def test_each_scored_window_is_logged_at_debug(caplog):
 
     now[0] += 10
     with caplog.at_level(logging.DEBUG, logger="specdec.loop.load_aware_k"):
-        regime.speculating(6, gains=gains, shared=False)
+        regime.speculating(6, gains=gains, contention=0.0)
     # 5-8 measured both (41.7 on, 50.0 off: 0.83x): the contention fitted to it, 1/0.83 = 0.67/1.25 + 0.33/0.5
     assert caplog.records[-1].getMessage().endswith("; model's on/off [5-8:0.83] at contention 0.33")
     caplog.clear()
@@ -563,11 +563,11 @@ def test_the_contention_starts_from_the_placement_and_is_fitted_to_measured_buck
 
     for shared, first in ((True, False), (False, True)):
         regime, _ = _regime_clock()
-        assert regime.speculating(8, gains=model, shared=shared)[0] is first
+        assert regime.speculating(8, gains=model, contention=1.0 if shared else 0.0)[0] is first
         assert regime.contention() == (1.0 if shared else 0.0)
     regime, _ = _regime_clock()
     regime.rates.update({(load_bucket(2), True): 24.0, (load_bucket(2), False): 30.0})  # measured 0.8x
-    regime.speculating(2, gains=model, shared=True)
+    regime.speculating(2, gains=model, contention=1.0)
     assert regime.contention() == pytest.approx(0.25)  # 1/0.8 = 0.75/1.2 + 0.25/0.4
     assert regime.model_gain(load_bucket(16)) == pytest.approx(0.8)  # an unvisited bucket's prior
     assert regime.model_gain(load_bucket(1)) == pytest.approx(1.3)  # one session: the models agree
@@ -585,22 +585,52 @@ def test_a_burst_after_a_lone_stream_is_decided_for_at_its_first_step():
     for shared in (True, False):
         regime, now = _regime_clock()
         for _ in range(3):  # a lone stream: "on"
-            on, window = regime.speculating(1, gains=model, shared=shared)
+            on, window = regime.speculating(1, gains=model, contention=1.0 if shared else 0.0)
             regime.committed(window, 4)
             now[0] += 5
         assert on
         for _ in range(16):
             regime.request_started()
-        on, window = regime.speculating(1, gains=model, shared=shared)  # the report still says 1
+        on, window = regime.speculating(1, gains=model, contention=1.0 if shared else 0.0)  # the report still says 1
         assert on is not shared  # no window length waited for
         if not shared:
             continue
         seen = []
         for _ in range(REGIME_SETTLE_WINDOWS + 40):  # windows of 16 sessions: "off" measured, "on" ruled out
             for _ in range(10):
-                on, window = regime.speculating(16, gains=model, shared=True)
+                on, window = regime.speculating(16, gains=model, contention=1.0)
                 regime.committed(window, 16 * 30 // 10 if not on else 16 * 20 // 10)
                 now[0] += 1
             seen.append(on)
         assert not any(seen)  # never explored "on": the model rules it out at 16 sessions on shared cores
         assert regime.rates.get((load_bucket(16), False)) and (load_bucket(16), True) not in regime.rates
+
+
+def test_the_contention_a_session_assumes_comes_from_placement_unless_the_coordinator_says():
+    import argparse
+    from types import SimpleNamespace
+
+    from coordinator import settings
+    from coordinator.config import CoordinatorConfig
+    from coordinator.core import CoordinatorCore
+    from coordinator.main import add_arguments, config_from_args
+    from specdec.runtime.registry import Replica
+
+    def replica(kind: str, node: str) -> Replica:
+        return Replica(kind, kind, f"{node}:1", node=node, devices="cpu")
+
+    here = SimpleNamespace(draft=replica("draft", "a"), target=replica("target", "a"))
+    apart = SimpleNamespace(draft=replica("draft", "b"), target=replica("target", "a"))
+    alone = SimpleNamespace(draft=None, target=replica("target", "a"))  # no draft replica: nothing drafts there
+    core = CoordinatorCore(CoordinatorConfig(target_address="h:1"))
+    assert [core._contention(r) for r in (here, apart, alone)] == [1.0, 0.0, 0.0]
+    told = CoordinatorCore(CoordinatorConfig(target_address="h:1", contention=0.3))
+    assert told._contention(here) == 0.3
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--target", "h:1"])).contention is None
+    assert config_from_args(parser.parse_args(["--target", "h:1", "--contention", "0.5"])).contention == 0.5
+    assert settings.parse_values({"contention": "auto"}) == {"contention": None}
+    for bad in ("-1", "3", "lots"):
+        with pytest.raises(ValueError, match="contention"):
+            settings.parse_values({"contention": bad})

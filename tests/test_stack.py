@@ -74,6 +74,11 @@ def stack(models, collector, tmp_path_factory):
             # the adaptive_k case's block cost, for its requests through the stack
             "--step-cost",
             ",".join(map(str, ADAPTIVE_CASE.adaptive_cost)),
+            # the load-aware case under background load certifies a schedule that varies with the
+            # load: the lockstep model's prior, under which these tiny models speculate at any
+            # load, rather than the shared-CPU one, under which an unmeasured load never would
+            "--contention",
+            "0",
         ],
         env=env,
     ) as s:

@@ -234,7 +234,7 @@ class SpeculativeRun:
         forced_runs: bool = True,
         pipeline: bool = False,
         pipeline_branches: int | None = None,
-        shares_hardware: bool = False,
+        contention: float = 0.0,
     ):
         """``committed``: tokens this request already committed in an earlier run (a resumed or
         taken-over request continues from them, with the same seed, hence the same tokens);
@@ -251,8 +251,8 @@ class SpeculativeRun:
         draft drafts the next one for the branch "all accepted, bonus as the draft guesses"
         (specdec.loop.pipelining; not for a feature draft, which needs the verdict's features),
         with as many rejection branches as fit in a verify, or ``pipeline_branches`` every time.
-        ``shares_hardware``: the draft and target compute on the same hardware (what the
-        load-aware regime assumes of the machine before it has measured: load_aware_k.contention)."""
+        ``contention``: what the load-aware regime assumes of the machine before it has measured it
+        (1: the draft and target share their hardware, 0: apart; load_aware_k.SpeculationRegime.contention)."""
         if num_speculative_tokens < 0:
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
         if committed_steps is None:
@@ -288,7 +288,7 @@ class SpeculativeRun:
         self.policy.replay(self.committed_steps)
         self.adaptive = adaptive and num_speculative_tokens > 0
         self.load_aware = load_aware and self.adaptive
-        self.shares_hardware = shares_hardware
+        self.contention = contention
         self.k_max = num_speculative_tokens
         self.draft_load: PassLoad | None = None  # the latest draft pass this request was in
         self.session_id = session_id or uuid.uuid4().hex
@@ -505,7 +505,7 @@ class SpeculativeRun:
             call = 0.0 if self.draft.in_process else call  # the n-gram draft: no round trip
         regime = self.target.regime
         costs = Costs(target_curve, draft_curve, call)
-        self.policy = self.goodput = GoodputK(self.k_max, costs, regime=regime, shared_hardware=self.shares_hardware)
+        self.policy = self.goodput = GoodputK(self.k_max, costs, regime=regime, contention=self.contention)
         self.goodput.replay(self.committed_steps)
         # The first step decides for the load the request joins, as the replica last reported it
         # (that report most likely counts this session already), not for an idle replica: that

@@ -250,7 +250,7 @@ class GoodputK:
     decay: float = 0.9
     max_probe_gap: int = 16
     regime: SpeculationRegime | None = None  # the replica's measured on/off (None: the model alone)
-    shared_hardware: bool = False  # the draft and target compute on the same hardware (runtime.placement)
+    contention: float = 0.0  # the machine's, before the regime has measured it (SpeculationRegime.contention)
     window: int = field(init=False, default=-1)  # the regime window of this step
     acceptance: PositionAcceptance = field(init=False)
     load: BatchLoad = field(init=False, default=IDLE)
@@ -289,7 +289,7 @@ class GoodputK:
             on, self.window = self.regime.speculating(
                 sessions,
                 gains=lambda at: model_gains(expected, at, costs, base),
-                shared=self.shared_hardware,
+                contention=self.contention,
             )
             # measured to pay on this replica now: the model chooses only how deep
             return deepest if on else 0
@@ -435,7 +435,7 @@ class SpeculationRegime:
         self._gap: dict[int, int] = {}
         # the cost model's gains of "on" over "off" at any load, as the latest request sees them
         self._model: Callable[[int], ModelGains] | None = None
-        self._shared = False  # the latest request's draft and target share their hardware
+        self._contention = 0.0  # the contention the latest request assumed before any is measured
         self._moved_at = -REGIME_SETTLE_WINDOWS  # the window the load last jumped at: no exploring just after
 
     @property
@@ -470,7 +470,8 @@ class SpeculationRegime:
         devices, as the profiles see them; 1: every session's passes taking turns on shared
         cores): fitted to every bucket past one session that measured both regimes (their
         measured gain of "on" over "off" against the model's two), their mean; before any has,
-        1 where the draft and target share hardware, else 0. What no profile shows -- the draft's
+        what the requests assume (1 where their draft and target share hardware, else 0, or the
+        coordinator's --contention). What no profile shows -- the draft's
         and the coordinator's work taking the target's cores -- so that an unvisited bucket's
         first regime is right."""
         fits = []
@@ -486,7 +487,7 @@ class SpeculationRegime:
                 fits.append(min(2.0, max(0.0, (1.0 / max(1e-9, measured) - 1.0 / gains.lockstep) / spread)))
         if fits:
             return sum(fits) / len(fits)
-        return 1.0 if self._shared else 0.0
+        return self._contention
 
     def model_gain(self, bucket: int) -> float:
         """The cost model's gain of "on" over "off" at ``bucket``'s load (its largest session
@@ -638,18 +639,18 @@ class SpeculationRegime:
         sessions: int,
         model_gain: float = math.inf,
         gains: Callable[[int], ModelGains] | None = None,
-        shared: bool = False,
+        contention: float = 0.0,
     ) -> tuple[bool, int]:
         """The regime now, and the window it belongs to (a step reports its tokens with it).
         ``gains``: the request's cost model at any number of sessions (else ``model_gain`` at
         every load): what it expects of speculating over not (above 1: "on" pays; a bucket's
-        prior until it has measured). ``shared``: the request's draft and target share their
-        hardware (the contention before any is measured)."""
+        prior until it has measured). ``contention``: what the request assumes of the machine
+        before any is measured (1 where its draft and target share their hardware, else 0)."""
         # The replica's report lags a burst of arrivals (they report nothing before their first
         # step), while this coordinator's own requests on it are counted as they come.
         sessions = max(sessions, self._requests)
         self._model = gains or (lambda _sessions: ModelGains(model_gain, model_gain))
-        self._shared = shared
+        self._contention = contention
         self._roll(sessions, jumped=self._jumps(sessions))
         if self._current.id == 0 and not self._current.decisions:  # the very first window
             self._current.chosen_for = load_bucket(sessions)

@@ -634,3 +634,29 @@ def test_the_contention_a_session_assumes_comes_from_placement_unless_the_coordi
     for bad in ("-1", "3", "lots"):
         with pytest.raises(ValueError, match="contention"):
             settings.parse_values({"contention": bad})
+
+
+def test_after_the_load_falls_a_light_bucket_explores_at_once():
+    """The settling after a jump holds for rises only: when a burst ends and a lone stream is left,
+    a bucket whose prior is "off" by a hair tries "on" at once (its requests are short, and
+    measuring costs little there)."""
+    from specdec.loop.load_aware_k import ModelGains
+
+    def model(sessions: int) -> ModelGains:
+        return ModelGains(0.95, 0.95) if sessions == 1 else ModelGains(1.1, 0.2)
+
+    regime, now = _regime_clock()
+    for _ in range(20):  # a burst of 16, "off"
+        for _ in range(10):
+            on, window = regime.speculating(16, gains=model, contention=1.0)
+            regime.committed(window, 16)
+            now[0] += 1
+    seen = []
+    for _ in range(6):  # a lone stream, which "on" serves better
+        for _ in range(10):
+            on, window = regime.speculating(1, gains=model, contention=1.0)
+            regime.committed(window, 6 if on else 4)
+            now[0] += 1
+        seen.append(on)
+    assert seen[:2] == [False, False] and any(seen[2:4])  # the prior, its figure, then "on" tried
+    assert seen[-1]  # and kept

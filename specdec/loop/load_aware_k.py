@@ -436,7 +436,7 @@ class SpeculationRegime:
         # the cost model's gains of "on" over "off" at any load, as the latest request sees them
         self._model: Callable[[int], ModelGains] | None = None
         self._contention = 0.0  # the contention the latest request assumed before any is measured
-        self._moved_at = -REGIME_SETTLE_WINDOWS  # the window the load last jumped at: no exploring just after
+        self._moved_at = -REGIME_SETTLE_WINDOWS  # the window the load last jumped up at: no exploring just after
 
     @property
     def window(self) -> int:
@@ -521,8 +521,9 @@ class SpeculationRegime:
         on), then keeps the better measured one and
         runs the loser again after a gap of windows. A loser the model rules out clearly
         (:meth:`_ruled_out`) waits the far gap, first time included, and nothing explores in the
-        first ``REGIME_SETTLE_WINDOWS`` windows after the load jumped: a burst does not pay for
-        measuring. ``window``: the id of the window being decided."""
+        first ``REGIME_SETTLE_WINDOWS`` windows after the load jumped up: a burst does not pay for
+        measuring (after a fall, a light load measures cheaply, and its short requests cannot
+        wait). ``window``: the id of the window being decided."""
         known = {regime: self.rates[(bucket, regime)] for regime in (True, False) if (bucket, regime) in self.rates}
         implied = self._implied(bucket)
         if not known or (implied is not None and len(known) == 1):
@@ -592,7 +593,7 @@ class SpeculationRegime:
         else:
             # for the load now as well as the window's: a burst of arrivals is decided for itself
             chosen_for = load_bucket(sessions if quiet else max(sessions, current.max_sessions))
-            if abs(chosen_for - current.chosen_for) >= 2:  # the load jumped 4x or more
+            if chosen_for - current.chosen_for >= 2:  # the load jumped up 4x or more: a burst
                 self._moved_at = current.id + 1
             on, exploring = self._next_regime(chosen_for, current.id + 1)
         switched = on != current.on and not quiet  # after a quiet spell nothing is in flight to warm up

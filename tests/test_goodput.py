@@ -452,7 +452,17 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
         def committed(self, window, tokens):
             pass
 
-        prefill_started = prefill_finished = request_started = request_finished = lambda self: None
+        prefills = 0  # prefills under way now (the target's, then a late draft start's)
+        prefills_seen: list[int] = []  # noqa: RUF012 - one per regime, replaced in __init__ below
+
+        def prefill_started(self):
+            self.prefills += 1
+            self.prefills_seen.append(self.prefills)
+
+        def prefill_finished(self):
+            self.prefills -= 1
+
+        request_started = request_finished = lambda self: None
 
     class Target(LocalTarget):
         def __init__(self, engine, regime):
@@ -474,12 +484,14 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
     prompt = [3, 7, 11, 5]
     params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
+    regimes: list = []
+
     def run(off_steps):
         draft = CountingDraft(draft_engine)
         target = TargetEngine(target_model)
-        loop = SpeculativeRun(
-            Target(target, Regime(off_steps)), draft, prompt, params, 2, adaptive=True, load_aware=True
-        )
+        regimes.append(Regime(off_steps))
+        regimes[-1].prefills_seen = []
+        loop = SpeculativeRun(Target(target, regimes[-1]), draft, prompt, params, 2, adaptive=True, load_aware=True)
 
         async def go():
             async for _ in loop.steps():
@@ -493,6 +505,8 @@ def test_a_load_aware_run_starts_its_draft_session_only_when_it_first_speculates
     assert starts == [] and never.stats.drafts == 0
     late, starts = run(off_steps=3)
     assert starts == [len(prompt) + 3]  # after three one-token target-only steps
+    # the late start is a prefill to the regime too (a window it lands in is not scored)
+    assert regimes[-1].prefills_seen == [1, 1] and regimes[-1].prefills == 0
     assert late.stats.drafts > 0 and late.token_ids == never.token_ids  # greedy: the target's own
 
     # the first decision is for the load the request joins, as the replica last reported it

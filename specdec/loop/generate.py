@@ -550,7 +550,15 @@ class SpeculativeRun:
                 self.stats.predraft_rejection_hits += rejected
                 return self._cut_forbidden(block)
         if self.draft is not None and k > 0 and not self.draft_started:
-            await self._start_draft_or_drop()  # (its prefill is not a proposal's time)
+            # (its prefill is not a proposal's time, nor -- a burst of prefills -- the regime's)
+            regime = self.target.regime if self.load_aware else None
+            if regime is not None:
+                regime.prefill_started()
+            try:
+                await self._start_draft_or_drop()
+            finally:
+                if regime is not None:
+                    regime.prefill_finished()
         t0 = time.perf_counter()
         # Retried on a replacement replica: the step must propose exactly what the lost replica
         # would have (same draws), or the tokens would differ from an undisturbed run.

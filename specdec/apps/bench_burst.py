@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from specdec.apps.bench_stream import drain, replica_flags, stream_one
+from specdec.apps.bench_stream import draft_model_of, drain, stream_one, workload_stack
 
 DEFAULT_BURST = "1,16,1,32,4"
 WAVE_PER_STREAM = 2  # a level's wave: this many requests per stream in flight
@@ -45,8 +45,6 @@ def first_mode(sequence: int, position: int) -> str:
 def run_burst(args, modes: dict, build_request, say) -> dict:
     """``modes``: {"speculative-default": Mode, "target-only": Mode}; ``build_request(prompt, mode,
     temperature, max_new_tokens, seed, ignore_eos)``."""
-    from specdec.apps.launcher import local_stack
-    from specdec.modeling.loading import default_draft_for
     from specdec.runtime.grpc_server import client_channel
     from specdec.training.prompts import load_prompts
     from specdec.v1 import coordinator_pb2_grpc
@@ -54,24 +52,14 @@ def run_burst(args, modes: dict, build_request, say) -> dict:
     levels = burst_levels(args.burst)
     temperature = float(args.temperatures.split(",")[0])
     prompts = load_prompts(Path(args.prompts), args.num_prompts, args.split)
-    draft = default_draft_for(args.target_model) if args.draft_model == "auto" else args.draft_model
-    if draft in ("ngram", "none"):
-        raise SystemExit("specdec bench --burst measures the default with a draft model: give --draft-model")
+    draft = draft_model_of(args, "--burst")
     say(
         f"burst: {args.repeats} sequences of levels {levels} streams (waves of {WAVE_PER_STREAM} x level requests), "
         f"default vs target-only, T={temperature}, {args.max_new_tokens} tokens"
     )
     # (sequence, level index, mode) -> (seconds, samples)
     runs: dict[tuple[int, int, str], tuple[float, list]] = {}
-    with local_stack(
-        args.target_model,
-        draft,
-        num_speculative_tokens=args.default_k,
-        log_dir=Path(args.log_dir) if args.log_dir else None,
-        extra_target=replica_flags(args, "target"),
-        extra_draft=replica_flags(args, "draft"),
-        coordinator_cpus=getattr(args, "coordinator_cpus", None),
-    ) as stack:
+    with workload_stack(args, draft) as stack:
 
         async def measure():
             async with client_channel(stack.coordinator_address) as channel:

@@ -88,3 +88,32 @@ async def drain(count: int, workers: int, run_one) -> list:
 
     await asyncio.gather(*(worker() for _ in range(min(workers, count))))
     return results
+
+
+def draft_model_of(args, workload: str) -> str:
+    """The draft a workload that compares a draft model's speculation runs (``--draft-model``;
+    'auto': the target's default draft); an n-gram or no draft is a usage error naming it."""
+    from specdec.modeling.loading import default_draft_for
+
+    draft = default_draft_for(args.target_model) if args.draft_model == "auto" else args.draft_model
+    if draft in ("ngram", "none"):
+        raise SystemExit(f"specdec bench {workload} compares a draft model's speculation: give --draft-model")
+    return draft
+
+
+def workload_stack(args, draft: str):
+    """The local stack a workload runs on: the target, ``draft``, the bench's default k, its
+    replicas' pass flags and CPUs, and the log folder (a context manager: local_stack)."""
+    from pathlib import Path
+
+    from specdec.apps.launcher import local_stack
+
+    return local_stack(
+        args.target_model,
+        draft,
+        num_speculative_tokens=args.default_k,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        extra_target=replica_flags(args, "target"),
+        extra_draft=replica_flags(args, "draft"),
+        coordinator_cpus=getattr(args, "coordinator_cpus", None),
+    )

@@ -27,7 +27,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.apps.bench_stream import Sample, replica_flags, stream_one
+from specdec.apps.bench_stream import Sample, draft_model_of, stream_one, workload_stack
 from specdec.training.prompts import load_prompts
 
 
@@ -114,16 +114,12 @@ def summarize_structured(mode: StructuredMode, temperature: float, runs: list[li
 
 
 def run_structured(args, say) -> dict:
-    from specdec.apps.launcher import local_stack
-    from specdec.modeling.loading import default_draft_for
     from specdec.runtime.grpc_server import client_channel
     from specdec.v1 import coordinator_pb2_grpc
 
     rows = load_workload(args.structured, args.prompts, args.num_prompts, args.split)
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    draft = default_draft_for(args.target_model) if args.draft_model == "auto" else args.draft_model
-    if draft in ("ngram", "none"):
-        raise SystemExit("specdec bench --structured compares a draft model's speculation: give --draft-model")
+    draft = draft_model_of(args, "--structured")
     modes = structured_modes(args.default_k)
     say(
         f"structured output: {len(rows)} prompts x {len(temperatures)} settings x {len(modes)} modes x "
@@ -131,15 +127,7 @@ def run_structured(args, say) -> dict:
     )
     results: dict[tuple[StructuredMode, float], list[list[Sample]]] = {}
     greedy: dict[tuple[str, str], list[int]] = {}  # (prompt, mode) -> tokens at temperature 0
-    with local_stack(
-        args.target_model,
-        draft,
-        num_speculative_tokens=args.default_k,
-        log_dir=Path(args.log_dir) if args.log_dir else None,
-        extra_target=replica_flags(args, "target"),
-        extra_draft=replica_flags(args, "draft"),
-        coordinator_cpus=getattr(args, "coordinator_cpus", None),
-    ) as stack:
+    with workload_stack(args, draft) as stack:
 
         async def measure():
             async with client_channel(stack.coordinator_address) as channel:

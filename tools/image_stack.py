@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,8 @@ def container_env(container: dict, configmaps: dict[str, dict], secrets: dict[st
         ref = entry.get("valueFrom", {})
         if "fieldRef" in ref and ref["fieldRef"]["fieldPath"] == "status.podIP":
             env[entry["name"]] = pod_ip
+        elif "fieldRef" in ref and ref["fieldRef"]["fieldPath"] == "spec.nodeName":
+            env[entry["name"]] = socket.gethostname()  # every container here runs on this one node
         elif "secretKeyRef" in ref:
             env[entry["name"]] = secrets[ref["secretKeyRef"]["key"]]
         else:

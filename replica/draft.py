@@ -82,19 +82,9 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             vocab_size=self.engine.vocab_size,
             context_length=getattr(getattr(self.engine, "store", None), "context_length", 0),
             tokenizer_fingerprint=self.fingerprint,
-            live_sessions=stats["live_sessions"],
-            kv_bytes=stats["kv_bytes"],
-            sessions_started=stats.get("sessions_started", 0),
-            draining=self.draining,
-            kv_bytes_per_token=stats.get("kv_bytes_per_token", 0),
             draft_kind=self.engine.kind,
             feature_size=getattr(self.engine, "feature_size", 0),
-            cost_sizes=[n for n, _ in self.cost_points],
-            cost_seconds=[t for _, t in self.cost_points],
-            pass_backend=stats.get("pass_backend", ""),
-            batch_invariant=bool(stats.get("batch_invariant", False)),
-            node=self.placement.node,
-            devices=list(self.placement.devices),
+            **self.replica_info(stats),
         )
 
 

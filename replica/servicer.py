@@ -292,6 +292,23 @@ class SessionServicer:
     cost_points: list[tuple[int, float]] = []  # noqa: RUF012 - replaced, never mutated: its pass profile
     placement = Placement()  # where it computes (set at start: replica_placement)
 
+    def replica_info(self, stats: dict) -> dict[str, Any]:
+        """The EngineInfo fields both kinds report alike: sessions and KV from the engine's
+        ``stats``, draining, the pass profile and backend, where it computes."""
+        return {
+            "live_sessions": stats["live_sessions"],
+            "kv_bytes": stats["kv_bytes"],
+            "sessions_started": stats.get("sessions_started", 0),
+            "draining": self.draining,
+            "kv_bytes_per_token": stats.get("kv_bytes_per_token", 0),
+            "cost_sizes": [n for n, _ in self.cost_points],
+            "cost_seconds": [t for _, t in self.cost_points],
+            "pass_backend": stats.get("pass_backend", ""),
+            "batch_invariant": bool(stats.get("batch_invariant", False)),
+            "node": self.placement.node,
+            "devices": list(self.placement.devices),
+        }
+
     async def engine_call(
         self,
         session_id: str,

@@ -95,18 +95,8 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             context_length=self.engine.context_length,
             eos_token_ids=self.eos_token_ids,
             tokenizer_fingerprint=self.fingerprint,
-            live_sessions=stats["live_sessions"],
-            kv_bytes=stats["kv_bytes"],
-            sessions_started=stats.get("sessions_started", 0),
-            draining=self.draining,
-            kv_bytes_per_token=stats["kv_bytes_per_token"],
             feature_size=int(self.engine.store.model.config.hidden_size),
-            cost_sizes=[n for n, _ in self.cost_points],
-            cost_seconds=[t for _, t in self.cost_points],
-            pass_backend=stats.get("pass_backend", ""),
-            batch_invariant=bool(stats.get("batch_invariant", False)),
-            node=self.placement.node,
-            devices=list(self.placement.devices),
+            **self.replica_info(stats),
         )
 
 

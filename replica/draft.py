@@ -15,6 +15,7 @@ from replica.servicer import (
     main_async,
     replica_spec,
 )
+from specdec.engine.interface import ProposingEngine
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import MAX_BLOCK
 from specdec.runtime import security, wire
@@ -28,7 +29,9 @@ SERVICE = "specdec.v1.Draft"
 class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
     kind = "draft"
 
-    def __init__(self, engine, model_spec: str, tokenizer_fingerprint: str = ""):
+    engine: ProposingEngine
+
+    def __init__(self, engine: ProposingEngine, model_spec: str, tokenizer_fingerprint: str = ""):
         self.engine = engine
         self.model_spec = model_spec
         self.fingerprint = tokenizer_fingerprint
@@ -52,16 +55,16 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
             span.set_attribute("specdec.assumed_tokens", len(request.assumed))
             # one hop to the model thread for commit + proposal (each hop costs a thread hand-off)
-            proposal, load = await self.engine_call_with_load(
+            proposal, load = await self.run_work_with_load(
                 request.session_id,
-                getattr(self.engine, "propose_work", None),
-                self.engine.propose,
-                request.session_id,
-                request.step,
-                request.k,
-                commit,
-                list(request.assumed),
-                request.rejection_branches,
+                self.engine.propose_work(
+                    request.session_id,
+                    request.step,
+                    request.k,
+                    commit,
+                    list(request.assumed),
+                    request.rejection_branches,
+                ),
             )
             span.set_attribute("specdec.proposed", len(proposal))
         if load is not None:  # a draft pass's size is its sessions: each advances one position
@@ -80,10 +83,10 @@ class DraftServicer(SessionServicer, draft_pb2_grpc.DraftServicer):
             kind="draft",
             model_id=self.model_spec,
             vocab_size=self.engine.vocab_size,
-            context_length=getattr(getattr(self.engine, "store", None), "context_length", 0),
+            context_length=self.engine.context_length,
             tokenizer_fingerprint=self.fingerprint,
             draft_kind=self.engine.kind,
-            feature_size=getattr(self.engine, "feature_size", 0),
+            feature_size=self.engine.feature_size,
             **self.replica_info(stats),
         )
 
@@ -139,7 +142,7 @@ def main(args) -> int:
             engine=engine,
             fingerprint=fingerprint,
             vocab_size=args.vocab_size if args.model == "ngram" else engine.vocab_size,
-            feature_size=getattr(engine, "feature_size", 0),
+            feature_size=engine.feature_size,
             draft_kind=engine.kind,
         )
 

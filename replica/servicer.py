@@ -18,10 +18,10 @@ from grpc_health.v1 import health_pb2_grpc
 from replica.batcher import IterationLoop
 from replica.model_thread import call_on_model_thread, on_model_thread
 from specdec.engine.batching import BatchRunner, PassLoad
+from specdec.engine.interface import ReplicaEngine
 from specdec.engine.memory import AUTO, DEFAULT_KV_FRACTION, resolve_kv_cap
-from specdec.engine.sessions import CacheLimits
+from specdec.engine.sessions import CacheLimits, Work, run_alone
 from specdec.errors import DrainingError
-from specdec.modeling.loading import device_identity
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security, wire
 from specdec.runtime.flags import (
@@ -34,7 +34,7 @@ from specdec.runtime.flags import (
     positive_int,
 )
 from specdec.runtime.grpc_server import grpc_method
-from specdec.runtime.placement import CPU, Placement, this_node
+from specdec.runtime.placement import Placement, this_node
 from specdec.runtime.registry import Heartbeat, Registry, Replica, new_replica_id
 from specdec.telemetry import logs, metrics, tracing
 from specdec.v1 import engine_pb2
@@ -126,12 +126,13 @@ def replica_spec(
     )
 
 
-def batch_runner_for(engine, args) -> BatchRunner | None:
-    """The batch runner for an engine whose calls are works (the draft and target engines over
-    one model), sized by the replica's flags; None for the others (they keep one call at a time)."""
-    if not getattr(engine, "supports_works", False):
+def batch_runner_for(engine: ReplicaEngine, args) -> BatchRunner | None:
+    """The batch runner over the engine's ``batch_store``, sized by the replica's flags; None
+    where its works ask for no pass (they run alone, one at a time)."""
+    store = engine.batch_store
+    if store is None:
         return None
-    return BatchRunner(engine.store, args.max_batch_tokens, args.max_batch_sessions, args.max_waiting_sessions)
+    return BatchRunner(store, args.max_batch_tokens, args.max_batch_sessions, args.max_waiting_sessions)
 
 
 def profiled_costs(engine, batch: BatchRunner | None, args) -> list[tuple[int, float]]:
@@ -153,15 +154,10 @@ def cache_limits(args, device, ranks_on_host: int = 1) -> CacheLimits:
     return CacheLimits(args.max_sessions, args.max_session_kv_bytes, cap, args.prefix_cache_bytes)
 
 
-def replica_placement(engine, args) -> Placement:
+def replica_placement(engine: ReplicaEngine, args) -> Placement:
     """Where a replica's passes compute: its node, and each device (a tensor-parallel group:
     every rank's, as the ranks report them; a draft without a model, the n-gram one: the CPU)."""
-    if hasattr(engine, "rank_stats"):
-        devices = [rank.get("device", "") for rank in engine.rank_stats()]
-    else:
-        store = getattr(engine, "store", None)
-        devices = [device_identity(store.device)] if store is not None else [CPU]
-    return Placement.of(this_node(args.node_name), devices)
+    return Placement.of(this_node(args.node_name), engine.devices())
 
 
 def add_replica_arguments(p) -> None:
@@ -286,7 +282,7 @@ class SessionServicer:
     kind = "engine"
     draining = False  # set on SIGTERM: live sessions finish, new ones are refused
     unhealthy = ""  # why the iteration loop cannot run (empty: it can): new sessions are refused meanwhile
-    engine: Any
+    engine: ReplicaEngine
     model_spec: str
     batching: IterationLoop | None = None  # set where the engine's calls are batched
     cost_points: list[tuple[int, float]] = []  # noqa: RUF012 - replaced, never mutated: its pass profile
@@ -309,31 +305,19 @@ class SessionServicer:
             "devices": list(self.placement.devices),
         }
 
-    async def engine_call(
-        self,
-        session_id: str,
-        work: Callable[..., Any],
-        call: Callable[..., Any],
-        *args,
-        admit_tokens: int | None = None,
-    ) -> Any:
-        """One engine call: as a work in the batch (``work(*args)``) where this replica batches,
-        else ``call(*args)`` alone on the model thread. ``admit_tokens``: it starts a session of
-        that many prompt tokens (which waits for KV room where this replica batches)."""
-        return (await self.engine_call_with_load(session_id, work, call, *args, admit_tokens=admit_tokens))[0]
+    async def run_work(self, session_id: str, work: Work, admit_tokens: int | None = None) -> Any:
+        """The result of one of the engine's works: in the batch where this replica batches, else
+        alone on the model thread. ``admit_tokens``: it starts a session of that many prompt
+        tokens (which waits for KV room where this replica batches)."""
+        return (await self.run_work_with_load(session_id, work, admit_tokens))[0]
 
-    async def engine_call_with_load(
-        self,
-        session_id: str,
-        work: Callable[..., Any],
-        call: Callable[..., Any],
-        *args,
-        admit_tokens: int | None = None,
+    async def run_work_with_load(
+        self, session_id: str, work: Work, admit_tokens: int | None = None
     ) -> tuple[Any, PassLoad | None]:
-        """:meth:`engine_call`, and the last batched pass it took part in (None: not batched)."""
+        """:meth:`run_work`, and the last batched pass it took part in (None: not batched)."""
         if self.batching is not None:
-            return await self.batching.run_with_load(work(*args), session_id, admit_tokens)
-        return await on_model_thread(call, *args), None
+            return await self.batching.run_with_load(work, session_id, admit_tokens)
+        return await on_model_thread(run_alone, self.engine.batch_store, work), None
 
     @grpc_method
     async def StartSession(self, request, context):
@@ -355,14 +339,9 @@ class SessionServicer:
             span.set_attribute("specdec.session_id", request.session_id)
             span.set_attribute("specdec.prompt_tokens", len(request.prompt_token_ids))
             span.set_attribute("specdec.invariant", params.invariant)
-            features = await self.engine_call(
+            features = await self.run_work(
                 request.session_id,
-                getattr(self.engine, "prefill_work", None),
-                self.engine.prefill,
-                request.session_id,
-                list(request.prompt_token_ids),
-                params,
-                *extra,
+                self.engine.prefill_work(request.session_id, list(request.prompt_token_ids), params, *extra),
                 admit_tokens=len(request.prompt_token_ids),
             )
             copied = self.copied_positions(request.session_id)
@@ -371,12 +350,11 @@ class SessionServicer:
 
     def copied_positions(self, session_id: str) -> int:
         """Positions the session's start copied from the engine's prefix cache (0 where it has none)."""
-        store = getattr(self.engine, "store", None)
-        copied = getattr(store, "copied_positions", None)
-        return copied(session_id) if copied is not None else 0
+        store = self.engine.batch_store
+        return store.copied_positions(session_id) if store is not None else 0
 
     def prefill_arguments(self, request) -> tuple:
-        """What ``engine.prefill`` takes after (session, prompt, params), read from the request."""
+        """What ``engine.prefill_work`` takes after (session, prompt, params), read from the request."""
         return ()
 
     async def _commit(self, session_id: str, commit) -> None:

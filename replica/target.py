@@ -15,6 +15,7 @@ from replica.servicer import (
     main_async,
     replica_spec,
 )
+from specdec.engine.interface import VerifyingEngine
 from specdec.errors import InvalidArgumentError
 from specdec.exact.proposal import MAX_BLOCK
 from specdec.runtime import security, wire
@@ -28,7 +29,11 @@ SERVICE = "specdec.v1.Target"
 class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
     kind = "target"
 
-    def __init__(self, engine, model_spec: str, eos_token_ids=(), tokenizer_fingerprint: str = "", tp: int = 1):
+    engine: VerifyingEngine
+
+    def __init__(
+        self, engine: VerifyingEngine, model_spec: str, eos_token_ids=(), tokenizer_fingerprint: str = "", tp: int = 1
+    ):
         self.engine = engine
         self.tp = tp
         self.model_spec = model_spec
@@ -60,16 +65,11 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             span.set_attribute("specdec.k", len(block))
             span.set_attribute("specdec.committed_tokens", len(commit.tokens) if commit else 0)
             # one hop to the model thread for commit + verify (each hop costs a thread hand-off)
-            verdict, load = await self.engine_call_with_load(
+            verdict, load = await self.run_work_with_load(
                 header.session_id,
-                getattr(self.engine, "verify_work", None),
-                self.engine.verify,
-                header.session_id,
-                header.step,
-                block.tokens,
-                block.q,
-                commit,
-                header.return_features,
+                self.engine.verify_work(
+                    header.session_id, header.step, block.tokens, block.q, commit, header.return_features
+                ),
             )
         return wire.verdict_to_proto(verdict, load)
 
@@ -79,12 +79,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
     @grpc_method
     async def Info(self, request, context):
         stats = self.engine.stats()
-        if hasattr(self.engine, "rank_stats"):  # tensor parallel: every rank's own numbers (a moment old)
-            ranks = self.engine.rank_stats()
-        else:
-            from specdec.engine.tensor_parallel import local_param_bytes
-
-            ranks = [{"param_bytes": local_param_bytes(self.engine.store.model), "kv_bytes": stats["kv_bytes"]}]
+        ranks = self.engine.rank_stats()  # tensor parallel: every rank's own numbers (a moment old)
         return engine_pb2.EngineInfo(
             tp_size=self.tp,
             rank_param_bytes=[r["param_bytes"] for r in ranks],
@@ -95,7 +90,7 @@ class TargetServicer(SessionServicer, target_pb2_grpc.TargetServicer):
             context_length=self.engine.context_length,
             eos_token_ids=self.eos_token_ids,
             tokenizer_fingerprint=self.fingerprint,
-            feature_size=int(self.engine.store.model.config.hidden_size),
+            feature_size=self.engine.feature_size,
             **self.replica_info(stats),
         )
 
@@ -186,7 +181,7 @@ def main(args) -> int:
             engine=engine,
             fingerprint=fingerprint,
             vocab_size=engine.vocab_size,
-            feature_size=int(model.config.hidden_size),
+            feature_size=engine.feature_size,
             on_stop=lambda: on_stop() if on_stop else None,
         )
 

@@ -174,7 +174,7 @@ def test_a_cancelled_prefill_is_closed_and_releases_its_session():
     from specdec.engine.sessions import SessionEngine
 
     engine = SessionEngine(store)
-    job = engine_runner.add(engine.prefill_work("p", list(range(1, 30)), PARAMS), "p")
+    job = engine_runner.add(engine.start_work("p", list(range(1, 30)), PARAMS), "p")
     if store.batches:  # chunked: cancelled between two chunks
         engine_runner.iterate()
         assert "p" in list(store) and not job.finished  # started, one chunk fed
@@ -276,7 +276,7 @@ def test_session_starts_wait_for_kv_room_then_start_and_past_the_queue_are_refus
     prompt = list(range(1, 9))  # 8 tokens, a block each: two fit, a third does not
 
     def start(sid):
-        return runner.add(engine.prefill_work(sid, prompt, PARAMS), sid, admit_tokens=len(prompt))
+        return runner.add(engine.start_work(sid, prompt, PARAMS), sid, admit_tokens=len(prompt))
 
     first, second = start("a"), start("b")
     runner.iterate()
@@ -294,7 +294,7 @@ def test_session_starts_wait_for_kv_room_then_start_and_past_the_queue_are_refus
     runner.iterate()
     assert waiting[1].finished and runner.waiting() == 0 and "d" not in list(store)
     # a start that could not fit even an empty pool fails at once, naming the cap
-    too_big = runner.add(engine.prefill_work("f", list(range(1, 50)), PARAMS), "f", admit_tokens=49)
+    too_big = runner.add(engine.start_work("f", list(range(1, 50)), PARAMS), "f", admit_tokens=49)
     runner.iterate()
     assert isinstance(too_big.error, ResourceExhaustedError) and "in all" in str(too_big.error)
 
@@ -432,7 +432,7 @@ def test_a_cancelled_prefill_whose_release_raises_still_frees_its_session_and_th
     runner = BatchRunner(store, max_batch_tokens=4, max_batch_sessions=8)
     engine = SessionEngine(store)
     store.keep_prefix = lambda session: (_ for _ in ()).throw(MemoryError("prefix cache allocation"))
-    job = runner.add(engine.prefill_work("p", list(range(1, 30)), PARAMS), "p")
+    job = runner.add(engine.start_work("p", list(range(1, 30)), PARAMS), "p")
     if store.batches:
         runner.iterate()
     job.cancelled = True
@@ -520,7 +520,7 @@ def _pool_of(tokens: int, **runner_options):
     engine = SessionEngine(store)
 
     def start(sid, n):
-        return runner.add(engine.prefill_work(sid, list(range(1, n + 1)), PARAMS), sid, admit_tokens=n)
+        return runner.add(engine.start_work(sid, list(range(1, n + 1)), PARAMS), sid, admit_tokens=n)
 
     return store, runner, start
 

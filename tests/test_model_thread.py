@@ -21,7 +21,8 @@ from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
 
 
 class ThreadLog:
-    """Wraps an engine; records the thread every method call runs on."""
+    """Wraps an engine; records the thread every method call runs on (a work's: where it runs,
+    not where the servicer builds it)."""
 
     def __init__(self, engine, names):
         self._engine = engine
@@ -32,11 +33,20 @@ class ThreadLog:
 
     def _recorded(self, name, method):
         def call(*args, **kwargs):
-            self.threads.append((name, threading.get_ident()))
-            self.calls.append((name, args))
+            if name.endswith("_work"):
+                return self._run_recorded(name, args, method(*args, **kwargs))
+            self._record(name, args)
             return method(*args, **kwargs)
 
         return call
+
+    def _record(self, name, args):
+        self.threads.append((name, threading.get_ident()))
+        self.calls.append((name, args))
+
+    def _run_recorded(self, name, args, work):
+        self._record(name, args)  # when the work starts
+        return (yield from work)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -64,8 +74,8 @@ def test_on_model_thread_uses_one_thread_and_keeps_the_context():
 
 
 def test_concurrent_sessions_run_every_engine_call_on_the_model_thread(target_model, draft_model):
-    target = ThreadLog(TargetEngine(target_model), ["prefill", "verify", "commit", "release"])
-    draft = ThreadLog(DraftEngine(draft_model), ["prefill", "propose", "commit", "release"])
+    target = ThreadLog(TargetEngine(target_model), ["prefill_work", "verify_work", "commit", "release"])
+    draft = ThreadLog(DraftEngine(draft_model), ["prefill_work", "propose_work", "commit", "release"])
 
     async def main():
         server = srv.create_server()
@@ -98,9 +108,9 @@ def test_concurrent_sessions_run_every_engine_call_on_the_model_thread(target_mo
 
     loop_thread = asyncio.run(main())
     calls = target.threads + draft.threads
-    assert {name for name, _ in calls} >= {"prefill", "verify", "propose", "release"}
+    assert {name for name, _ in calls} >= {"prefill_work", "verify_work", "propose_work", "release"}
     # a step's commit rides on the next Propose/Verify and is applied in that same model-thread hop
-    for log, method in ((draft, "propose"), (target, "verify")):
+    for log, method in ((draft, "propose_work"), (target, "verify_work")):
         carried = [args for name, args in log.calls if name == method and any(isinstance(a, Commit) for a in args)]
         assert len(carried) == 4 * 2, f"{method} calls carrying the previous step's commit: {len(carried)}"
     assert len({thread for _, thread in calls}) == 1, "engine calls ran on several threads"

@@ -93,7 +93,7 @@ def test_a_branching_prefix_shares_its_blocks_and_the_bound_evicts_the_least_rec
 
 
 def _prefill(store: SessionStore, session_id: str, prompt: list[int]):
-    run_alone(store, SessionEngine(store).prefill_work(session_id, prompt, PARAMS))
+    run_alone(store, SessionEngine(store).start_work(session_id, prompt, PARAMS))
     return store.get(session_id)
 
 
@@ -155,7 +155,7 @@ def test_a_session_that_wants_the_prompts_features_computes_them():
     store = SessionStore(model, CacheLimits(prefix_cache_bytes=1 << 24), name="target")
     prompt = list(range(1, 40))
     _prefill(store, "a", prompt)
-    features = run_alone(store, SessionEngine(store).prefill_work("b", prompt, PARAMS, return_features=True))
+    features = run_alone(store, SessionEngine(store).start_work("b", prompt, PARAMS, return_features=True))
     assert features.shape[0] == len(prompt) - 1 and store.prefixes.hit_tokens == 0
 
 
@@ -186,9 +186,9 @@ def test_a_session_reuses_only_what_was_kept_in_its_own_scope():
     prompt = list(range(1, 40))  # 2 whole blocks of 16 within its first 38 positions
     salted = lambda salt: SamplingParams(temperature=1.0, seed=3, cache_salt=salt)  # noqa: E731
     engine = SessionEngine(store)
-    run_alone(store, engine.prefill_work("a1", prompt, salted("a")))
+    run_alone(store, engine.start_work("a1", prompt, salted("a")))
     store.release("a1")
     for sid, salt, copied in (("b1", "b", 0), ("a2", "a", 32), ("shared", "", 0)):
-        run_alone(store, engine.prefill_work(sid, prompt, salted(salt)))
+        run_alone(store, engine.start_work(sid, prompt, salted(salt)))
         assert store.copied_positions(sid) == copied, sid
         store.release(sid)

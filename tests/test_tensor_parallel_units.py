@@ -160,14 +160,20 @@ def test_the_startup_profile_is_replayed_and_leaves_both_ranks_alike(wire):
     assert other.store.prefixes is not None and len(other.store.prefixes) == 0  # scratch sessions kept nothing
 
 
-def test_a_tensor_parallel_target_batches_its_works():
+def test_a_tensor_parallel_target_is_a_target_engine_whose_works_batch_on_every_rank(wire):
     import argparse
 
     from replica.servicer import batch_runner_for
+    from specdec.engine.interface import ProfiledEngine, VerifyingEngine
 
     args = argparse.Namespace(max_batch_tokens=256, max_batch_sessions=64, max_waiting_sessions=64)
-    assert DistributedTargetEngine.supports_works
-    assert batch_runner_for(TargetEngine(model()), args) is not None
+    mirror = DistributedTargetEngine(engine(), 2, heartbeat=False)
+    assert isinstance(mirror, VerifyingEngine) and isinstance(mirror, ProfiledEngine)
+    runner = batch_runner_for(mirror, args)
+    assert runner is not None and runner.store is mirror.store  # its passes are journaled for the ranks
+    ranks = mirror.rank_stats()
+    assert mirror.feature_size == 32 and len(ranks) == 2 and all(r["param_bytes"] > 0 for r in ranks)
+    mirror.shutdown()
 
 
 def test_a_request_error_is_rank_0s_to_report_and_the_rank_goes_on(wire):

@@ -442,7 +442,7 @@ def check_pair(case: Case, target_model, draft, runs: int = DEFAULT_RUNS) -> Cas
     # (a feature draft needs the target's feature before every token: no forced runs with it)
     if grammars is not None and case.draft != "feature" and verdict.passed and not forced:
         verdict.passed, verdict.detail = False, "no forced run was proposed: that path was not exercised"
-    if len(draft.store if hasattr(draft, "store") else []) or len(target.store):
+    if draft.stats()["live_sessions"] or target.stats()["live_sessions"]:
         verdict.passed, verdict.detail = False, "sessions left behind in an engine after the runs"
     return verdict
 

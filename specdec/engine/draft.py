@@ -32,6 +32,7 @@ from specdec.engine.sessions import (
     cache_nbytes,
     run_alone,
     unwrap,
+    whole,
 )
 from specdec.errors import InvalidArgumentError
 from specdec.exact.gumbel import gumbel_argmax, gumbel_noise
@@ -82,7 +83,6 @@ class _Proposer(SessionEngine):
 
 
 class DraftEngine(_Proposer):
-    supports_works = True  # its calls run as works: specdec.engine.batching batches them
     kind = "model"
     feature_size = 0
 
@@ -91,8 +91,11 @@ class DraftEngine(_Proposer):
     ):
         super().__init__(SessionStore(model, limits, name=name), top_m, eps)
 
+    def prefill_work(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> Work:
+        return self.start_work(session_id, prompt, params)
+
     def prefill(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
-        self._start(session_id, prompt, params)
+        run_alone(self.store, self.prefill_work(session_id, prompt, params))
 
     def propose(
         self,
@@ -148,6 +151,12 @@ class DraftEngine(_Proposer):
                     prefix = (*assumed[:j], guess)
                     branches.append(Branch(prefix, (yield from self._block_after(session, prefix, k - 1))))
             return replace(proposal, branches=tuple(branches)) if branches else proposal
+
+    def step_work(self, session_id: str, step: int, commit: Commit | None = None) -> Work:
+        """A one-token proposal (one position and its q) as a work, whose result is that token
+        (what the startup profile times)."""
+        proposal = yield from self.propose_work(session_id, step, 1, commit)
+        return proposal.tokens[0]
 
     def _block_after(self, session: Session, prefix: Sequence[int], k: int) -> Generator[Any, Any, DraftProposal]:
         """Up to ``k`` proposals after the committed tokens and ``prefix`` (see propose_work)."""
@@ -230,6 +239,26 @@ class FeatureDraftEngine(_Proposer):
         super().__init__(SessionStore(model, limits, name=name, new_cache=model.new_cache), top_m, eps)
         self.model = model
         self.feature_size = int(model.config.hidden_size)
+
+    @property
+    def batch_store(self) -> SessionStore | None:
+        return None  # each call is a chain of one-position passes fed with features: its works run whole
+
+    def prefill_work(
+        self, session_id: str, prompt: Sequence[int], params: SamplingParams, features: torch.Tensor | None = None
+    ) -> Work:
+        return whole(self.prefill, session_id, prompt, params, features)
+
+    def propose_work(
+        self,
+        session_id: str,
+        step: int,
+        k: int,
+        commit: Commit | None = None,
+        assumed: Sequence[int] = (),
+        rejections: int = 0,
+    ) -> Work:
+        return whole(self.propose, session_id, step, k, commit, assumed, rejections)
 
     def _check_features(self, features: torch.Tensor | None, rows: int, field: str) -> torch.Tensor:
         if features is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specdec.engine.commits import Commit
-from specdec.engine.sessions import SessionStore, Work
+from specdec.engine.sessions import SessionStore
 from specdec.exact.sampling import SamplingParams
 from specdec.paths import cache_dir
 
@@ -65,21 +65,9 @@ def _cache_file(key: str) -> Path:
     return cache_dir() / "profiles" / f"{key}.json"
 
 
-def _step_work(engine, session_id: str, step: int, commit: Commit | None) -> Work:
-    """One step of a scratch session as the services run it: a target-only step (one row and
-    its sampling math) on a target, a one-token proposal (one position, its q) on a draft."""
-    if hasattr(engine, "verify_work"):
-        return engine.verify_work(session_id, step, [], [], commit)
-    return engine.propose_work(session_id, step, 1, commit)
-
-
-def _emitted(result) -> int:
-    return int(result.bonus) if hasattr(result, "bonus") else int(result.tokens[0])
-
-
 def measure(engine, sizes: list[int], repeats: int = REPEATS) -> list[tuple[int, float]]:
     """Median seconds of one batched iteration with ``n`` scratch sessions each taking a step
-    (a row and its sampling math), for n in ``sizes``, through the batch runner the service
+    (``engine.step_work``: a row and its sampling math), for n in ``sizes``, through the batch runner the service
     uses; stops early where the engine's caps refuse more scratch sessions."""
     from specdec.engine.batching import BatchRunner
 
@@ -110,7 +98,7 @@ def measure(engine, sizes: list[int], repeats: int = REPEATS) -> list[tuple[int,
                     jobs = []
                     for sid in ids[:n]:
                         steps[sid] += 1
-                        jobs.append(runner.add(_step_work(engine, sid, steps[sid], pending[sid]), sid))
+                        jobs.append(runner.add(engine.step_work(sid, steps[sid], pending[sid]), sid))
                     begin = time.perf_counter()
                     while not all(job.finished for job in jobs):
                         runner.iterate()
@@ -119,7 +107,7 @@ def measure(engine, sizes: list[int], repeats: int = REPEATS) -> list[tuple[int,
                         if job.error is not None:
                             raise job.error
                         length = len(store.get(sid).tokens)
-                        pending[sid] = Commit(steps[sid], length, (_emitted(job.result),))
+                        pending[sid] = Commit(steps[sid], length, (int(job.result),))
                 points.append((n, statistics.median(times[1:])))
         finally:
             for sid in ids:

@@ -33,6 +33,7 @@ from specdec.exact.sampling import SamplingParams, constraint_conflict, token_co
 from specdec.modeling.cache import LeanCache
 from specdec.modeling.dimensions import context_length, kv_bytes_per_token
 from specdec.modeling.lean_llama import LeanLlama, Pass, lean_runner
+from specdec.modeling.loading import device_identity
 from specdec.modeling.paged import PagedCache
 
 log = logging.getLogger("specdec.sessions")
@@ -168,18 +169,34 @@ def run_rows(requests: list[RowsRequest]) -> list[Any]:
     return results
 
 
-def run_alone(store: SessionStore, work: Work) -> Any:
-    """The work's result, running its passes one by one, with nothing else in them."""
+def run_alone(store: SessionStore | None, work: Work) -> Any:
+    """The work's result, running its passes one by one, with nothing else in them. ``store``:
+    where its passes run (None for an engine whose works ask for none: see :func:`whole`).
+
+    A work never outlives this call: one left suspended would be closed later by the garbage
+    collector, on whatever thread that runs, inside the session lock its own thread holds."""
     try:
         request = next(work)
         while True:
             if isinstance(request, RowsRequest):
                 result = run_rows([request])[0]
+            elif store is None:
+                result = RuntimeError("a work asked for a forward pass but has no store to run it on")
             else:
                 result = store.run_requests([(request, None)])[0]
             request = work.throw(result) if isinstance(result, BaseException) else work.send(result)
     except StopIteration as done:
         return done.value
+    finally:
+        work.close()  # (a finished work: nothing to do)
+
+
+def whole(call: Callable[..., Any], *args: Any) -> Work:
+    """``call(*args)`` as a work that asks for no pass: it runs whole when the work starts. The
+    call shape of an engine whose operations share no batched pass (an n-gram lookup, a feature
+    draft's chain), so every engine offers the same works."""
+    return call(*args)
+    yield  # a generator: nothing runs before the work starts
 
 
 def _on_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -728,6 +745,16 @@ class SessionEngine:
         self.model_id = getattr(store.model.config, "_name_or_path", "") or store.name
 
     @property
+    def batch_store(self) -> SessionStore | None:
+        """The store whose passes this engine's works ask for, where a batch runner runs them
+        (specdec.engine.batching); None where its works ask for none (:func:`whole`)."""
+        return self.store
+
+    def devices(self) -> list[str]:
+        """Where its passes compute (modeling.loading.device_identity)."""
+        return [device_identity(self.store.device)]
+
+    @property
     def vocab_size(self) -> int:
         return self.store.vocab_size
 
@@ -735,18 +762,13 @@ class SessionEngine:
     def context_length(self) -> int:
         return self.store.context_length
 
-    def _start(
-        self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False
-    ) -> torch.Tensor | None:
-        """Start a session; with ``return_features`` return the model's final hidden states of
-        every prompt position but the last, [len(prompt) - 1, H] (what a feature draft reads)."""
-        return run_alone(self.store, self.prefill_work(session_id, prompt, params, return_features))
-
-    def prefill_work(
+    def start_work(
         self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False
     ) -> Work:
         """Starting a session as a work (specdec.engine.batching): the prompt is cached in as
-        many passes as the scheduler's chunks take; a failure releases the session."""
+        many passes as the scheduler's chunks take; a failure releases the session. With
+        ``return_features`` its result is the model's final hidden states of every prompt
+        position but the last, [len(prompt) - 1, H] (what a feature draft reads)."""
         session = self.store.create(session_id, prompt, params)
         parts: list[torch.Tensor | None] = []
         try:

@@ -43,17 +43,39 @@ from specdec.exact.verify import TargetVerdict, target_verify_greedy, validate_b
 
 
 class TargetEngine(SessionEngine):
-    supports_works = True  # its calls run as works: specdec.engine.batching batches them
-
     def __init__(self, model, limits: CacheLimits | None = None, name: str = "target", kv_shards: int = 1, runner=None):
         """``kv_shards`` / ``runner``: a tensor-parallel shard and its lean pass (SessionStore)."""
         super().__init__(SessionStore(model, limits, name=name, kv_shards=kv_shards, runner=runner))
 
+    @property
+    def feature_size(self) -> int:
+        """The width of the features it returns (its final hidden states)."""
+        return int(self.store.model.config.hidden_size)
+
+    def rank_stats(self) -> list[dict]:
+        """Its parameter and KV bytes, as a tensor-parallel group reports each rank's."""
+        from specdec.engine.tensor_parallel import local_param_bytes
+
+        return [
+            {
+                "param_bytes": local_param_bytes(self.store.model),
+                "kv_bytes": self.store.total_kv_bytes,
+                "device": self.devices()[0],
+            }
+        ]
+
+    def prefill_work(
+        self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False
+    ) -> Work:
+        """Start a session; with ``return_features`` the work's result is the target's final
+        hidden states of every prompt position but the last, [len(prompt) - 1, H] (what a
+        feature draft reads)."""
+        return self.start_work(session_id, prompt, params, return_features)
+
     def prefill(
         self, session_id: str, prompt: Sequence[int], params: SamplingParams, return_features: bool = False
     ) -> torch.Tensor | None:
-        """Start a session; with ``return_features`` the target's final hidden states of every
-        prompt position but the last, [len(prompt) - 1, H] (what a feature draft reads)."""
+        """:meth:`prefill_work`, run alone."""
         return run_alone(self.store, self.prefill_work(session_id, prompt, params, return_features))
 
     def target_probs(self, session_id: str, proposals: Sequence[int]):
@@ -116,6 +138,12 @@ class TargetEngine(SessionEngine):
                 candidates = block_candidates(proposals, verdict.recovered, verdict.bonus)
                 verdict = replace(verdict, logprobs=row_logprobs(lp_rows, candidates, session.params.logprobs))
             return replace(verdict, features=features) if features is not None else verdict
+
+    def step_work(self, session_id: str, step: int, commit: Commit | None = None) -> Work:
+        """A step with nothing proposed (a target-only step: one row and its draw) as a work,
+        whose result is the token it emits (what the startup profile times)."""
+        verdict = yield from self.verify_work(session_id, step, [], [], commit)
+        return verdict.bonus
 
 
 @dataclass

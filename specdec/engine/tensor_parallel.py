@@ -31,11 +31,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from datetime import timedelta
 from typing import Any
 
-from specdec.engine.sessions import PassRequest, RowsRequest, SessionStore, run_alone, run_rows
+from specdec.engine.sessions import PassRequest, RowsRequest, Session, SessionStore, run_alone, run_rows
 from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.modeling.loading import device_identity
 
@@ -115,7 +115,7 @@ def load_shard(spec: str, device: str, dtype, rank: int, world: int):
 # -- rank 0 ------------------------------------------------------------------------------------
 
 
-class MirroredWork:
+class MirroredWork(Generator[PassRequest, Any, Any]):
     """A work of the inner engine (a generator), whose start and close are journaled so that the
     other ranks run the same work; the passes it asks for are journaled by :class:`MirroredStore`."""
 
@@ -124,12 +124,6 @@ class MirroredWork:
         self.job: int | None = None
         self.inner: Any = None
 
-    def __iter__(self) -> Iterator[PassRequest]:
-        return self
-
-    def __next__(self) -> PassRequest:
-        return self.send(None)
-
     def send(self, value: Any) -> PassRequest:
         if self.inner is None:
             self.job = self.mirror.journal_start(self.name, self.args)
@@ -137,8 +131,8 @@ class MirroredWork:
             return self._track(lambda: next(self.inner))
         return self._track(lambda: self.inner.send(value))
 
-    def throw(self, exc: BaseException) -> PassRequest:
-        return self._track(lambda: self.inner.throw(exc))
+    def throw(self, *exc: Any) -> PassRequest:
+        return self._track(lambda: self.inner.throw(*exc))
 
     def close(self) -> None:
         if self.inner is not None and self.job in self.mirror.requests:  # (a finished work has nothing to close)
@@ -158,22 +152,72 @@ class MirroredWork:
 
 
 class MirroredStore:
-    """Rank 0's view of its store for the batch runner and the profile: reads go to the store;
-    what changes the sessions (a batched pass, a release, scratch sessions) is journaled
-    first, so every rank does it."""
+    """Rank 0's view of its store for the batch runner, the profile and the servicer: what they
+    read is the store's; what changes the sessions (a batched pass, a release, scratch sessions)
+    is journaled first, so every rank does it."""
 
     def __init__(self, store: SessionStore, mirror: DistributedTargetEngine):
         self._store = store
         self._mirror = mirror
 
-    def __getattr__(self, name: str) -> Any:  # reads only: the state-changing calls are below
-        return getattr(self._store, name)
-
+    # -- reads ------------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._store)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._store)
+
+    @property
+    def name(self) -> str:
+        return self._store.name
+
+    @property
+    def model(self) -> Any:
+        return self._store.model
+
+    @property
+    def device(self) -> Any:
+        return self._store.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self._store.vocab_size
+
+    @property
+    def batches(self) -> bool:
+        return self._store.batches
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self._store.batch_invariant
+
+    @property
+    def pass_backend(self) -> str:
+        return self._store.pass_backend
+
+    @property
+    def total_kv_bytes(self) -> int:
+        return self._store.total_kv_bytes
+
+    def get(self, session_id: str) -> Session:
+        return self._store.get(session_id)
+
+    def feed_length(self, request: PassRequest) -> int:
+        return self._store.feed_length(request)
+
+    def has_room(self, prompt_tokens: int) -> bool:
+        return self._store.has_room(prompt_tokens)
+
+    def could_ever_fit(self, prompt_tokens: int) -> bool:
+        return self._store.could_ever_fit(prompt_tokens)
+
+    def stale_sessions(self, ttl_seconds: float) -> list[str]:
+        return self._store.stale_sessions(ttl_seconds)
+
+    def copied_positions(self, session_id: str) -> int:
+        return self._store.copied_positions(session_id)
+
+    # -- what changes the sessions: journaled ------------------------------------------------------
 
     def run_requests(self, requests: list[tuple[PassRequest, int | None]]) -> list[Any]:
         mirror = self._mirror
@@ -201,8 +245,6 @@ class MirroredStore:
 
 class DistributedTargetEngine:
     """Rank 0's engine: every call and work runs here and, through the journal, on every rank."""
-
-    supports_works = True  # its works batch: each pass is one batched pass on every rank
 
     def __init__(self, engine, tp: int, timeout: float | None = None, heartbeat: bool = True):
         """``heartbeat``: keep an idle group up and the ranks' figures fresh (a thread)."""
@@ -236,14 +278,30 @@ class DistributedTargetEngine:
     def model_id(self) -> str:
         return self.engine.model_id
 
+    @property
+    def feature_size(self) -> int:
+        return self.engine.feature_size
+
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def devices(self) -> list[str]:
+        """Every rank's device, as the ranks report them."""
+        return [rank.get("device", "") for rank in self.rank_stats()]
 
     def prefill_work(self, *args) -> MirroredWork:
         return MirroredWork(self, "prefill_work", args)
 
     def verify_work(self, *args) -> MirroredWork:
         return MirroredWork(self, "verify_work", args)
+
+    def step_work(self, *args) -> MirroredWork:
+        return MirroredWork(self, "step_work", args)
+
+    @property
+    def batch_store(self) -> MirroredStore:
+        """Its works batch: each pass is one batched pass on every rank."""
+        return self.store
 
     def prefill(self, *args):
         return run_alone(self.store, self.prefill_work(*args))

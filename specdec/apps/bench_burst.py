@@ -73,7 +73,9 @@ def run_burst(args, modes: dict, build_request, say) -> dict:
                             count = WAVE_PER_STREAM * level
 
                             def one(i: int, name=name, position=position):
-                                prompt = prompts[(position * 7 + i) % len(prompts)]
+                                # the same prompts at every level: a level's ratio must not hang on
+                                # how well the draft knows its prompts (docs/performance.md, "Bursts")
+                                prompt = prompts[i % len(prompts)]
                                 request = build_request(prompt, modes[name], temperature, args.max_new_tokens, i, False)
                                 return stream_one(stub, request)
 

@@ -252,6 +252,7 @@ class GoodputK:
     regime: SpeculationRegime | None = None  # the replica's measured on/off (None: the model alone)
     contention: float = 0.0  # the machine's, before the regime has measured it (SpeculationRegime.contention)
     window: int = field(init=False, default=-1)  # the regime window of this step
+    deciding: bool = field(init=False, default=False)  # this step's k is its own choice, not the regime's
     acceptance: PositionAcceptance = field(init=False)
     load: BatchLoad = field(init=False, default=IDLE)
     idle: int = field(init=False, default=0)
@@ -291,8 +292,15 @@ class GoodputK:
                 gains=lambda at: model_gains(expected, at, costs, base),
                 contention=self.contention,
             )
-            # measured to pay on this replica now: the model chooses only how deep
-            return deepest if on else 0
+            self.deciding = on and self.regime.requests_decide
+            if not self.deciding:
+                # measured to pay on this replica now: the model chooses only how deep
+                return deepest if on else 0
+        return self._own_k()
+
+    def _own_k(self) -> int:
+        """k by the request's own model, 0 included, probing now and then where even an idle
+        batch would not speculate."""
         best = self._best(self.load)
         if best > 0 or not self.idle >= self.probe_gap or self.pays_alone():
             return best
@@ -301,7 +309,7 @@ class GoodputK:
     def observe(self, k: int, accepted: int) -> None:
         if self.regime is not None:
             self.regime.committed(self.window, accepted + 1)
-            if k == 0:
+            if k == 0 and not self.deciding:
                 return  # the replica's regime said off: nothing learnt about this request's draft
         if k == 0:
             self.idle += 1
@@ -389,6 +397,8 @@ class SpeculationRegime:
     (a step that ends after the window still counts, so long steps are not cut short), per second
     and per live session (so a bucket's windows with fewer sessions, as streams finish, compare
     fairly), kept per load bucket (EWMA); it is scored one window late, once its steps are in.
+    One session is not judged at all: its windows run "on" and leave k to each request's own
+    model (:attr:`requests_decide`).
     Windows that ran a burst of prefills (a quarter or more of the sessions starting) are not
     scored, nor is a window that follows one of the other regime: the steps a window decides run
     on past its end as those of the window before ran into it, which evens out only between
@@ -446,10 +456,19 @@ class SpeculationRegime:
     def on(self) -> bool:
         return self._current.on
 
+    @property
+    def requests_decide(self) -> bool:
+        """Whether the current window was chosen for one session: nothing is shared then (the
+        lockstep and serial models agree), so the regime runs "on" and each request's own model
+        decides how deep, 0 included (GoodputK), from its own acceptance -- what no window's
+        figure could say better, as a lone stream's windows are too few and too noisy to tell
+        two regimes 10-20% apart."""
+        return self._current.chosen_for == 0
+
     def _score(self, closed: _Window) -> None:
         rate = closed.per_session_rate()
-        if rate is None:
-            return
+        if rate is None or closed.chosen_for == 0 or closed.max_sessions <= 1:
+            return  # the requests decided its k; or a burst's tail, which says nothing of its regime
         key = (load_bucket(closed.max_sessions), closed.on)
         old = self.rates.get(key)
         self.rates[key] = rate if old is None else old + REGIME_RATE * (rate - old)
@@ -500,6 +519,8 @@ class SpeculationRegime:
         """The regime a bucket starts in, before it has measured anything: what the measured
         buckets imply, else the cost model's expectation for this load (on where it has said
         nothing)."""
+        if bucket == 0:
+            return True  # one session: the requests decide (requests_decide)
         implied = self._implied(bucket)
         return self.model_gain(bucket) > 1.0 if implied is None else implied
 
@@ -524,6 +545,8 @@ class SpeculationRegime:
         first ``REGIME_SETTLE_WINDOWS`` windows after the load jumped up: a burst does not pay for
         measuring (after a fall, a light load measures cheaply, and its short requests cannot
         wait). ``window``: the id of the window being decided."""
+        if bucket == 0:
+            return True, False  # one session: the requests decide (requests_decide)
         known = {regime: self.rates[(bucket, regime)] for regime in (True, False) if (bucket, regime) in self.rates}
         implied = self._implied(bucket)
         if not known or (implied is not None and len(known) == 1):

@@ -27,12 +27,12 @@ from specdec.engine.sessions import (
     Session,
     SessionEngine,
     SessionStore,
+    WholeDraftWorks,
     Work,
     by_mode,
     cache_nbytes,
     run_alone,
     unwrap,
-    whole,
 )
 from specdec.errors import InvalidArgumentError
 from specdec.exact.gumbel import gumbel_argmax, gumbel_noise
@@ -222,7 +222,7 @@ def _features(session: Session) -> torch.Tensor:
     return session.features
 
 
-class FeatureDraftEngine(_Proposer):
+class FeatureDraftEngine(WholeDraftWorks, _Proposer):  # its chain of one-position passes runs whole
     """Sessions over a feature draft. Per session it keeps the target's features of the committed
     tokens it has not fed yet (``session.features``: the feature before each token from
     ``session.features_from`` on). Its cache only ever holds committed tokens fed with the target's
@@ -239,26 +239,6 @@ class FeatureDraftEngine(_Proposer):
         super().__init__(SessionStore(model, limits, name=name, new_cache=model.new_cache), top_m, eps)
         self.model = model
         self.feature_size = int(model.config.hidden_size)
-
-    @property
-    def batch_store(self) -> SessionStore | None:
-        return None  # each call is a chain of one-position passes fed with features: its works run whole
-
-    def prefill_work(
-        self, session_id: str, prompt: Sequence[int], params: SamplingParams, features: torch.Tensor | None = None
-    ) -> Work:
-        return whole(self.prefill, session_id, prompt, params, features)
-
-    def propose_work(
-        self,
-        session_id: str,
-        step: int,
-        k: int,
-        commit: Commit | None = None,
-        assumed: Sequence[int] = (),
-        rejections: int = 0,
-    ) -> Work:
-        return whole(self.propose, session_id, step, k, commit, assumed, rejections)
 
     def _check_features(self, features: torch.Tensor | None, rows: int, field: str) -> torch.Tensor:
         if features is None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.engine.commits import Commit, CommitLedger
-from specdec.engine.sessions import Work, whole
+from specdec.engine.sessions import WholeDraftWorks
 from specdec.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
@@ -55,11 +55,10 @@ class _NgramSession:
         self.ledger = CommitLedger(self.session_id)
 
 
-class NgramDraft:
+class NgramDraft(WholeDraftWorks):  # a lookup runs no model: its works run whole
     kind = "ngram"
     feature_size = 0
     context_length = 0  # a lookup has no context limit
-    batch_store = None  # a lookup runs no model: its works run whole
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1, max_sessions: int = 4096):
         if not 1 <= min_n <= max_n:
@@ -97,20 +96,6 @@ class NgramDraft:
 
     def devices(self) -> list[str]:
         return ["cpu"]  # a lookup runs on the host
-
-    def prefill_work(self, session_id: str, prompt: Sequence[int], params: SamplingParams) -> Work:
-        return whole(self.prefill, session_id, prompt, params)
-
-    def propose_work(
-        self,
-        session_id: str,
-        step: int,
-        k: int,
-        commit: Commit | None = None,
-        assumed: Sequence[int] = (),
-        rejections: int = 0,
-    ) -> Work:
-        return whole(self.propose, session_id, step, k, commit, assumed, rejections)
 
     def propose(
         self,

@@ -199,6 +199,27 @@ def whole(call: Callable[..., Any], *args: Any) -> Work:
     yield  # a generator: nothing runs before the work starts
 
 
+class WholeDraftWorks:
+    """The works of a draft whose operations share no batched pass (an n-gram lookup, a feature
+    draft's chain): its plain ``prefill`` / ``propose``, run whole when the work starts. It has no
+    ``batch_store``: a replica runs its works alone."""
+
+    prefill: Callable[..., Any]
+    propose: Callable[..., Any]
+
+    @property
+    def batch_store(self) -> None:
+        return None
+
+    def prefill_work(self, *args: Any) -> Work:
+        """``prefill(*args)`` as a work."""
+        return whole(self.prefill, *args)
+
+    def propose_work(self, *args: Any) -> Work:
+        """``propose(*args)`` as a work."""
+        return whole(self.propose, *args)
+
+
 def _on_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """Logits rows of a pass as float32 on the CPU: where they are not already, one copy for all
     of them (one device-to-host transfer per pass, not one per session)."""

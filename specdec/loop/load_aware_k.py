@@ -344,6 +344,7 @@ REGIME_CLEAR_MARGIN = 0.3  # the better regime this far ahead: explore the other
 REGIME_EXPLORE_FAR = 60  # windows between explorations of a loser that far behind
 REGIME_SETTLE_WINDOWS = 4  # after the load jumps (4x or more), this many windows explore nothing
 REGIME_MODEL_CLEAR = 0.6  # a model gain below this (or above its inverse) rules the other regime out
+REGIME_OVERRIDE_MARGIN = 0.15  # a bucket's own figures overrule what the other buckets imply only this far ahead
 
 
 def load_bucket(sessions: int) -> int:
@@ -534,13 +535,13 @@ class SpeculationRegime:
     def _next_regime(self, bucket: int, window: int) -> tuple[bool, bool]:
         """The next window's regime, and whether it is an exploration. A bucket that the others'
         measurements settle (:meth:`_implied`) follows them without exploring, unless its own
-        figures disagree: only the buckets at the boundary between "on" and "off" pay for
-        exploring, and a heavy load is never slowed by trying speculation again (each try there
-        costs the most). Otherwise a bucket follows its prior until that regime has a figure,
-        runs the other after ``explore_first`` scored windows (held until its own figure is in:
-        with 1, the window deciding after the switch still sees one regime measured and explores
-        on), then keeps the better measured one and
-        runs the loser again after a gap of windows. A loser the model rules out clearly
+        figures disagree clearly (:meth:`_measured_best`): only the buckets at the boundary
+        between "on" and "off" pay for exploring, and a heavy load is never slowed by trying
+        speculation again (each try there costs the most). Otherwise a bucket follows its prior
+        until that regime has a figure, runs the other after ``explore_first`` scored windows
+        (held until its own figure is in: with 1, the window deciding after the switch still sees
+        one regime measured and explores on), then keeps the better measured one and runs the
+        loser again after a gap of windows. A loser the model rules out clearly
         (:meth:`_ruled_out`) waits the far gap, first time included, and nothing explores in the
         first ``REGIME_SETTLE_WINDOWS`` windows after the load jumped up: a burst does not pay for
         measuring (after a fall, a light load measures cheaply, and its short requests cannot
@@ -554,7 +555,7 @@ class SpeculationRegime:
         if len(known) == 1:
             best, gap = next(iter(known)), self.explore_first
         else:
-            best, gap = known[True] >= known[False], self._explore_gap(bucket, known)
+            best, gap = self._measured_best(bucket, implied), self._explore_gap(bucket, known)
             if implied == best:
                 return best, False
         if self._ruled_out(bucket, not best):
@@ -564,6 +565,17 @@ class SpeculationRegime:
             return best, False
         self._since_explore[bucket] = 0
         return not best, True
+
+    def _measured_best(self, bucket: int, implied: bool | None) -> bool:
+        """The better regime of a bucket that measured both: the implied one (:meth:`_implied`)
+        unless its own figures put the other ahead by ``REGIME_OVERRIDE_MARGIN`` -- a bucket
+        visited only in a wave's tail measures few windows of a changing load, and a lead that
+        small there is noise against what the lighter and heavier loads measured."""
+        on, off = self.rates[(bucket, True)], self.rates[(bucket, False)]
+        if implied is None:
+            return on >= off
+        leader, other = (on, off) if not implied else (off, on)
+        return implied if leader < (1.0 + REGIME_OVERRIDE_MARGIN) * other else not implied
 
     def _explore_gap(self, bucket: int, known: dict[bool, float]) -> int:
         """Windows between explorations of a measured loser: the doubling gap, or at once a far
@@ -651,8 +663,8 @@ class SpeculationRegime:
             current.chosen_for, load_bucket(current.max_sessions)
         ):
             return False
-        known = {on: self.rates[(bucket, on)] for on in (True, False) if (bucket, on) in self.rates}
-        coming = known[True] >= known[False] if len(known) == 2 else self._prior(bucket)
+        both = (bucket, True) in self.rates and (bucket, False) in self.rates
+        coming = self._measured_best(bucket, self._implied(bucket)) if both else self._prior(bucket)
         return coming != current.on
 
     def _burst(self, sessions: int) -> bool:

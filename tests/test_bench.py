@@ -297,3 +297,34 @@ def test_bench_burst_runs_the_sequence_with_the_default_and_target_only_interlea
         assert row["streams_unlike_target_only"] == 0
         assert len(row["ratio_per_sequence"]) == 2 and row["ratio"] > 0
     assert "burst: levels [1, 3, 1]" in proc.stdout
+
+
+def test_the_burst_warm_up_sends_every_prompt_target_only_at_the_largest_level(monkeypatch):
+    """Before the measured sequences, one target-only wave (the default's regime learns nothing
+    from it) with every prompt at least once, at the largest level's concurrency: the first
+    measured wave then pays no first prefills that a later one finds cached."""
+    import asyncio
+
+    from specdec.apps import bench_burst
+
+    sent, running, peak = [], [0], [0]
+
+    async def fake_stream_one(stub, request):
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        await asyncio.sleep(0.001)
+        running[0] -= 1
+        sent.append(request)
+
+    def build(prompt, mode, temperature, max_new_tokens, seed, ignore_eos):
+        return (prompt, mode, temperature, max_new_tokens)
+
+    monkeypatch.setattr(bench_burst, "stream_one", fake_stream_one)
+    prompts = [f"p{i}" for i in range(5)]
+    asyncio.run(bench_burst.warm_up(None, prompts, 3, "target-only-mode", build))
+    assert sorted(p for p, *_ in sent) == prompts  # each prompt once (5 > 3 streams)
+    assert {(m, t, n) for _, m, t, n in sent} == {("target-only-mode", 0.0, bench_burst.WARM_UP_TOKENS)}
+    assert peak[0] == 3
+    sent.clear()
+    asyncio.run(bench_burst.warm_up(None, prompts[:2], 4, "target-only-mode", build))
+    assert sorted(p for p, *_ in sent) == ["p0", "p0", "p1", "p1"]  # the largest level's batch, prompts cycled

@@ -6,10 +6,11 @@ then ``--repeats`` sequences of levels (``--burst``, default 1, 16, 1, 32, 4 str
 level a wave of 2 x level requests drained by ``level`` workers, once with the server's default
 (``speculative-default``: the load-aware policy) and once target-only, the two interleaved (which
 goes first alternates, level by level and sequence by sequence, so neither always follows the
-other's load). Reported per level: both modes' aggregate tokens/s (median over the sequences, and
-each sequence's own, the first being the fresh server's), the default's ratio to target-only, its
-share of steps speculating, and at temperature 0 how many of its streams differ from
-target-only's (none may: greedy output is the target's own).
+other's load), after an unmeasured target-only warm-up wave (:func:`warm_up`). Reported per
+level: both modes' aggregate tokens/s (median over the sequences, and each sequence's own, the
+first being the fresh server's), the default's ratio to target-only, its share of steps
+speculating, and at temperature 0 how many of its streams differ from target-only's (none may:
+greedy output is the target's own).
 """
 
 from __future__ import annotations
@@ -42,6 +43,23 @@ def first_mode(sequence: int, position: int) -> str:
     return "speculative-default" if (sequence + position) % 2 == 0 else "target-only"
 
 
+WARM_UP_TOKENS = 8
+
+
+async def warm_up(stub, prompts: list, streams: int, target_only, build_request) -> None:
+    """One unmeasured wave before the sequences, target-only (the default's regime learns
+    nothing from it): every prompt once, at the largest level's concurrency. Without it the
+    first measured wave pays for what any server pays once -- the prompts' first prefills (later
+    waves find them in the prefix cache) and the batched pass's first large batches -- and
+    whichever mode runs first there came out ~4% slower (docs/performance.md, "Bursts")."""
+    count = max(streams, len(prompts))
+
+    def one(i: int):
+        return stream_one(stub, build_request(prompts[i % len(prompts)], target_only, 0.0, WARM_UP_TOKENS, i, True))
+
+    await drain(count, streams, one)
+
+
 def run_burst(args, modes: dict, build_request, say) -> dict:
     """``modes``: {"speculative-default": Mode, "target-only": Mode}; ``build_request(prompt, mode,
     temperature, max_new_tokens, seed, ignore_eos)``."""
@@ -64,8 +82,7 @@ def run_burst(args, modes: dict, build_request, say) -> dict:
         async def measure():
             async with client_channel(stack.coordinator_address) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                # warm-up, target-only: compiles nothing the default's regime would learn from
-                await stream_one(stub, build_request(prompts[0], modes["target-only"], 0.0, 4, 0, True))
+                await warm_up(stub, prompts, max(levels), modes["target-only"], build_request)
                 for sequence in range(args.repeats):
                     for position, level in enumerate(levels):
                         first = first_mode(sequence, position)

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 from specdec.exact.proposal import MAX_BLOCK
 from specdec.loop.adaptive_k import StepCost
+from specdec.loop.load_aware_k import MAX_CONTENTION
 from specdec.loop.reproducible import SEEDED_SAMPLING
 
 METHODS = ("draft_model", "ngram", "none")
 # pipelined drafting for requests that do not say: where the draft and target compute apart
 # (coordinator.routing.pipelines), always, never
 PIPELINING = ("auto", "on", "off")
-MAX_CONTENTION = 2.0  # the regime's fitted contention is clamped here too (loop.load_aware_k)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from specdec.errors import (
     SessionExistsError,
 )
 from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
+from specdec.loop.load_aware_k import SHARED_HARDWARE_CONTENTION
 from specdec.modeling.loading import longest_token_chars, try_load_tokenizer
 from specdec.runtime import wire
 from specdec.runtime.registry import Registry, Replica
@@ -258,11 +259,11 @@ class CoordinatorCore:
 
     def _contention(self, routing: SessionRouting) -> float:
         """What a session's load-aware k assumes of the machine before its target's regime has
-        measured it: the coordinator's --contention, else 1 where the draft shares its target's
-        hardware and 0 where they compute apart (docs/goodput.md, "Bursts")."""
+        measured it: the coordinator's --contention, else the most where the draft shares its
+        target's hardware and 0 where they compute apart (docs/goodput.md, "Bursts")."""
         if self.config.contention is not None:
             return self.config.contention
-        return 1.0 if shares_hardware(routing.draft, routing.target) else 0.0
+        return SHARED_HARDWARE_CONTENTION if shares_hardware(routing.draft, routing.target) else 0.0
 
     async def _run(self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int]) -> SpeculativeRun:
         routing = SessionRouting(self.pool, parsed.prompt_ids, parsed.params.cache_salt)

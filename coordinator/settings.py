@@ -158,9 +158,10 @@ SETTINGS = (
         "contention",
         _contention,
         "what the load-aware policy assumes of the machine at a load it has not measured yet: 'auto' (default) "
-        "1 where a session's draft and target share their hardware (their passes take turns: speculation "
-        "loses under load), 0 where they compute apart (the replicas' profiles hold), or a number in between; "
-        "measured loads refit it (docs/goodput.md, 'Bursts')",
+        f"{MAX_CONTENTION:g} where a session's draft and target share their hardware (their passes take turns "
+        "and their threads contend for the cores: speculation loses under load), 0 where they compute apart "
+        "(the replicas' profiles hold), or a number in between; measured loads refit it (docs/goodput.md, "
+        "'Bursts')",
         "contention",
     ),
     Setting("max_speculative_tokens", int, "largest k a request may ask for", "max_k"),

@@ -665,6 +665,7 @@ def test_the_contention_a_session_assumes_comes_from_placement_unless_the_coordi
     from coordinator.config import CoordinatorConfig
     from coordinator.core import CoordinatorCore
     from coordinator.main import add_arguments, config_from_args
+    from specdec.loop.load_aware_k import SHARED_HARDWARE_CONTENTION
     from specdec.runtime.registry import Replica
 
     def replica(kind: str, node: str) -> Replica:
@@ -674,7 +675,8 @@ def test_the_contention_a_session_assumes_comes_from_placement_unless_the_coordi
     apart = SimpleNamespace(draft=replica("draft", "b"), target=replica("target", "a"))
     alone = SimpleNamespace(draft=None, target=replica("target", "a"))  # no draft replica: nothing drafts there
     core = CoordinatorCore(CoordinatorConfig(target_address="h:1"))
-    assert [core._contention(r) for r in (here, apart, alone)] == [1.0, 0.0, 0.0]
+    assert [core._contention(r) for r in (here, apart, alone)] == [SHARED_HARDWARE_CONTENTION, 0.0, 0.0]
+    assert SHARED_HARDWARE_CONTENTION > 1.0  # past the serial model: the threads contend too
     told = CoordinatorCore(CoordinatorConfig(target_address="h:1", contention=0.3))
     assert told._contention(here) == 0.3
     parser = argparse.ArgumentParser()

@@ -252,7 +252,8 @@ class SpeculativeRun:
         (specdec.loop.pipelining; not for a feature draft, which needs the verdict's features),
         with as many rejection branches as fit in a verify, or ``pipeline_branches`` every time.
         ``contention``: what the load-aware regime assumes of the machine before it has measured it
-        (1: the draft and target share their hardware, 0: apart; load_aware_k.SpeculationRegime.contention)."""
+        (load_aware_k.SHARED_HARDWARE_CONTENTION: the draft and target share their hardware, 0: apart;
+        load_aware_k.SpeculationRegime.contention)."""
         if num_speculative_tokens < 0:
             raise InvalidArgumentError("num_speculative_tokens", f"must be >= 0, got {num_speculative_tokens}")
         if committed_steps is None:

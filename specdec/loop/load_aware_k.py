@@ -32,6 +32,11 @@ from dataclasses import dataclass, field, replace
 log = logging.getLogger("specdec.loop.load_aware_k")
 
 PRIOR_ACCEPTANCE = 0.6  # per position before the request's own blocks say (weight of one block)
+MAX_CONTENTION = 2.0  # the contention a regime fits (SpeculationRegime.contention) is at most this
+# What a session whose draft shares its target's hardware assumes before its regime has measured
+# a load: the most. Past the serial model's turns, the two processes' threads oversubscribe the
+# cores; on the 2-core CPU every fit ends at or near this bound (docs/goodput.md, "Bursts").
+SHARED_HARDWARE_CONTENTION = MAX_CONTENTION
 DRAFT_CALL_SECONDS = 0.002  # a propose round trip beyond its passes, until observed
 
 
@@ -490,8 +495,8 @@ class SpeculationRegime:
         devices, as the profiles see them; 1: every session's passes taking turns on shared
         cores): fitted to every bucket past one session that measured both regimes (their
         measured gain of "on" over "off" against the model's two), their mean; before any has,
-        what the requests assume (1 where their draft and target share hardware, else 0, or the
-        coordinator's --contention). What no profile shows -- the draft's
+        what the requests assume (``SHARED_HARDWARE_CONTENTION`` where their draft and target
+        share hardware, else 0, or the coordinator's --contention). What no profile shows -- the draft's
         and the coordinator's work taking the target's cores -- so that an unvisited bucket's
         first regime is right."""
         fits = []
@@ -504,7 +509,7 @@ class SpeculationRegime:
             spread = 1.0 / max(1e-9, gains.serial) - 1.0 / max(1e-9, gains.lockstep)
             measured = self.rates[(bucket, True)] / max(1e-9, self.rates[(bucket, False)])
             if math.isfinite(spread) and abs(spread) > 1e-6:
-                fits.append(min(2.0, max(0.0, (1.0 / max(1e-9, measured) - 1.0 / gains.lockstep) / spread)))
+                fits.append(min(MAX_CONTENTION, max(0.0, (1.0 / max(1e-9, measured) - 1.0 / gains.lockstep) / spread)))
         if fits:
             return sum(fits) / len(fits)
         return self._contention

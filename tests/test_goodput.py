@@ -288,8 +288,9 @@ def test_each_scored_window_is_logged_at_debug(caplog):
     now[0] += 10
     with caplog.at_level(logging.DEBUG, logger="specdec.loop.load_aware_k"):
         regime.speculating(6, gains=gains, contention=0.0)
-    # 5-8 measured both (41.7 on, 50.0 off: 0.83x): the contention fitted to it, 1/0.83 = 0.67/1.25 + 0.33/0.5
-    assert caplog.records[-1].getMessage().endswith("; model's on/off [5-8:0.83] at contention 0.33")
+    # 5-8 measured both (41.7 on, 50.0 off: 0.83x), fitting contention 0.33 (1/0.83 = 0.67/1.25 +
+    # 0.33/0.5), one window each: against the assumed 0's eight windows, (8 * 0 + 0.33) / 9
+    assert caplog.records[-1].getMessage().endswith("; model's on/off [5-8:1.18] at contention 0.04")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="specdec.loop.load_aware_k"):
         _run_windows(regime, now, 2, 6, {True: 42, False: 50})
@@ -606,8 +607,9 @@ def test_the_serial_model_is_the_lockstep_one_for_one_session_and_dearer_for_man
 def test_the_contention_starts_from_the_placement_and_is_fitted_to_measured_buckets():
     """Before anything is measured, the regime assumes contention where the draft and target share
     their hardware (the serial model) and none where they compute apart (the lockstep model);
-    once a bucket past one session measured both regimes, the contention is what fits it."""
-    from specdec.loop.load_aware_k import ModelGains
+    once a bucket past one session measured both regimes, the contention moves toward what fits
+    it, as far as the windows behind its figures outweigh the assumption."""
+    from specdec.loop.load_aware_k import REGIME_CONTENTION_PRIOR_WINDOWS, ModelGains
 
     def model(sessions: int) -> ModelGains:
         return ModelGains(1.3, 1.3) if sessions == 1 else ModelGains(1.2, 0.4)
@@ -619,8 +621,13 @@ def test_the_contention_starts_from_the_placement_and_is_fitted_to_measured_buck
     regime, _ = _regime_clock()
     regime.rates.update({(load_bucket(2), True): 24.0, (load_bucket(2), False): 30.0})  # measured 0.8x
     regime.speculating(2, gains=model, contention=1.0)
-    assert regime.contention() == pytest.approx(0.25)  # 1/0.8 = 0.75/1.2 + 0.25/0.4
-    assert regime.model_gain(load_bucket(16)) == pytest.approx(0.8)  # an unvisited bucket's prior
+    fit, prior = 0.25, REGIME_CONTENTION_PRIOR_WINDOWS  # 1/0.8 = 0.75/1.2 + 0.25/0.4
+    # one window each (one exploration): the fit weighs one window against the assumption's eight
+    assert regime.contention() == pytest.approx((prior * 1.0 + fit) / (prior + 1))
+    regime.scored.update({(load_bucket(2), True): 40, (load_bucket(2), False): 60})  # a steady comparison
+    assert regime.contention() == pytest.approx((prior * 1.0 + 40 * fit) / (prior + 40))
+    c = regime.contention()
+    assert regime.model_gain(load_bucket(16)) == pytest.approx(1 / ((1 - c) / 1.2 + c / 0.4))  # an unvisited bucket
     assert regime.model_gain(load_bucket(1)) == pytest.approx(1.3)  # one session: the models agree
 
 

@@ -349,6 +349,7 @@ REGIME_CLEAR_MARGIN = 0.3  # the better regime this far ahead: explore the other
 REGIME_EXPLORE_FAR = 60  # windows between explorations of a loser that far behind
 REGIME_SETTLE_WINDOWS = 4  # after the load jumps (4x or more), this many windows explore nothing
 REGIME_MODEL_CLEAR = 0.6  # a model gain below this (or above its inverse) rules the other regime out
+REGIME_CONTENTION_PRIOR_WINDOWS = 8  # the assumed contention weighs as much as this many scored windows
 REGIME_OVERRIDE_MARGIN = 0.15  # a bucket's own figures overrule what the other buckets imply only this far ahead
 
 
@@ -443,6 +444,7 @@ class SpeculationRegime:
         self.explore_far = explore_far
         self.clock = clock or time.monotonic
         self.rates: dict[tuple[int, bool], float] = {}
+        self.scored: dict[tuple[int, bool], int] = {}  # windows behind each figure (one where set directly)
         self._current = _Window(0, True, self.clock())
         self._closed: _Window | None = None  # the window before, still taking its late commits
         self._prefilling = 0
@@ -478,6 +480,7 @@ class SpeculationRegime:
         key = (load_bucket(closed.max_sessions), closed.on)
         old = self.rates.get(key)
         self.rates[key] = rate if old is None else old + REGIME_RATE * (rate - old)
+        self.scored[key] = self.scored.get(key, 0) + 1
 
     def _implied(self, bucket: int) -> bool | None:
         """The regime the *other* buckets' measurements imply for ``bucket``, if they imply one:
@@ -493,13 +496,16 @@ class SpeculationRegime:
     def contention(self) -> float:
         """How far the machine is from the lockstep model towards the serial one (0: separate
         devices, as the profiles see them; 1: every session's passes taking turns on shared
-        cores): fitted to every bucket past one session that measured both regimes (their
-        measured gain of "on" over "off" against the model's two), their mean; before any has,
-        what the requests assume (``SHARED_HARDWARE_CONTENTION`` where their draft and target
-        share hardware, else 0, or the coordinator's --contention). What no profile shows -- the draft's
-        and the coordinator's work taking the target's cores -- so that an unvisited bucket's
-        first regime is right."""
-        fits = []
+        cores): what the requests assume (``SHARED_HARDWARE_CONTENTION`` where their draft and
+        target share hardware, else 0, or the coordinator's --contention), refitted by every
+        bucket past one session that measured both regimes (their measured gain of "on" over "off"
+        against the model's two). Each bucket's fit weighs as many windows as the fewer of its two
+        figures rests on, the assumption ``REGIME_CONTENTION_PRIOR_WINDOWS``: one exploration's
+        window is noise (a 32-session bucket's single "on" window once fitted 0 and flipped every
+        lighter bucket's prior to "on"), a steady comparison is not. What no profile shows -- the
+        draft's and the coordinator's work taking the target's cores -- so that an unvisited
+        bucket's first regime is right."""
+        fits: list[tuple[float, int]] = []
         for bucket in {b for b, _ in self.rates}:
             if bucket == 0 or (bucket, True) not in self.rates or (bucket, False) not in self.rates:
                 continue  # one session: the two models agree, nothing to fit
@@ -509,10 +515,10 @@ class SpeculationRegime:
             spread = 1.0 / max(1e-9, gains.serial) - 1.0 / max(1e-9, gains.lockstep)
             measured = self.rates[(bucket, True)] / max(1e-9, self.rates[(bucket, False)])
             if math.isfinite(spread) and abs(spread) > 1e-6:
-                fits.append(min(MAX_CONTENTION, max(0.0, (1.0 / max(1e-9, measured) - 1.0 / gains.lockstep) / spread)))
-        if fits:
-            return sum(fits) / len(fits)
-        return self._contention
+                fit = min(MAX_CONTENTION, max(0.0, (1.0 / max(1e-9, measured) - 1.0 / gains.lockstep) / spread))
+                fits.append((fit, min(self.scored.get((bucket, on), 1) for on in (True, False))))
+        prior = REGIME_CONTENTION_PRIOR_WINDOWS
+        return (prior * self._contention + sum(fit * n for fit, n in fits)) / (prior + sum(n for _, n in fits))
 
     def model_gain(self, bucket: int) -> float:
         """The cost model's gain of "on" over "off" at ``bucket``'s load (its largest session

@@ -6,7 +6,8 @@ Keys (all with a TTL, refreshed on every write):
 - ``specdec:req:<id>:out``   stream: one entry per committed chunk: ``start`` (index of its first
   token), ``chunk`` (a serialized GenerateChunk; the last one carries finish_reason/seed/stats);
 - ``specdec:req:<id>:lease`` the coordinator currently generating it (TTL LEASE_S, refreshed
-  every LEASE_REFRESH_S). When it dies the lease lapses and a resuming replica takes over.
+  every LEASE_REFRESH_S). When it dies the lease lapses and a resuming replica takes over; a
+  coordinator merely slow past it (a starved loop) takes a lapsed lease again if nobody did.
 
 A chunk is appended (and fsync'ed by Redis, ``appendfsync always``) before it is sent, so a token
 a client has seen is never lost. An append is one script that checks the lease and writes the
@@ -45,23 +46,41 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 ROOM_FRACTION = 0.85
 ROOM_CHECK_S = 0.5  # how long one look at Redis's memory stands for the requests that follow
 
-# Extend the lease only if we still hold it (never steal a lease another replica took over).
+# KEYS: lease, meta. Extend the lease if we still hold it; take it again if it lapsed and nobody
+# took the request over (a loop starved past the lease on a loaded machine, with no reader waiting
+# to take over: the request is still ours, and fencing stays by owner); never steal one another
+# replica holds, nor retake a request another finished. 1: extended, 2: taken again, 0: lost.
 _REFRESH = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not holder and redis.call('HGET', KEYS[2], 'status') ~= 'done' then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 2
 end
 return 0
 """
 # KEYS: out, meta, lease. ARGV: owner, stream id's time part (start + 1), start, chunk, ttl ms,
-# done (1 for the last chunk), the request's byte bound. -1: the caller does not hold the lease
-# (nothing written); -2: the chunk would take the request past its bound (nothing written); 0: an
-# entry at or past this id exists (a retried append: nothing written); 1: appended.
+# done (1 for the last chunk), the request's byte bound, the lease ms. -1: another holds the lease,
+# or it lapsed and another wrote past this chunk or finished the request meanwhile (nothing
+# written; a lapsed one nobody took over is taken again, as in _REFRESH); -2: the chunk would take
+# the request past its bound (nothing written); 0: an entry at or past this id exists (a retried
+# append: nothing written); 1: appended.
 _APPEND = """
-if redis.call('GET', KEYS[3]) ~= ARGV[1] then
+local holder = redis.call('GET', KEYS[3])
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local written = #top > 0 and tonumber(string.match(top[1][1], '^(%d+)')) >= tonumber(ARGV[2])
+if not holder then
+  if written or redis.call('HGET', KEYS[2], 'status') == 'done' then
+    return -1
+  end
+  redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[8])
+elseif holder ~= ARGV[1] then
   return -1
 end
-local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-if #top > 0 and tonumber(string.match(top[1][1], '^(%d+)')) >= tonumber(ARGV[2]) then
+if written then
   return 0
 end
 local bytes = tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0') + string.len(ARGV[4])
@@ -177,7 +196,16 @@ class OutputLog:
 
         meta, out, lease = self.keys(request_id)
         done = "1" if chunk.finish_reason else "0"
-        args = [owner, start + 1, start, chunk.SerializeToString(), self.ttl_ms, done, self.max_request_bytes]
+        args = [
+            owner,
+            start + 1,
+            start,
+            chunk.SerializeToString(),
+            self.ttl_ms,
+            done,
+            self.max_request_bytes,
+            int(LEASE_S * 1000),
+        ]
         try:
             written = int(await self._append(keys=[out, meta, lease], args=args))
         except redis.exceptions.ResponseError as exc:
@@ -213,8 +241,10 @@ class OutputLog:
     async def lease_holder(self, request_id: str) -> bytes | None:
         return await self.redis.get(self.keys(request_id)[2])
 
-    async def refresh_lease(self, request_id: str, owner: str) -> bool:
-        return bool(await self._refresh(keys=[self.keys(request_id)[2]], args=[owner, int(LEASE_S * 1000)]))
+    async def refresh_lease(self, request_id: str, owner: str) -> int:
+        """1: extended; 2: it had lapsed and nobody took it over, taken again; 0: another holds it."""
+        meta, _, lease = self.keys(request_id)
+        return int(await self._refresh(keys=[lease, meta], args=[owner, int(LEASE_S * 1000)]))
 
     async def release_lease(self, request_id: str, owner: str) -> None:
         await self._release(keys=[self.keys(request_id)[2]], args=[owner])
@@ -225,9 +255,12 @@ class OutputLog:
         while True:
             await asyncio.sleep(LEASE_REFRESH_S)
             try:
-                if not await self.refresh_lease(request_id, owner):
-                    log.warning("request %s: lease lost", request_id)
+                held = await self.refresh_lease(request_id, owner)
+                if not held:
+                    log.warning("request %s: lease lost (another coordinator took the request over)", request_id)
                     return
+                if held == 2:  # nobody was waiting to take over: a slow loop, not a dead coordinator
+                    log.info("request %s: the lease had lapsed (this process was slow) and was taken again", request_id)
             except Exception as exc:  # noqa: BLE001 - Redis trouble: the write path will report it
                 log.warning("request %s: lease refresh failed (%s)", request_id, exc)
 

@@ -34,21 +34,35 @@ def test_only_the_lease_holder_appends_and_a_retried_append_writes_nothing(redis
             assert not await log.append("r1", 0, chunk(7, 8, 9), "A")  # the reply was lost, the client retried
             with pytest.raises(LeaseLostError):
                 await log.append("r1", 3, chunk(10), "B")  # B never held it
+            await log.redis.delete(log.keys("r1")[2])  # A's lease lapses (a slow loop) and nobody takes it:
+            assert await log.append("r1", 3, chunk(10), "A")  # A's next append takes it again
+            assert await log.lease_holder("r1") == b"A"
             await log.redis.delete(log.keys("r1")[2])  # A's lease lapses (a paused process) ...
             assert await log.acquire_lease("r1", "B")  # ... and B takes over
             with pytest.raises(LeaseLostError):
-                await log.append("r1", 3, chunk(10), "A")  # A wakes up: fenced
-            assert await log.append("r1", 3, chunk(10, finish="length"), "B")
+                await log.append("r1", 4, chunk(11), "A")  # A wakes up: fenced
+            assert await log.append("r1", 4, chunk(11, finish="length"), "B")
             entries = await log.entries("r1")
-            assert [(e.start, list(e.chunk.token_ids)) for e in entries] == [(0, [7, 8, 9]), (3, [10])]
+            assert [(e.start, list(e.chunk.token_ids)) for e in entries] == [(0, [7, 8, 9]), (3, [10]), (4, [11])]
             assert (await log.meta("r1"))["status"] == b"done"
+            await log.redis.delete(log.keys("r1")[2])  # B released it, done; A wakes again:
+            with pytest.raises(LeaseLostError):
+                await log.append("r1", 5, chunk(12), "A")  # a lapsed lease of a finished request stays lost
+            assert await log.refresh_lease("r1", "A") == 0
+            assert await log.create("r9", b"req", owner="A")
+            assert await log.append("r9", 0, chunk(1, 2), "A")
+            await log.redis.delete(log.keys("r9")[2])
+            assert await log.acquire_lease("r9", "B") and await log.append("r9", 2, chunk(3), "B")
+            await log.redis.delete(log.keys("r9")[2])  # B's client went away; A wakes behind B's entries:
+            with pytest.raises(LeaseLostError):
+                await log.append("r9", 2, chunk(3), "A")  # fenced, not a "retried append"
         finally:
             await log.close()
 
     asyncio.run(scenario())
 
 
-def test_the_keeper_returns_once_the_lease_is_lost(redis_url, monkeypatch):
+def test_the_keeper_takes_a_lapsed_lease_again_and_returns_once_another_holds_it(redis_url, monkeypatch):
     from coordinator import output_log
 
     monkeypatch.setattr(output_log, "LEASE_REFRESH_S", 0.05)
@@ -60,6 +74,9 @@ def test_the_keeper_returns_once_the_lease_is_lost(redis_url, monkeypatch):
             keeper = asyncio.ensure_future(log.keep_lease("r2", "A"))
             await asyncio.sleep(0.2)
             assert not keeper.done()  # refreshed while held
+            await log.redis.delete(log.keys("r2")[2])  # lapsed (a starved loop), nobody took it over:
+            await asyncio.sleep(0.2)
+            assert not keeper.done() and await log.lease_holder("r2") == b"A"  # taken again
             await log.redis.set(log.keys("r2")[2], "B")  # taken over
             await asyncio.wait_for(keeper, 2.0)  # returns: the generation can stop now
         finally:

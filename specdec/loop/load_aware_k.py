@@ -496,11 +496,12 @@ class SpeculationRegime:
     def contention(self) -> float:
         """How far the machine is from the lockstep model towards the serial one (0: separate
         devices, as the profiles see them; 1: every session's passes taking turns on shared
-        cores): what the requests assume (``SHARED_HARDWARE_CONTENTION`` where their draft and
-        target share hardware, else 0, or the coordinator's --contention), refitted by every
-        bucket past one session that measured both regimes (their measured gain of "on" over "off"
-        against the model's two). Each bucket's fit weighs as many windows as the fewer of its two
-        figures rests on, the assumption ``REGIME_CONTENTION_PRIOR_WINDOWS``: one exploration's
+        cores; up to ``MAX_CONTENTION``: worse still, their threads contending for the cores):
+        what the requests assume (``SHARED_HARDWARE_CONTENTION`` where their draft and target
+        share hardware, else 0, or the coordinator's --contention), refitted by every bucket past
+        one session that measured both regimes (their measured gain of "on" over "off" against the
+        model's two). Each bucket's fit weighs as many windows as the fewer of its two figures
+        rests on, the assumption as many as ``REGIME_CONTENTION_PRIOR_WINDOWS``: one exploration's
         window is noise (a 32-session bucket's single "on" window once fitted 0 and flipped every
         lighter bucket's prior to "on"), a steady comparison is not. What no profile shows -- the
         draft's and the coordinator's work taking the target's cores -- so that an unvisited

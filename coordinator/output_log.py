@@ -36,6 +36,7 @@ log = logging.getLogger("specdec.output_log")
 
 LEASE_S = 3.0
 LEASE_REFRESH_S = 1.0
+LEASE_MS = int(LEASE_S * 1000)  # as Redis takes it (PX)
 DEFAULT_TTL_S = 600.0
 # One request's log holds at most this many bytes of chunks: the largest a request the default
 # limits allow writes (4096 tokens with 20 logprobs each) is about a third of it.
@@ -176,7 +177,7 @@ class OutputLog:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hset(meta, "status", "running")
                 pipe.pexpire(meta, self.ttl_ms)
-                pipe.set(lease, owner, px=int(LEASE_S * 1000))
+                pipe.set(lease, owner, px=LEASE_MS)
                 await pipe.execute()
         except redis.exceptions.ResponseError as exc:
             if _full(exc):
@@ -204,7 +205,7 @@ class OutputLog:
             self.ttl_ms,
             done,
             self.max_request_bytes,
-            int(LEASE_S * 1000),
+            LEASE_MS,
         ]
         try:
             written = int(await self._append(keys=[out, meta, lease], args=args))
@@ -236,7 +237,7 @@ class OutputLog:
         ]
 
     async def acquire_lease(self, request_id: str, owner: str) -> bool:
-        return bool(await self.redis.set(self.keys(request_id)[2], owner, nx=True, px=int(LEASE_S * 1000)))
+        return bool(await self.redis.set(self.keys(request_id)[2], owner, nx=True, px=LEASE_MS))
 
     async def lease_holder(self, request_id: str) -> bytes | None:
         return await self.redis.get(self.keys(request_id)[2])
@@ -244,7 +245,7 @@ class OutputLog:
     async def refresh_lease(self, request_id: str, owner: str) -> int:
         """1: extended; 2: it had lapsed and nobody took it over, taken again; 0: another holds it."""
         meta, _, lease = self.keys(request_id)
-        return int(await self._refresh(keys=[lease, meta], args=[owner, int(LEASE_S * 1000)]))
+        return int(await self._refresh(keys=[lease, meta], args=[owner, LEASE_MS]))
 
     async def release_lease(self, request_id: str, owner: str) -> None:
         await self._release(keys=[self.keys(request_id)[2]], args=[owner])

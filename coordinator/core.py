@@ -175,6 +175,7 @@ class CoordinatorCore:
                 try:
                     parsed = self.requests.parse(request, request_id, await self.requests.encode(request))
                     async with self._admitted(logged=False):
+                        await self.requests.check_constraint(parsed)
                         async for chunk in self._generate(parsed, [], [], trace_carrier):
                             yield chunk
                 finally:
@@ -278,8 +279,8 @@ class CoordinatorCore:
                 draft = LocalDraft(self.ngram)
         constraint = None
         if parsed.params.constraint is not None and parsed.k > 0:
-            # compiled when the request was checked: a cache hit, a copy of the template
-            constraint = await asyncio.to_thread(self.requests.grammars.matcher, parsed.params.constraint)
+            # compiled when the request was admitted: a cache hit, a copy of the template
+            constraint = await self.requests.constraint_matcher(parsed.params)
         run = SpeculativeRun(
             target,
             draft,

@@ -124,6 +124,7 @@ class DurableRequests:
                 raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
             parsed = self.requests.parse(request, request_id, await self.requests.encode(request))
             async with self.admitted(True):
+                await self.requests.check_constraint(parsed)  # refused: nothing written
                 if await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner):
                     async for chunk in self._owned(parsed, [], [], 0, trace_carrier):
                         yield chunk

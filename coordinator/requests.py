@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.config import METHODS, CoordinatorConfig
 from specdec.errors import InvalidArgumentError
@@ -17,6 +17,9 @@ from specdec.loop.reproducible import resolve_reproducibility
 from specdec.modeling.loading import encode_chat, encode_prompt
 from specdec.runtime import wire
 from specdec.v1 import coordinator_pb2
+
+if TYPE_CHECKING:
+    from specdec.modeling.grammar import Matcher
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 256  # a conversation's messages (its tokens are bounded by the context)
@@ -107,8 +110,6 @@ class RequestParser:
         """A text prompt's or a conversation's token ids, tokenized off the event loop (a long
         text would stall every other request), after refusing text that cannot fit the context
         whatever it tokenizes to; None for a request of token ids."""
-        if request.sampling.HasField("structured_output"):
-            await self.check_constraint(request.sampling.structured_output)
         if not (request.prompt or request.messages) or request.prompt_token_ids:
             return None
         chars = self._text_chars(request)
@@ -121,21 +122,30 @@ class RequestParser:
             )
         return await asyncio.to_thread(self._encode_text, request)
 
-    async def check_constraint(self, msg: coordinator_pb2.StructuredOutput) -> None:
-        """Compile a request's constraint here, off the event loop, before any replica is asked:
-        a schema or grammar that does not compile is the client's 400 naming the problem, and
-        the replicas' compile caches then hold only constraints that compile."""
+    async def constraint_matcher(self, params: SamplingParams) -> Matcher:
+        """A matcher of the request's constraint, compiled within its scope (its tenant's cache
+        salt) on the grammar workers, never on the event loop nor on the threads that tokenize.
+        Called once the request is admitted: a slot bounds how many compiles clients can start.
+        A constraint that does not compile (or not within the budget) is the client's 400 naming
+        the problem, so the replicas' caches hold only constraints that compile; a full compile
+        queue is RESOURCE_EXHAUSTED."""
+        assert params.constraint is not None
         try:
-            constraint = wire.constraint_from_proto(msg)
             if self.tokenizer is None:
                 raise InvalidArgumentError("structured_output", "this server has no tokenizer to compile it with")
             if self.grammars is None:
                 from specdec.modeling.grammar import Grammars
 
                 self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            await asyncio.to_thread(self.grammars.matcher, constraint)
+            return await self.grammars.matcher_async(params.constraint, params.cache_salt)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError("sampling.structured_output", str(exc).split(": ", 1)[-1]) from None
+
+    async def check_constraint(self, parsed: ParsedRequest) -> None:
+        """Refuse an admitted request whose constraint does not compile, before anything is
+        written or any replica asked (a no-op without a constraint)."""
+        if parsed.params.constraint is not None:
+            await self.constraint_matcher(parsed.params)
 
     def _encode_text(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
         if request.messages:

@@ -5,14 +5,32 @@ turns into 400s."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import string
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 
 import pytest
 import torch
 
-from specdec.errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError, ResourceExhaustedError
 from specdec.exact.constraint import MAX_SPEC_CHARS, Constraint, constrained
-from specdec.modeling.grammar import GrammarError, Grammars, MatcherError, unpack_bitmask
+from specdec.modeling.grammar import (
+    MAX_ERROR_CHARS,
+    MAX_GBNF_RULES,
+    CompileJob,
+    CompileWorkers,
+    GrammarError,
+    Grammars,
+    MatcherError,
+    template_bytes,
+    unpack_bitmask,
+)
 from specdec.modeling.loading import load_tokenizer
 
 SCHEMA = {
@@ -109,19 +127,29 @@ def test_rollback_returns_to_the_earlier_mask(grammars, tokenizer):
 def test_forced_runs(grammars, tokenizer):
     schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}
     matcher = grammars.matcher(Constraint("json_schema", json.dumps(schema)))
-    forced = matcher.forced()
+    forced = matcher.forced(16)
     # one key, required: all of it is forced -- up to the space, which the model's next token may
     # carry (" true" is one token), so a forced run stops short of a token boundary it cannot know
     assert tokenizer.decode(forced) in ('{"answer":', '{"answer": ')
     matcher.advance(forced)
-    assert not matcher.forced()  # true or false: the model's choice
+    assert not matcher.forced(16)  # true or false: the model's choice
     choice = grammars.matcher(Constraint("choice", json.dumps(["positive", "negative"])))
-    assert choice.forced() == []
+    assert choice.forced(16) == []
     for token in encode(tokenizer, "pos"):
         choice.advance([token])
-    assert tokenizer.decode(choice.forced()) == "itive"
-    choice.advance(choice.forced())
-    assert choice.complete and choice.forced() == [tokenizer.eos_token_id]  # EOS, the only token left
+    assert tokenizer.decode(choice.forced(16)) == "itive"
+    choice.advance(choice.forced(16))
+    assert choice.complete and choice.forced(16) == [tokenizer.eos_token_id]  # EOS, the only token left
+    assert choice.forced(0) == []
+
+
+def test_a_forced_run_is_computed_only_as_far_as_asked(grammars, tokenizer):
+    # (ab){1500} forces all of its 3000 characters: a mask per token, computed only up to the limit
+    matcher = grammars.matcher(Constraint("regex", "(ab){1500}"))
+    first = matcher.forced(5)
+    assert len(first) == 5 and matcher.consumed == 0
+    longer = matcher.forced(9)
+    assert longer[:5] == first and len(longer) == 9
 
 
 def test_json_object_and_grammars(grammars, tokenizer):
@@ -239,3 +267,111 @@ def test_follow_catches_up_with_commits_and_steps_back_after_a_shorter_restart(g
         with pytest.raises(MatcherError):
             matcher.allowed_after(refused)  # EOS is not admitted inside a document
         assert matcher.consumed == 2 and torch.equal(matcher.allowed(), reference_at(2))
+
+
+# -- hostile constraints (issue 62) ------------------------------------------------------------
+def chained_rules(count: int) -> str:
+    """A Lark grammar of ``count`` rules, each naming the next: ``rN: "tN" | rN+1``."""
+    rules = ["start: r0", *(f'r{i}: "t{i}" | r{i + 1}' for i in range(count)), f'r{count}: "end"']
+    return "\n".join(rules)
+
+
+def test_a_deep_chain_of_rules_compiles_without_crashing_the_process():
+    # 2,800 chained rules (61 KB, within MAX_SPEC_CHARS) overflowed the 8 MB stack of the thread
+    # that compiled them: a segfault that took the coordinator down with every request in it.
+    # In a subprocess, so a crash fails this test rather than ending the run.
+    code = textwrap.dedent(
+        f"""
+        from specdec.exact.constraint import Constraint
+        from specdec.modeling.grammar import Grammars
+        from specdec.modeling.loading import load_tokenizer
+        tokenizer = load_tokenizer("smollm2")
+        grammars = Grammars(tokenizer, vocab_size=49152, eos_tokens=[tokenizer.eos_token_id])
+        matcher = grammars.matcher(Constraint("grammar", {chained_rules(2800)!r}))
+        print("allowed", int(matcher.allowed().sum()))
+        """
+    )
+    assert len(chained_rules(2800)) <= MAX_SPEC_CHARS
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    word, allowed = proc.stdout.split()
+    assert word == "allowed" and int(allowed) > 0
+
+
+def test_a_refused_constraint_is_refused_again_without_a_compile(tokenizer):
+    grammars = Grammars(tokenizer, vocab_size=49152, eos_tokens=[tokenizer.eos_token_id])
+    bad = Constraint("regex", "(unclosed")
+    for _ in range(3):
+        with pytest.raises(GrammarError, match="regex"):
+            grammars.matcher(bad)
+    stats = grammars.stats()
+    assert (stats["grammar_compiles"], stats["grammar_refusals"]) == (0, 2)  # one attempt, two answers from memory
+
+
+def test_errors_are_one_bounded_line_without_the_grammar(grammars):
+    # llguidance quotes the whole grammar back in its verbose errors; 4,800 chained rules of short
+    # lexemes exceed its parser's items at the first token
+    names = ["".join(t) for n in (1, 2, 3) for t in itertools.product(string.ascii_lowercase, repeat=n)][:4801]
+    rules = [f'{names[i]}:"{names[i]}"|{names[i + 1]}' for i in range(4800)]
+    too_complex = "\n".join(["start: a", *rules, f'{names[4800]}: "y"'])
+    for constraint in (Constraint("grammar", too_complex), Constraint("grammar", "start: (")):
+        with pytest.raises(GrammarError) as raised:
+            grammars.matcher(constraint)
+        message = str(raised.value)
+        assert "\n" not in message and len(message) <= MAX_ERROR_CHARS + 40 and names[4799] not in message
+
+
+def test_depth_and_rule_count_are_refused_by_name(grammars):
+    deep_json = '{"a":' * 2000 + "1" + "}" * 2000  # past Python's recursion limit when read
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        grammars.matcher(Constraint("json_schema", deep_json))
+    gbnf = "\n".join(["root ::= r0", *(f'r{i} ::= "t{i}" | r{i + 1}' for i in range(MAX_GBNF_RULES + 1))])
+    with pytest.raises(GrammarError, match=f"at most {MAX_GBNF_RULES}"):
+        grammars.matcher(Constraint("grammar", gbnf + f'\nr{MAX_GBNF_RULES + 1} ::= "end"'))
+
+
+def test_a_compile_past_its_budget_is_refused_and_stays_refused(tokenizer):
+    grammars = Grammars(tokenizer, vocab_size=49152, eos_tokens=[tokenizer.eos_token_id], budget_s=0.01)
+    slow = Constraint("regex", "(a{1000}){1000}")  # its first mask takes about a second
+    with pytest.raises(GrammarError, match=r"took longer than 0\.01 s"):
+        grammars.matcher(slow)
+    time.sleep(0.1)
+    with pytest.raises(GrammarError, match="took longer"):  # and the compile's later end changes nothing
+        asyncio.run(grammars.matcher_async(slow))
+
+
+def test_the_compile_queue_is_bounded():
+    workers = CompileWorkers(threads=1, queue_size=1)
+    release = threading.Event()
+    running, waiting = CompileJob(release.wait), CompileJob(lambda: "done")
+    workers.submit(running)
+    running.started.result(timeout=60)  # the worker holds it: the queue is empty again
+    workers.submit(waiting)
+    with pytest.raises(ResourceExhaustedError, match="waiting to compile"):
+        workers.submit(CompileJob(lambda: "refused"))
+    release.set()
+    assert waiting.done.result(timeout=60) == "done"
+
+
+def test_compiles_run_on_deep_stack_threads_of_their_own():
+    workers = CompileWorkers(threads=1, queue_size=1)
+    job = CompileJob(lambda: (threading.current_thread().name, threading.get_ident()))
+    workers.submit(job)
+    name, ident = job.done.result(timeout=60)
+    assert name.startswith("specdec-grammar-") and ident != threading.get_ident()
+    assert threading.stack_size() == 0  # the deep stack was only for the workers' creation
+
+
+def test_the_cache_is_scoped_by_tenant_and_bounded_in_bytes(tokenizer):
+    spec = "x" * 10_000 + "[0-9]+"
+    room = 2 * template_bytes(Constraint("regex", "0" + spec))  # two of the entries below
+    grammars = Grammars(tokenizer, vocab_size=49152, eos_tokens=[tokenizer.eos_token_id], max_bytes=room)
+    for scope in ("tenant-a", "tenant-b", "tenant-a"):
+        grammars.matcher(Constraint("regex", spec), scope)
+    stats = grammars.stats()
+    # another tenant's identical constraint is compiled again, never answered from the first's entry
+    assert (stats["grammar_compiles"], stats["grammar_cache_hits"]) == (2, 1)
+    for i in range(3):
+        grammars.matcher(Constraint("regex", f"{i}" + spec), "tenant-a")
+    stats = grammars.stats()
+    assert stats["grammar_cache_entries"] == 2 and stats["grammar_cache_bytes"] <= room

@@ -28,7 +28,7 @@ from specdec.loop.generate import (
     LocalTarget,
     SpeculativeRun,
     cut_where_forbidden,
-    forced_run,
+    forced_run_limit,
     speculative_generate,
 )
 from specdec.modeling.grammar import Grammars
@@ -196,9 +196,10 @@ def test_an_ngram_block_ends_where_the_constraint_forbids_its_next_token(engines
 
 
 def test_forced_runs_and_cuts_as_pure_functions():
-    assert forced_run([5, 6, 7], room=2) == [5, 6]
-    assert forced_run([5] * 40, room=100) == [5] * FORCED_RUN_MAX
-    assert forced_run([5], room=0) == []
+    assert forced_run_limit(room=2, remaining=100) == 2
+    assert forced_run_limit(room=100, remaining=100) == FORCED_RUN_MAX
+    assert forced_run_limit(room=100, remaining=3) == 3  # never computed past max_tokens
+    assert forced_run_limit(room=0, remaining=5) == forced_run_limit(room=5, remaining=-1) == 0
     lookup = DraftProposal([3, 4, 5], [SparseDist.one_hot(t) for t in (3, 4, 5)])
     assert cut_where_forbidden(lookup, admitted=1) == DraftProposal([3], [SparseDist.one_hot(3)])
     assert cut_where_forbidden(lookup, admitted=3) == lookup

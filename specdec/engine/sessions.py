@@ -409,7 +409,7 @@ class SessionStore:
         conflict = constraint_conflict(params)
         if conflict:
             raise InvalidArgumentError("sampling.structured_output", f"cannot be combined with {conflict}")
-        return self.grammars.matcher(params.constraint)
+        return self.grammars.matcher(params.constraint, params.cache_salt)  # scoped as the prefix cache
 
     def release(self, session_id: str) -> bool:
         with self._table_lock:

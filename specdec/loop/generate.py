@@ -18,9 +18,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -40,6 +40,7 @@ from specdec.loop.stopping import FINISH_LENGTH, StopChecker
 from specdec.telemetry.tracing import tracer
 
 log = logging.getLogger("specdec.loop.generate")
+T = TypeVar("T")
 
 EMPTY = DraftProposal([], [])
 # The most tokens of a forced run committed at once: each is a row of the next target pass.
@@ -50,18 +51,20 @@ class ConstraintFollower(Protocol):
     """The request's constraint, following its committed tokens (specdec.modeling.grammar.Matcher)."""
 
     def follow(self, generated: Sequence[int]) -> None: ...
-    def forced(self) -> list[int]: ...
+    def forced(self, limit: int) -> list[int]: ...
     def admits(self, tokens: list[int]) -> int: ...
 
 
-def forced_run(forced: Sequence[int], room: int) -> list[int]:
-    """Of the tokens a constraint forces next, those committed at once (within ``room`` and
-    FORCED_RUN_MAX). Each is the only token the constraint admits at its position, so the
-    target's constrained law there is a point mass on it: verifying it (as a proposal with a
-    one-hot q) would accept it with probability one, and drawing it needs no randomness. The loop
-    commits the run without a draft call or a target pass; the next pass computes its KV among
-    its rows, and every other position keeps its keyed draws."""
-    return [int(t) for t in forced[: max(0, min(room, FORCED_RUN_MAX))]]
+def forced_run_limit(room: int, remaining: int) -> int:
+    """How many of the tokens a constraint forces next are committed at once: within the
+    context's ``room``, the request's ``remaining`` tokens and FORCED_RUN_MAX -- and no more are
+    computed, each costing a mask over the whole vocabulary. Each is the only token the
+    constraint admits at its position, so the target's constrained law there is a point mass on
+    it: verifying it (as a proposal with a one-hot q) would accept it with probability one, and
+    drawing it needs no randomness. The loop commits the run without a draft call or a target
+    pass; the next pass computes its KV among its rows, and every other position keeps its keyed
+    draws."""
+    return max(0, min(room, remaining, FORCED_RUN_MAX))
 
 
 def cut_where_forbidden(proposal: DraftProposal, admitted: int) -> DraftProposal:
@@ -247,7 +250,7 @@ class SpeculativeRun:
         then depends on the load. ``constraint``: a matcher of the request's structured-output
         constraint, which the loop follows to end an n-gram block at a token it forbids, and with
         ``forced_runs`` to commit the runs it forces without a draft call or a target pass
-        (:func:`forced_run`); None: neither. ``pipeline``: while the target verifies a block, the
+        (:func:`forced_run_limit`); None: neither. ``pipeline``: while the target verifies a block, the
         draft drafts the next one for the branch "all accepted, bonus as the draft guesses"
         (specdec.loop.pipelining; not for a feature draft, which needs the verdict's features),
         with as many rejection branches as fit in a verify, or ``pipeline_branches`` every time.
@@ -284,9 +287,10 @@ class SpeculativeRun:
         self.budget = BranchBudget(num_speculative_tokens, pipeline_branches)  # how much fits in a verify
         self.prompt = [int(t) for t in prompt]
         self.context_length = target.context_length
-        # the policy chose k at the steps the constraint forced nothing; only those replay
-        self.committed_steps = self._policy_steps([int(t) for t in committed], list(committed_steps))
-        self.policy.replay(self.committed_steps)
+        # the policy chose k at the steps the constraint forced nothing; only those replay (at
+        # the start of steps(): finding them follows the constraint, which is off the event loop)
+        self._committed = [int(t) for t in committed]
+        self.committed_steps = list(committed_steps)
         self.adaptive = adaptive and num_speculative_tokens > 0
         self.load_aware = load_aware and self.adaptive
         self.contention = contention
@@ -399,6 +403,8 @@ class SpeculativeRun:
         if regime is not None:
             regime.request_started()
         try:
+            self.committed_steps = await self._off_loop(self._policy_steps, self._committed, self.committed_steps)
+            self.policy.replay(self.committed_steps)
             if regime is not None:
                 regime.prefill_started()
             try:  # both prefills: a burst of them spoils the regime's window (specdec.loop.load_aware_k)
@@ -419,7 +425,7 @@ class SpeculativeRun:
                 if room < 0:
                     self.stopper.finish(FINISH_LENGTH)
                     break
-                forced = self._forced_run(self.stopper.generated, room)
+                forced = await self._off_loop(self._forced_run, list(self.stopper.generated), room)
                 if forced:  # committed as they are: no draft, no pass, not a step of the policy
                     self.step += 1  # (a number of its own: the next step's commit carries the run)
                     emitted = self.stopper.feed(forced)
@@ -464,13 +470,21 @@ class SpeculativeRun:
             self.stats.total_seconds = time.perf_counter() - started
             await self._release_all()
 
+    async def _off_loop(self, work: Callable[..., T], *args) -> T:
+        """``work`` on a thread where it follows the constraint (masks over the whole vocabulary
+        may take a while; the event loop serves every other request meanwhile), else here."""
+        if self.constraint is None:
+            return work(*args)
+        return await asyncio.to_thread(work, *args)
+
     def _forced_run(self, generated: Sequence[int], room: int) -> list[int]:
         """The run the constraint forces after ``generated`` (empty: a step of the policy and the
         draft comes next). A pure function of the committed tokens, so a replay finds the same."""
-        if self.constraint is None or not self.forced_runs or room <= 0:
+        limit = forced_run_limit(room, self.params.max_new_tokens - len(generated))
+        if self.constraint is None or not self.forced_runs or limit <= 0:
             return []
         self.constraint.follow(generated)
-        return forced_run(self.constraint.forced(), room)
+        return [int(t) for t in self.constraint.forced(limit)]
 
     def _policy_steps(self, committed: list[int], committed_steps: list[int]) -> list[int]:
         """Of the chunks that committed ``committed`` (tokens per step or forced run), the steps
@@ -549,7 +563,7 @@ class SpeculativeRun:
                 block, rejected = found
                 self.stats.predraft_hits += 1
                 self.stats.predraft_rejection_hits += rejected
-                return self._cut_forbidden(block)
+                return await self._off_loop(self._cut_forbidden, block)
         if self.draft is not None and k > 0 and not self.draft_started:
             # (its prefill is not a proposal's time, nor -- a burst of prefills -- the regime's)
             regime = self.target.regime if self.load_aware else None
@@ -577,7 +591,7 @@ class SpeculativeRun:
                 proposal = EMPTY
                 await self._drop_draft(f"propose: {exc}")
         self.stats.draft_seconds += time.perf_counter() - t0
-        return self._cut_forbidden(proposal)
+        return await self._off_loop(self._cut_forbidden, proposal)
 
     def _cut_forbidden(self, proposal: DraftProposal) -> DraftProposal:
         if self.constraint is not None and proposal.tokens:  # an n-gram block's forbidden tail

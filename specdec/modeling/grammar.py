@@ -13,18 +13,42 @@ keeps the draft's q and the target's p constrained identically.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+import queue
+import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from specdec.errors import InvalidArgumentError
+from specdec.errors import InvalidArgumentError, ResourceExhaustedError
 from specdec.exact.constraint import Constraint, choices_of
 
 DEFAULT_CACHE_ENTRIES = 128
+# The compiled templates' memory, estimated (llguidance reports none): a fixed part and a part
+# per character of the spec, fitted on schemas up to 64 KB with some margin (docs/structured-output.md).
+DEFAULT_CACHE_BYTES = 64 << 20
+TEMPLATE_BASE_BYTES = 64 << 10
+TEMPLATE_BYTES_PER_CHAR = 64
+REFUSED_ENTRIES = 1024  # specs refused once, answered again without a compile
+# Compiles run on threads of their own: llguidance's compiler recurses once per nested rule, and
+# a 64 KB chain of rules needs more than the 8 MB stack of an ordinary thread -- an overflow is a
+# segfault that takes the whole process. The stack is address space; only what a compile touches
+# becomes memory.
+COMPILE_THREADS = 2
+COMPILE_STACK_BYTES = 256 << 20
+COMPILE_QUEUE = 32  # compiles waiting for a thread; past this a request is refused (RESOURCE_EXHAUSTED)
+COMPILE_BUDGET_S = 10.0  # how long a request waits for its constraint once its compile has started
+# llguidance's GBNF reader is Python whose time grows with the square of the rules: this bounds
+# it to about a second (Lark grammars compile in llguidance's Rust, bounded by its own limits)
+MAX_GBNF_RULES = 1000
+MAX_ERROR_CHARS = 400  # what of llguidance's message reaches a client
+_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.MULTILINE)
 
 # Any JSON object: the OpenAI json_object mode (the model chooses the keys).
 _ANY_OBJECT_SCHEMA = {"type": "object"}
@@ -35,9 +59,29 @@ class GrammarError(InvalidArgumentError):
     the caller's 400)."""
 
 
+class ConstraintTooComplexError(InvalidArgumentError):
+    """A compiled constraint whose matcher hit one of llguidance's limits while following the
+    output (too many parser items or lexer states at some position): the client's constraint is
+    beyond what this server follows, a 400 naming the position, not a server fault."""
+
+
 class MatcherError(RuntimeError):
     """A matcher asked to consume a token its constraint does not admit, or to roll back past
     its start: a bug upstream, since every committed token was drawn under the mask."""
+
+
+def short(message: str) -> str:
+    """llguidance's message, on one line and bounded: some quote the grammar back."""
+    line = " ".join(message.split())
+    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def parser_limits():
+    """The limits every matcher runs under, in every process: a constraint the coordinator
+    accepts must compile the same on each replica. No grammar or parser state in messages."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -55,6 +99,8 @@ def grammar_text(constraint: Constraint) -> str:
                 raise GrammarError(
                     "constraint", f"json_schema: not JSON ({error.msg} at character {error.pos})"
                 ) from None
+            except RecursionError:
+                raise GrammarError("constraint", "json_schema: nested too deeply") from None
             if not isinstance(schema, dict):
                 raise GrammarError("constraint", "json_schema: a JSON schema is an object")
         # Python's json.dumps layout (", " and ": "), no free whitespace: a model cannot pad forever
@@ -69,10 +115,15 @@ def grammar_text(constraint: Constraint) -> str:
     if "::=" in spec:  # GBNF (llama.cpp's, what vLLM users often send)
         from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
+        rules = len(_GBNF_RULE.findall(spec))
+        if rules > MAX_GBNF_RULES:
+            raise GrammarError("constraint", f"grammar: {rules} GBNF rules; at most {MAX_GBNF_RULES}")
         try:
             lark = gbnf_to_lark(spec)
         except GbnfToLarkError as error:
-            raise GrammarError("constraint", f"grammar: not valid GBNF ({error})") from None
+            raise GrammarError("constraint", f"grammar: not valid GBNF ({short(str(error))})") from None
+        except RecursionError:
+            raise GrammarError("constraint", "grammar: GBNF nested too deeply") from None
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
@@ -107,7 +158,11 @@ class Matcher:
 
     def _check(self) -> None:
         if self._inner.is_error():
-            raise MatcherError(f"the constraint's matcher failed: {self._inner.get_error()}")
+            raise ConstraintTooComplexError(
+                "sampling.structured_output",
+                f"the constraint is too complex to follow after {self.consumed} tokens "
+                f"({short(self._inner.get_error())})",
+            )
 
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the constraint admits next (only EOS once it is complete)."""
@@ -128,7 +183,8 @@ class Matcher:
         if admitted < len(tokens):
             raise MatcherError(f"token {tokens[admitted]} (index {admitted}) is not admitted here")
         if tokens and not self._inner.consume_tokens(tokens):
-            raise MatcherError(f"the matcher refused tokens it had admitted: {self._inner.get_error()}")
+            self._check()  # a limit reached on the way is the client's constraint, not a bug
+            raise MatcherError(f"the matcher refused tokens it had admitted: {short(self._inner.get_error())}")
         self.consumed += len(tokens)
 
     def rollback(self, count: int) -> None:
@@ -163,16 +219,19 @@ class Matcher:
             if self.consumed > start:
                 self.rollback(self.consumed - start)
 
-    def forced(self) -> list[int]:
-        """The run of tokens the constraint forces next: at each position the mask admits that
-        token alone, so the constrained law there is a point mass (checked on the mask itself,
-        not taken on trust from llguidance's fast-forward tokens); once the constraint is
-        complete, the EOS when the model has one alone. The state is unchanged."""
+    def forced(self, limit: int) -> list[int]:
+        """The run of tokens the constraint forces next, at most ``limit`` of them: at each
+        position the mask admits that token alone, so the constrained law there is a point mass
+        (checked on the mask itself -- a full-vocabulary mask per token, hence the limit -- not
+        taken on trust from llguidance's fast-forward tokens); once the constraint is complete,
+        the EOS when the model has one alone. The state is unchanged."""
+        if limit <= 0:
+            return []
         if self.complete:
             return list(self.eos) if len(self.eos) == 1 else []
         run: list[int] = []
         try:
-            for token in self._inner.compute_ff_tokens():
+            for token in self._inner.compute_ff_tokens()[:limit]:
                 mask = self.allowed()
                 if not mask[token] or int(mask.sum()) != 1:
                     break
@@ -209,53 +268,249 @@ class Matcher:
         return self._inner.is_stopped()
 
 
+class CompileWorkers:
+    """Threads of their own for compiling constraints: a deep stack (COMPILE_STACK_BYTES) and a
+    bounded queue, so compiles neither overflow a stack nor queue without bound, and never take
+    the threads that tokenize or serve. Started on the first compile: a process no request
+    constrains never holds them."""
+
+    _stack_lock = threading.Lock()  # threading.stack_size is process-wide
+
+    def __init__(self, threads: int = COMPILE_THREADS, queue_size: int = COMPILE_QUEUE):
+        self._jobs: queue.Queue[CompileJob] = queue.Queue(maxsize=queue_size)
+        self._threads = threads
+        self._started = False
+        self._lock = threading.Lock()
+
+    def submit(self, job: CompileJob) -> None:
+        """Queue ``job``; ResourceExhaustedError when the queue is full."""
+        self._start()
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise ResourceExhaustedError(
+                f"{self._jobs.maxsize} constraints are waiting to compile; retry shortly"
+            ) from None
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            with CompileWorkers._stack_lock:
+                before = threading.stack_size(COMPILE_STACK_BYTES)
+                try:
+                    for i in range(self._threads):
+                        threading.Thread(target=self._work, name=f"specdec-grammar-{i}", daemon=True).start()
+                finally:
+                    threading.stack_size(before)
+            self._started = True
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get().run()
+
+
+class CompileJob:
+    """One constraint's compile: ``started`` resolves when a worker takes it (with the time),
+    ``done`` with the template or the error, after ``settle`` has recorded it (so a waiter that
+    wakes finds the cache already up to date). Everyone waiting for the same constraint shares it."""
+
+    def __init__(
+        self, compile_template: Callable[[], Any], settle: Callable[[Any, BaseException | None], None] | None = None
+    ):
+        self._compile, self._settle = compile_template, settle
+        self.started: concurrent.futures.Future[float] = concurrent.futures.Future()
+        self.done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run(self) -> None:
+        self.started.set_result(time.monotonic())
+        value, error = None, None
+        try:
+            value = self._compile()
+        except BaseException as failure:  # noqa: BLE001 - every failure goes to the waiters
+            error = failure
+        if self._settle is not None:
+            self._settle(value, error)
+        if error is None:
+            self.done.set_result(value)
+        else:
+            self.done.set_exception(error)
+
+
+def template_bytes(constraint: Constraint) -> int:
+    """What a compiled template of ``constraint`` is assumed to hold in memory."""
+    return TEMPLATE_BASE_BYTES + TEMPLATE_BYTES_PER_CHAR * len(constraint.spec)
+
+
 class Grammars:
-    """Compiled constraints for one tokenizer: each spec compiled once (bounded LRU of template
-    matchers), each session a cheap copy. Thread-safe: replicas compile off their event loop.
+    """Compiled constraints for one tokenizer: each spec compiled once per scope, each session a
+    cheap copy of its template.
+
+    - Compiles run on CompileWorkers (deep stacks, a bounded queue), never on the caller's
+      thread; a caller waits at most ``budget_s`` once its compile has started, after which the
+      constraint is refused (and stays refused: a spec that costs that much once is not compiled
+      again). Everyone asking for the same constraint meanwhile shares the one compile.
+    - Templates are cached per *scope* (the request's tenant, carried as its cache salt): how fast
+      a constraint compiles never tells one tenant what another sent. The cache is bounded in
+      entries and in estimated bytes (least recently used first out); refusals are remembered
+      too (REFUSED_ENTRIES), so repeating a bad constraint costs nothing.
+    - A compile also computes the first mask: a constraint whose very first step exceeds
+      llguidance's limits is refused here, as the client's error, before any replica is asked.
+
     The tokenizer's llguidance form is built on the first constraint (a third of a second for a
     49k vocabulary): a replica no request constrains never pays it, and a tokenizer llguidance
     cannot read fails those requests, not the replica's start."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_tokens: list[int], max_entries: int = DEFAULT_CACHE_ENTRIES):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_tokens: list[int],
+        max_entries: int = DEFAULT_CACHE_ENTRIES,
+        max_bytes: int = DEFAULT_CACHE_BYTES,
+        budget_s: float = COMPILE_BUDGET_S,
+        workers: CompileWorkers | None = None,
+    ):
         import llguidance
 
         self.vocab_size = vocab_size
         self._source, self._eos = tokenizer, sorted(eos_tokens)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._templates: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, Constraint], tuple[Any, int]] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, Constraint], str] = OrderedDict()
+        self._pending: dict[tuple[str, Constraint], CompileJob] = {}
         self._lock = threading.Lock()
-        self.max_entries = max_entries
+        self._tokenizer_lock = threading.Lock()  # building it takes a while: not under the cache's lock
+        self.max_entries, self.max_bytes, self.budget_s = max_entries, max_bytes, budget_s
+        self._workers = workers or CompileWorkers()
+        self.cached_bytes = 0
         self.compiles = 0
         self.hits = 0
+        self.refusals = 0
         self.compile_seconds = 0.0
 
-    def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh matcher at the start of ``constraint``; GrammarError names what is wrong."""
+    # -- the two ways to ask: from a thread, from the event loop --------------------------------
+    def matcher(self, constraint: Constraint, scope: str = "") -> Matcher:
+        """A fresh matcher at the start of ``constraint`` (compiled within ``scope``), waiting on
+        this thread; GrammarError names what is wrong, ResourceExhaustedError when the compile
+        queue is full."""
+        found = self._template_or_job((scope, constraint))
+        if isinstance(found, CompileJob):
+            started = found.started.result()
+            try:
+                found = found.done.result(timeout=max(0.0, started + self.budget_s - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                raise self._over_budget((scope, constraint)) from None
+        return self._copy(found)
+
+    async def matcher_async(self, constraint: Constraint, scope: str = "") -> Matcher:
+        """:meth:`matcher` for an event loop: the wait holds no thread."""
+        found = self._template_or_job((scope, constraint))
+        if isinstance(found, CompileJob):
+            started = await asyncio.wrap_future(found.started)
+            remaining = max(0.0, started + self.budget_s - time.monotonic())
+            try:
+                found = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(found.done)), remaining)
+            except asyncio.TimeoutError:
+                raise self._over_budget((scope, constraint)) from None
+        return self._copy(found)
+
+    # -- the cache ---------------------------------------------------------------------------
+    def _template_or_job(self, key: tuple[str, Constraint]) -> Any:
+        """The cached template of ``key``, else the compile job to wait for (started if none
+        is under way); a remembered refusal is raised again."""
+        with self._lock:
+            entry = self._templates.get(key)
+            if entry is not None:
+                self._templates.move_to_end(key)
+                self.hits += 1
+                return entry[0]
+            refused = self._refused.get(key)
+            if refused is not None:
+                self._refused.move_to_end(key)
+                self.refusals += 1
+                raise GrammarError("constraint", refused)
+            job = self._pending.get(key)
+            if job is not None:
+                return job
+            job = CompileJob(lambda: self._compile(key[1]), lambda value, error: self._settle(key, value, error))
+            self._pending[key] = job
+        try:
+            self._workers.submit(job)
+        except ResourceExhaustedError:
+            with self._lock:
+                self._pending.pop(key, None)
+            raise
+        return job
+
+    def _settle(self, key: tuple[str, Constraint], template, error: BaseException | None) -> None:
+        """A finished compile: its template cached, or its refusal remembered (unless a waiter
+        already refused it for taking too long)."""
+        with self._lock:
+            self._pending.pop(key, None)
+            if key in self._refused:
+                return
+            if isinstance(error, GrammarError):
+                self._remember_refusal(key, str(error).split(": ", 1)[-1])
+            elif error is None:
+                size = template_bytes(key[1])
+                self._templates[key] = (template, size)
+                self.cached_bytes += size
+                while self._templates and (
+                    len(self._templates) > self.max_entries or self.cached_bytes > self.max_bytes
+                ):
+                    _, (_, evicted) = self._templates.popitem(last=False)
+                    self.cached_bytes -= evicted
+
+    def _over_budget(self, key: tuple[str, Constraint]) -> GrammarError:
+        message = f"{key[1].kind}: took longer than {self.budget_s:g} s to compile"
+        with self._lock:
+            self._remember_refusal(key, message)
+        return GrammarError("constraint", message)
+
+    def _remember_refusal(self, key: tuple[str, Constraint], message: str) -> None:
+        self._refused[key] = message
+        self._refused.move_to_end(key)
+        while len(self._refused) > REFUSED_ENTRIES:
+            self._refused.popitem(last=False)
+
+    def _copy(self, template) -> Matcher:
+        return Matcher(template.deep_copy(), self.vocab_size, self._eos)
+
+    # -- on a compile worker -----------------------------------------------------------------
+    def _compile(self, constraint: Constraint):
+        """The template of ``constraint`` with its first mask computed, or GrammarError."""
         import llguidance
 
-        with self._lock:
-            template = self._templates.get(constraint)
-            if template is not None:
-                self._templates.move_to_end(constraint)
-                self.hits += 1
-        if template is None:
-            started = time.perf_counter()
+        started = time.perf_counter()
+        try:
             text = grammar_text(constraint)
-            template = llguidance.LLMatcher(self._llg_tokenizer(), text, log_level=0)
-            if template.is_error():
-                raise GrammarError("constraint", f"{constraint.kind}: {template.get_error()}")
-            with self._lock:
-                self.compiles += 1
-                self.compile_seconds += time.perf_counter() - started
-                self._templates[constraint] = template
-                while len(self._templates) > self.max_entries:
-                    self._templates.popitem(last=False)
-        return Matcher(template.deep_copy(), self.vocab_size, self._eos)
+            template = llguidance.LLMatcher(self._llg_tokenizer(), text, log_level=0, limits=parser_limits())
+        except GrammarError:
+            raise
+        except RecursionError:
+            raise GrammarError("constraint", f"{constraint.kind}: nested too deeply") from None
+        except BaseException as error:  # what llguidance raises (or panics with) on what it cannot read
+            if not isinstance(error, Exception) and type(error).__name__ != "PanicException":
+                raise
+            raise GrammarError("constraint", f"{constraint.kind}: {short(str(error))}") from None
+        if template.is_error():
+            raise GrammarError("constraint", f"{constraint.kind}: {short(template.get_error())}")
+        first = template.deep_copy()
+        first.compute_bitmask()
+        if first.is_error():
+            raise GrammarError(
+                "constraint", f"{constraint.kind}: too complex at its first token ({short(first.get_error())})"
+            )
+        with self._lock:
+            self.compiles += 1
+            self.compile_seconds += time.perf_counter() - started
+        return template
 
     def _llg_tokenizer(self):
         import llguidance
 
-        with self._lock:
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 backend = getattr(self._source, "backend_tokenizer", None)
                 if backend is None:
@@ -266,7 +521,7 @@ class Grammars:
                     )
                 except (ValueError, RuntimeError) as error:  # what llguidance raises for a tokenizer it cannot read
                     raise GrammarError(
-                        "constraint", f"this replica's tokenizer cannot serve constraints: {error}"
+                        "constraint", f"this replica's tokenizer cannot serve constraints: {short(str(error))}"
                     ) from None
             return self._tokenizer
 
@@ -277,4 +532,6 @@ class Grammars:
                 "grammar_cache_hits": self.hits,
                 "grammar_compile_seconds": self.compile_seconds,
                 "grammar_cache_entries": len(self._templates),
+                "grammar_cache_bytes": self.cached_bytes,
+                "grammar_refusals": self.refusals,
             }

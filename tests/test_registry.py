@@ -195,7 +195,7 @@ def test_a_record_signed_with_another_key_or_not_at_all_is_refused():
     assert check(signed(), key=None) == TARGET
 
 
-def test_the_signing_key_is_derived_from_the_token_and_never_is_it():
+def test_the_signing_key_is_derived_from_the_token_not_the_token_itself():
     from specdec.runtime.registry import signing_key
 
     assert signing_key("a") == signing_key("a") != signing_key("b")

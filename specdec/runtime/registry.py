@@ -196,7 +196,8 @@ def check_record(name: str, data: Mapping, kind: str, key: bytes | None, now: fl
     mac, signed_at = fields_.get(MAC, ""), fields_.get(SIGNED_AT, "")
     if not mac or not signed_at:
         return Refusal(UNSIGNED, "unsigned: does the replica hold the internal token?")
-    if not (signed_at.isascii() and signed_at.isdigit() and len(signed_at) <= 16) or not hmac.compare_digest(
+    well_formed = len(mac) == 2 * hashlib.sha256().digest_size and signed_at.isascii() and signed_at.isdigit()
+    if not (well_formed and len(signed_at) <= 16) or not hmac.compare_digest(
         mac.encode(), record_mac(key, replica, int(signed_at)).encode()
     ):
         return Refusal(FORGED, "its MAC does not verify: written without this deployment's internal token")

@@ -431,7 +431,8 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
         )
         heartbeat.start()
         print(
-            f"[specdec] {spec.name} registered in {security.redacted(spec.redis_url)} as {advertise}",
+            f"[specdec] {spec.name} registered in {security.redacted(spec.redis_url)} as {advertise}"
+            f" ({'signed records' if registry.authenticated else 'unsigned records: no internal token'})",
             file=sys.stderr,
             flush=True,
         )

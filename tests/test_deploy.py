@@ -432,14 +432,106 @@ def test_every_service_runs_with_the_internal_token_tls_api_keys_and_the_redis_p
             mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
             assert mounts.get("/etc/specdec") in secret_volumes, (owner, c["name"])
             password = next(e for e in c["env"] if e["name"] == security.REDIS_PASSWORD_ENV)
-            assert password["valueFrom"]["secretKeyRef"] == {"name": "specdec-secrets", "key": "redis-password"}
+            # draft and target: the registry's ACL user (test_replica_pods_hold_only_what_they_need)
+            key = "redis-password" if owner == "specdec-coordinator" else "redis-replica-password"
+            assert password["valueFrom"]["secretKeyRef"] == {"name": "specdec-secrets", "key": key}
     redis_set = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "specdec-redis")
     (server,) = [c for c in containers(redis_set["spec"]["template"], init=False) if c["name"] == "redis"]
     assert server["args"][server["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in server["env"]}
-    assert refs == {"REDIS_PASSWORD": "redis-password", "REDISCLI_AUTH": "redis-password"}
+    assert refs == {
+        "REDIS_PASSWORD": "redis-password",
+        "REDISCLI_AUTH": "redis-password",
+        "REDIS_REPLICA_PASSWORD": "redis-replica-password",
+    }
     # what `specdec secrets` writes holds every file these paths name
     from specdec.apps.ops import secret_data
 
     data, _ = secret_data()
     assert {p.removeprefix("/etc/specdec/") for p in paths.values()} <= set(data)
+
+
+def replica_acl(objs) -> list[str]:
+    """The ACL rule of the Redis user draft and target pods log in as (redis.yaml's --user)."""
+    redis_set = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "specdec-redis")
+    (server,) = [c for c in containers(redis_set["spec"]["template"], init=False) if c["name"] == "redis"]
+    args = server["args"]
+    start = args.index("--user") + 1
+    end = next((i for i in range(start, len(args)) if args[i].startswith("--")), len(args))
+    return args[start:end]
+
+
+def test_replica_pods_hold_only_what_they_need(objects):
+    """Issue 62, item 10: a draft or target pod gets the files its own TLS and token settings
+    name, and nothing else of the Secret -- no API keys (a replica never checks one) and no
+    full-access Redis password: it logs in to Redis as the registry's ACL user, which may touch
+    its own records' keys only."""
+    from specdec.runtime import security
+
+    _, objs = objects
+    env = config(objs)
+    needed = {
+        env[name].removeprefix("/etc/specdec/")
+        for name in security.ENV_NAMES
+        if env.get(name, "").startswith("/etc/specdec/")
+    }
+    assert {"auth-token", "tls.key"} <= needed
+    for owner, template in pod_templates(objs):
+        if owner not in ("specdec-draft", "specdec-target"):
+            continue
+        (secret,) = [v["secret"] for v in template["spec"]["volumes"] if "secret" in v]
+        assert {item["key"] for item in secret.get("items", [])} == needed, owner
+        assert all(item["path"] == item["key"] for item in secret["items"])  # where the config says
+        (server,) = [c for c in containers(template, init=False) if c["name"] in ("draft", "target")]
+        values = {e["name"]: e.get("value") for e in server["env"]}
+        assert values[security.REDIS_USERNAME_ENV] == replica_acl(objs)[0], owner
+        keys = {
+            e["valueFrom"]["secretKeyRef"]["key"] for e in server["env"] if "secretKeyRef" in e.get("valueFrom", {})
+        }
+        assert keys == {"redis-replica-password"}, owner
+    from specdec.apps.ops import secret_data
+
+    data, _ = secret_data()
+    assert "redis-replica-password" in data and data["redis-replica-password"] != data["redis-password"]
+
+
+@pytest.mark.integration
+def test_the_replicas_redis_user_may_heartbeat_and_nothing_else():
+    """The ACL rule deploy/ gives Redis, on a real redis-server: the replicas' user registers,
+    refreshes and deregisters a (signed) record, and is refused the session log, other keys,
+    reading, listing and administration -- a replica pod cannot rewrite committed tokens."""
+    import asyncio
+
+    import redis.exceptions
+
+    from specdec.runtime.redis_embedded import EmbeddedRedis
+    from specdec.runtime.registry import Registry, Replica
+
+    rule = [part.replace("$(REDIS_REPLICA_PASSWORD)", "replica-pw") for part in replica_acl(render("dev"))]
+    user = rule[0]
+    replica = Replica("target", "t1", "10.0.0.5:50062", "m", "fp", vocab_size=100, capacity=8)
+
+    async def go(url: str) -> None:
+        as_replica = Registry(url.replace("redis://", f"redis://{user}:replica-pw@"), token="t0ken")
+        await as_replica.publish(replica, ttl=30)
+        coordinator = Registry(url, token="t0ken")  # the default user: the coordinator's
+        assert await coordinator.replicas("target") == [replica]
+        refused = (
+            as_replica.redis.xadd("specdec:req:r1:out", {"chunk": "forged"}),
+            as_replica.redis.set("specdec:req:r1:lease", "me"),
+            as_replica.redis.hset("specdec:other", mapping={"a": "1"}),
+            as_replica.redis.hgetall(replica.key),
+            as_replica.redis.keys("*"),
+            as_replica.redis.flushall(),
+            as_replica.redis.config_set("maxmemory", "1"),
+        )
+        for call in refused:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await call
+        await as_replica.remove(replica)
+        assert await coordinator.replicas("target") == []
+        for client in (as_replica, coordinator):
+            await client.close()
+
+    with EmbeddedRedis(extra_args=["--user", *rule]) as server:
+        asyncio.run(go(server.url))

@@ -94,6 +94,7 @@ def fake_secret() -> dict:
         "api-keys": "# KEY [NAME]\nsk-abcdefghijklmnopqrstuvwxyz0123 default\n",
         "auth-token": "token-0123456789",
         "redis-password": "pw-0123456789",
+        "redis-replica-password": "replica-pw-0123456789",
         "ca.crt": "CA",
         "tls.crt": "CRT",
         "tls.key": "KEY",
@@ -117,7 +118,15 @@ def test_the_dev_overlays_replicas_run_locally_with_their_manifest_settings(dev_
     for kind, name in (("StatefulSet", "specdec-target"), ("Deployment", "specdec-draft")):
         container = image_stack.main_container(image_stack.find(dev_objects, kind, name))
         env = image_stack.container_env(container, configmaps, secrets, "127.0.0.1")
-        assert env["REDIS_PASSWORD"] == "pw-0123456789" and env["POD_IP"] == "127.0.0.1"
+        # the registry's ACL user's password, not the coordinator's (deploy/base/redis.yaml)
+        assert env["REDIS_PASSWORD"] == "replica-pw-0123456789" and env["POD_IP"] == "127.0.0.1"
+        assert env["REDIS_USERNAME"] == "specdec-replica"
+        # only the files the pod's secret volume lists: no API keys in a replica container
+        files = image_stack.pod_secrets_dir(
+            tmp_path / f"secrets-{name}", image_stack.find(dev_objects, kind, name), secrets
+        )
+        assert sorted(p.name for p in files.iterdir()) == ["auth-token", "ca.crt", "tls.crt", "tls.key"]
+        assert (files / "tls.key").read_text() == "KEY"
         assert env["SPECDEC_TLS_CERT"].startswith("/etc/specdec/")  # mutual TLS on, from the ConfigMap
         args = [image_stack.expand(a, env) for a in container["args"]]
         assert not [a for a in args if "$(" in a], args

@@ -148,3 +148,124 @@ def test_a_coordinator_routes_only_to_targets_of_the_model_it_pinned(redis_url):
         await registry.close()
 
     asyncio.run(go())
+
+
+# -- records are authenticated (issue 62, item 10) ---------------------------------------------
+KEY = b"k" * 32
+NOW = 1_800_000_000.0
+
+
+def signed(replica=TARGET, key=KEY, now=NOW):
+    from specdec.runtime.registry import signed_fields
+
+    return signed_fields(replica, key, now)
+
+
+def check(data, key=KEY, now=NOW, name=TARGET.key):
+    from specdec.runtime.registry import check_record
+
+    return check_record(name, data, "target", key, now)
+
+
+def test_a_signed_record_verifies_and_reads_back_as_it_was_written():
+    assert check(signed()) == TARGET
+    assert check(signed(now=NOW - 1.0)) == TARGET  # a beat ago
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"load": "0"}, {"capacity": str(1 << 20)}, {"address": "203.0.113.9:1"}, {"draining": "0"}, {"replica_id": "t2"}],
+)
+def test_a_tampered_record_is_refused_as_forged(change):
+    from specdec.runtime.registry import Refusal
+
+    record = {**signed(Replica(**{**TARGET.__dict__, "load": 9, "draining": True})), **change}
+    verdict = check(record, name=f"specdec:replica:target:{record['replica_id']}")
+    assert isinstance(verdict, Refusal) and verdict.reason == "forged", verdict
+
+
+def test_a_record_signed_with_another_key_or_not_at_all_is_refused():
+    from specdec.runtime.registry import Refusal, signing_key
+
+    other = check(signed(key=signing_key("another deployment's token")), key=signing_key("ours"))
+    assert isinstance(other, Refusal) and other.reason == "forged"
+    unsigned = check(TARGET.to_hash())
+    assert isinstance(unsigned, Refusal) and unsigned.reason == "unsigned"
+    assert check(TARGET.to_hash(), key=None) == TARGET  # no token here: bounds only (a local stack)
+    assert check(signed(), key=None) == TARGET
+
+
+def test_the_signing_key_is_derived_from_the_token_not_the_token_itself():
+    from specdec.runtime.registry import signing_key
+
+    assert signing_key("a") == signing_key("a") != signing_key("b")
+    assert len(signing_key("a")) == 32 and signing_key("t0ken") != b"t0ken"
+
+
+@pytest.mark.parametrize("signed_at", [NOW - 30.0, NOW - 600.0, NOW + 30.0])
+def test_a_replayed_old_record_or_one_from_the_future_is_refused_as_stale(signed_at):
+    """A record copied while it was real (idle, a low load) and written back later: the time it
+    was signed is inside the MAC, so it cannot be refreshed, and past the TTL (plus clock skew) it
+    is refused."""
+    from specdec.runtime.registry import Refusal
+
+    verdict = check(signed(now=signed_at))
+    assert isinstance(verdict, Refusal) and verdict.reason == "stale", verdict
+    assert check({**signed(now=signed_at), "signed_at": str(int(NOW * 1000))}).reason == "forged"
+
+
+def test_a_real_record_replayed_under_another_replicas_key_is_refused():
+    from specdec.runtime.registry import Refusal
+
+    verdict = check(signed(), name="specdec:replica:target:someone-else")
+    assert isinstance(verdict, Refusal) and verdict.reason == "invalid"
+
+
+def test_refusals_are_logged_once_per_record_and_at_most_a_few_lines_a_minute():
+    from specdec.runtime.registry import MAX_REFUSAL_LINES, RefusalLog
+
+    clock = [0.0]
+    lines = RefusalLog(clock=lambda: clock[0])
+    assert lines.should_log("a") and not lines.should_log("a")  # once per record
+    said = sum(lines.should_log(f"flood-{i}") for i in range(1000))
+    assert said == MAX_REFUSAL_LINES - 1  # an intruder writing fresh keys cannot flood the log
+    clock[0] += 61.0
+    assert lines.should_log("later") and lines.suppressed == 1000 - (MAX_REFUSAL_LINES - 1)
+
+
+def test_a_forged_plausible_target_is_never_chosen_over_the_real_one(redis_url, monkeypatch):
+    """The reviewer's repro: with the internal token set (as every deploy/ pod has it), a record
+    anyone wrote into Redis -- within every bound: load 40 of a capacity of 2^20, which looks
+    idle -- used to receive every new session. Now it is unsigned, so ignored and counted; a
+    real record copied under its own id, or with a lower load, is ignored too."""
+    from coordinator.routing import PeerPool
+    from specdec.runtime import security
+    from specdec.telemetry import metrics
+
+    monkeypatch.setenv(security.TOKEN_ENV, "internal-t0ken")
+
+    def ignored(reason):
+        return metrics.REGISTRY.get_sample_value("specdec_registry_records_ignored_total", {"reason": reason}) or 0
+
+    async def go():
+        registry = Registry(redis_url)
+        real = Replica(**{**TARGET.__dict__, "replica_id": "real", "load": 1, "capacity": 256})
+        await registry.publish(real, ttl=30)
+        written = await registry.redis.hgetall(real.key)
+        forged = {**real.to_hash(), "replica_id": "evil", "address": "203.0.113.9:50062", "load": "40"}
+        forged["capacity"] = str(1 << 20)
+        copied = {k.decode(): v.decode() for k, v in written.items()}
+        before = {reason: ignored(reason) for reason in ("unsigned", "forged", "invalid")}
+        await registry.redis.hset("specdec:replica:target:evil", mapping=forged)
+        await registry.redis.hset("specdec:replica:target:copy", mapping=copied)
+        await registry.redis.hset("specdec:replica:target:cheap", mapping={**copied, "replica_id": "cheap"})
+        pool = PeerPool(registry, prefix_routing=False)
+        assert {(await pool.pick_target()).replica_id for _ in range(3)} == {"real"}
+        assert [r.replica_id for r in await registry.replicas("target")] == ["real"]
+        assert ignored("unsigned") > before["unsigned"]
+        assert ignored("forged") > before["forged"] and ignored("invalid") > before["invalid"]
+        for name in ("real", "evil", "copy", "cheap"):
+            await registry.redis.delete(f"specdec:replica:target:{name}")
+        await registry.close()
+
+    asyncio.run(go())

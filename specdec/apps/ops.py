@@ -1,6 +1,6 @@
 """Operations helpers: ``specdec health`` (a health probe that speaks the process's TLS, for
 Kubernetes exec probes -- kubelet's own gRPC probe is plaintext only) and ``specdec secrets`` (the
-Secret deploy/ mounts: the internal token, the Redis password, API keys, a CA and the replicas'
+Secret deploy/ mounts: the internal token, the Redis passwords, API keys, a CA and the replicas'
 shared certificate, all generated here; nothing of it is ever committed)."""
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def secret_data(server_name: str = DEFAULT_SERVER_NAME, api_keys: int = 1) -> tu
     lines = "".join(f"{key} client{i}\n" for i, key in enumerate(keys, 1))
     data = {
         "auth-token": secrets.token_urlsafe(32).encode(),
-        "redis-password": secrets.token_urlsafe(32).encode(),
+        "redis-password": secrets.token_urlsafe(32).encode(),  # Redis's default user: the coordinator
+        # the ACL user draft and target pods log in as: it may write their registry records only
+        "redis-replica-password": secrets.token_urlsafe(32).encode(),
         "api-keys": b"# KEY [NAME [MAX_CONCURRENT]] (coordinator/api_keys.py)\n" + lines.encode(),
         "ca.crt": ca_pem,
         "tls.crt": cert_pem,

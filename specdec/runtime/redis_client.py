@@ -4,7 +4,8 @@ once (a stale pooled connection fails its first command after a restart). A comm
 out is retried once only -- once, because a process woken from a pause (SIGSTOP, a long GC) finds
 its in-flight reads timed out although Redis answered -- so a hung Redis (stopped, swapping, a
 stuck fsync) fails a call within a few seconds, as UNAVAILABLE, instead of stalling it through
-every retry. The password comes from the URL or REDIS_PASSWORD (a Secret), never from a flag."""
+every retry. The password comes from the URL or REDIS_PASSWORD (a Secret), never from a flag,
+and the ACL user from the URL or REDIS_USERNAME (none: Redis's default user)."""
 
 from __future__ import annotations
 
@@ -54,5 +55,6 @@ def connect(url: str):
         health_check_interval=2,
         retry=_Retry(ExponentialBackoff(cap=1.0, base=0.05), CONNECTION_RETRIES),
         max_connections=MAX_CONNECTIONS,
+        username=os.environ.get("REDIS_USERNAME") or None,  # a user in the URL wins
         password=os.environ.get("REDIS_PASSWORD") or None,  # a password in the URL wins
     )

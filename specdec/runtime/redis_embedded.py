@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -43,9 +44,16 @@ DEFAULT_MAXMEMORY = "512mb"
 
 
 class EmbeddedRedis:
-    def __init__(self, port: int = 0, data_dir: str | None = None, maxmemory: str = DEFAULT_MAXMEMORY):
+    def __init__(
+        self,
+        port: int = 0,
+        data_dir: str | None = None,
+        maxmemory: str = DEFAULT_MAXMEMORY,
+        extra_args: Sequence[str] = (),
+    ):
         self.port = port or _free_port()
         self.maxmemory = maxmemory
+        self.extra_args = list(extra_args)  # more redis-server options, e.g. ACL users (--user ...)
         self._tmp: tempfile.TemporaryDirectory | None = None
         if data_dir:
             self.data_dir = data_dir
@@ -81,6 +89,7 @@ class EmbeddedRedis:
             "noeviction",
             "--logfile",
             os.path.join(self.data_dir, "redis.log"),
+            *self.extra_args,
         ]
         self.process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True

@@ -5,19 +5,32 @@ tokenizer fingerprint, load = live sessions, capacity, draining) and refreshes i
 HEARTBEAT_S with a TTL of REPLICA_TTL_S: a replica that dies simply stops refreshing and drops
 out within a few seconds, and no key outlives its TTL. Coordinators list replicas when a new
 session starts and pick one with the pure functions below; a session keeps its replicas for life.
+
+Anything that can write Redis could publish a record, so records are authenticated: a replica
+holding the internal token (security: the one its services require) signs each record -- every
+field and the time it was signed -- with an HMAC under a key derived from the token, and a
+coordinator holding the token considers only records that verify and were signed within the TTL
+(plus clock skew), so neither a forged record nor an old one written back is ever chosen. Without
+a token (a local stack on loopback) records are unsigned and only their bounds are checked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import json
 import logging
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from specdec.runtime import security
 from specdec.runtime.placement import MAX_DEVICES, Placement
+from specdec.telemetry import metrics
 
 log = logging.getLogger("specdec.runtime.registry")
 
@@ -32,6 +45,17 @@ MAX_RECORD_TEXT = 1024
 MAX_RECORD_DEVICES_TEXT = MAX_DEVICES * 64  # a GPU's identity is its UUID (runtime.placement)
 KINDS = ("draft", "target")
 DRAFT_KINDS = ("", "model", "ngram", "feature")
+# Authentication (module doc). A record is refreshed every HEARTBEAT_S, so a real one is never
+# older than that when read; one signed longer ago than it may live, or later than now, is a
+# replay -- up to MAX_CLOCK_SKEW_S apart, the replica's and the coordinator's clocks may disagree.
+MAX_CLOCK_SKEW_S = 2.0
+MAX_RECORD_AGE_S = REPLICA_TTL_S + MAX_CLOCK_SKEW_S
+SIGNED_AT, MAC = "signed_at", "mac"  # the hash fields a signed record adds (epoch ms, hex HMAC)
+SIGNING_CONTEXT = b"specdec registry record v1"
+# Why a record was ignored (the label of specdec_registry_records_ignored_total).
+INVALID, UNSIGNED, FORGED, STALE = "invalid", "unsigned", "forged", "stale"
+MAX_REFUSAL_LINES = 10  # log lines about ignored records per REFUSAL_WINDOW_S, in all
+REFUSAL_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -117,18 +141,126 @@ def new_replica_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+# -- authentication ----------------------------------------------------------------------------
+def signing_key(token: str) -> bytes:
+    """The registry's HMAC key, derived from the internal token: a key of its own, so a MAC is
+    never computed with the bearer token itself."""
+    return hmac.new(token.encode(), SIGNING_CONTEXT, hashlib.sha256).digest()
+
+
+def record_mac(key: bytes, replica: Replica, signed_at_ms: int) -> str:
+    """The HMAC of a record's canonical bytes: every field as ``to_hash`` writes it, and when it
+    was signed (so an old record cannot be made to look fresh)."""
+    message = json.dumps([replica.to_hash(), signed_at_ms], sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, SIGNING_CONTEXT + b"\n" + message.encode(), hashlib.sha256).hexdigest()
+
+
+def signed_fields(replica: Replica, key: bytes | None, now: float) -> dict[str, str]:
+    """What a replica writes: its fields, and with a key, when it signed them and the MAC."""
+    data = replica.to_hash()
+    if key is not None:
+        signed_at_ms = int(now * 1000)
+        data[SIGNED_AT], data[MAC] = str(signed_at_ms), record_mac(key, replica, signed_at_ms)
+    return data
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a registry record is ignored: ``reason`` (INVALID / UNSIGNED / FORGED / STALE, a
+    metric label) and ``detail`` (for the log)."""
+
+    reason: str
+    detail: str
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def check_record(name: str, data: Mapping, kind: str, key: bytes | None, now: float) -> Replica | Refusal:
+    """The replica the record ``data`` at key ``name`` describes, if it may be routed to: within
+    its bounds, under its own key, and -- with a key -- signed by a holder of the token within
+    MAX_RECORD_AGE_S of ``now`` (epoch seconds). Otherwise why not."""
+    fields_ = {_text(k): _text(v) for k, v in data.items()}
+    try:
+        replica = Replica.from_hash(fields_)
+        problem = record_problem(replica, kind)
+    except (ValueError, TypeError) as exc:
+        return Refusal(INVALID, f"unreadable ({exc})")
+    if problem is not None:
+        return Refusal(INVALID, problem)
+    if name != replica.key:  # a real record copied under another replica's key
+        return Refusal(INVALID, f"its key names another replica than {replica.replica_id[:64]!r}")
+    if key is None:
+        return replica
+    mac, signed_at = fields_.get(MAC, ""), fields_.get(SIGNED_AT, "")
+    if not mac or not signed_at:
+        return Refusal(UNSIGNED, "unsigned: does the replica hold the internal token?")
+    well_formed = len(mac) == 2 * hashlib.sha256().digest_size and signed_at.isascii() and signed_at.isdigit()
+    if not (well_formed and len(signed_at) <= 16) or not hmac.compare_digest(
+        mac.encode(), record_mac(key, replica, int(signed_at)).encode()
+    ):
+        return Refusal(FORGED, "its MAC does not verify: written without this deployment's internal token")
+    age = now - int(signed_at) / 1000
+    if not -MAX_CLOCK_SKEW_S <= age <= MAX_RECORD_AGE_S:
+        return Refusal(STALE, f"signed {age:.1f}s ago: a replayed record, or the clocks are {age:.0f}s apart")
+    return replica
+
+
+class RefusalLog:
+    """Whether to log an ignored record: once per key, and at most MAX_REFUSAL_LINES lines per
+    REFUSAL_WINDOW_S in all -- whoever writes fresh keys must not flood the log (the metric counts
+    every one). ``suppressed``: refusals not logged since the last line."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._seen: set[str] = set()
+        self._window_start = clock()
+        self._lines = 0
+        self.suppressed = 0
+
+    def should_log(self, name: str) -> bool:
+        if name in self._seen:
+            return False
+        if len(self._seen) > MAX_RECORD_SESSIONS:  # bounded: forget, and log again
+            self._seen.clear()
+        self._seen.add(name)
+        now = self._clock()
+        if now - self._window_start >= REFUSAL_WINDOW_S:
+            self._window_start, self._lines = now, 0
+        if self._lines >= MAX_REFUSAL_LINES:
+            self.suppressed += 1
+            return False
+        self._lines += 1
+        return True
+
+    def take_suppressed(self) -> int:
+        """The refusals not logged since the last line (and now none)."""
+        count, self.suppressed = self.suppressed, 0
+        return count
+
+
 # -- Redis access ----------------------------------------------------------------------------
 class Registry:
-    def __init__(self, url: str):
+    """``token``: the internal token records are signed and verified with (default: this
+    process's, security.current(); "" or none: unsigned records, bounds only)."""
+
+    def __init__(self, url: str, token: str | None = None):
         from specdec.runtime.redis_client import connect
 
         self.url = url
         self.redis = connect(url)
-        self._refused: set[str] = set()  # keys whose bad records were already logged
+        token = security.current().token if token is None else token
+        self._key = signing_key(token) if token else None
+        self._refusals = RefusalLog()
+
+    @property
+    def authenticated(self) -> bool:
+        return self._key is not None
 
     async def publish(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(replica.key, mapping=replica.to_hash())
+            pipe.hset(replica.key, mapping=signed_fields(replica, self._key, time.time()))
             pipe.pexpire(replica.key, int(ttl * 1000))
             await pipe.execute()
 
@@ -144,24 +276,24 @@ class Registry:
                 pipe.hgetall(key)
             rows = await pipe.execute()
         found = []
+        now = time.time()
         for key, row in zip(keys, rows, strict=True):
             if not row:
                 continue
-            name = key.decode() if isinstance(key, bytes) else key
-            try:
-                replica = Replica.from_hash(row)
-                problem = record_problem(replica, kind)
-            except (ValueError, TypeError) as exc:
-                problem = f"unreadable ({exc})"
-            if problem is not None:
-                if len(self._refused) > MAX_RECORD_SESSIONS:  # bounded: forget, and log again
-                    self._refused.clear()
-                if name not in self._refused:
-                    self._refused.add(name)
-                    log.warning("ignoring registry record %s: %s", name[:200], problem)
+            name = _text(key)
+            verdict = check_record(name, row, kind, self._key, now)
+            if isinstance(verdict, Refusal):
+                self._refuse(name, verdict)
                 continue
-            found.append(replica)
+            found.append(verdict)
         return sorted(found, key=lambda r: r.replica_id)
+
+    def _refuse(self, name: str, refusal: Refusal) -> None:
+        metrics.REGISTRY_RECORDS_IGNORED.labels(refusal.reason).inc()
+        if self._refusals.should_log(name):
+            suppressed = self._refusals.take_suppressed()
+            more = f" ({suppressed} more ignored records not logged)" if suppressed else ""
+            log.warning("ignoring registry record %s: %s%s", name[:200], refusal.detail, more)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -15,7 +15,10 @@ from its environment, dial the services exactly as it would:
   that name (deploy/ and ``specdec secrets``).
 - ``SPECDEC_AUTH_TOKEN`` (or ``SPECDEC_AUTH_TOKEN_FILE``): the shared token. Draft and target
   services refuse calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED), except the
-  health check, which kubelet's probes call; the coordinator sends it on every call.
+  health check, which kubelet's probes call; the coordinator sends it on every call. It also
+  keys the HMAC that authenticates replica registry records (runtime.registry).
+- ``REDIS_USERNAME`` / ``REDIS_PASSWORD``: who this process is to Redis (runtime.redis_client);
+  deploy/ logs draft and target pods in as an ACL user that may write their registry records only.
 """
 
 from __future__ import annotations
@@ -32,8 +35,17 @@ import grpc
 CERT_ENV, KEY_ENV, CA_ENV = "SPECDEC_TLS_CERT", "SPECDEC_TLS_KEY", "SPECDEC_TLS_CA"
 SERVER_NAME_ENV = "SPECDEC_TLS_SERVER_NAME"
 TOKEN_ENV, TOKEN_FILE_ENV = "SPECDEC_AUTH_TOKEN", "SPECDEC_AUTH_TOKEN_FILE"
-REDIS_PASSWORD_ENV = "REDIS_PASSWORD"
-ENV_NAMES = (CERT_ENV, KEY_ENV, CA_ENV, SERVER_NAME_ENV, TOKEN_ENV, TOKEN_FILE_ENV, REDIS_PASSWORD_ENV)
+REDIS_PASSWORD_ENV, REDIS_USERNAME_ENV = "REDIS_PASSWORD", "REDIS_USERNAME"
+ENV_NAMES = (
+    CERT_ENV,
+    KEY_ENV,
+    CA_ENV,
+    SERVER_NAME_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    REDIS_PASSWORD_ENV,
+    REDIS_USERNAME_ENV,
+)
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # probes and tooling: no token
 
 

@@ -22,6 +22,9 @@ in the responses exactly):
   specdec_inter_token_latency_seconds              histogram (per token, between chunks)
   specdec_request_latency_seconds                  histogram (end to end)
   specdec_step_seconds_total{part=draft|verify}    time split
+  specdec_registry_records_ignored_total{reason}   registry records passed over when listing
+                                                   replicas (each listing counts): invalid,
+                                                   unsigned, forged or stale (runtime.registry)
 
 Draft and target:
   specdec_live_sessions, specdec_kv_cache_bytes    gauges
@@ -79,6 +82,12 @@ PREDRAFT_HITS = Counter(
     "specdec_predraft_hits", "Blocks drafted ahead that a step used, by branch", ["branch"], registry=REGISTRY
 )
 EMITTED_TOKENS = Counter("specdec_emitted_tokens", "Tokens streamed to clients", registry=REGISTRY)
+REGISTRY_RECORDS_IGNORED = Counter(
+    "specdec_registry_records_ignored",
+    "Registry records passed over when listing replicas, by why: invalid, unsigned, forged, stale",
+    ["reason"],
+    registry=REGISTRY,
+)
 TTFT = Histogram(
     "specdec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=REGISTRY
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from dataclasses import replace
 
 import pytest
@@ -29,6 +30,7 @@ from specdec.loop.generate import (
     SpeculativeRun,
     cut_where_forbidden,
     forced_run_limit,
+    generate_async,
     speculative_generate,
 )
 from specdec.modeling.grammar import Grammars
@@ -250,3 +252,43 @@ def test_a_replica_without_grammars_refuses_a_constraint(tokenizer):
     params = SamplingParams(temperature=0.0, seed=1, max_new_tokens=4, constraint=CONSTRAINTS[2])
     with pytest.raises(InvalidArgumentError, match="does not serve constraints"):
         speculative_generate(target, None, PROMPT, params, 0)
+
+
+class Recording:
+    """The real matcher, recording where each of its calls runs and the forced-run limits asked."""
+
+    def __init__(self, matcher):
+        self.matcher, self.threads, self.limits = matcher, set(), []
+
+    def follow(self, generated):
+        self.threads.add(threading.get_ident())
+        self.matcher.follow(generated)
+
+    def forced(self, limit):
+        self.threads.add(threading.get_ident())
+        self.limits.append(limit)
+        return self.matcher.forced(limit)
+
+    def admits(self, tokens):
+        self.threads.add(threading.get_ident())
+        return self.matcher.admits(tokens)
+
+
+def test_the_loop_follows_the_constraint_off_the_event_loop_and_within_max_tokens(engines, tokenizer):
+    # (ab){1500} forces 3,000 characters: the loop asked for all of the run at once, on the
+    # event loop -- about 13 s of masks that held every other request (issue 62, item 2)
+    target = engines[0]
+    params = SamplingParams(temperature=0.0, seed=1, max_new_tokens=3, constraint=Constraint("regex", "(ab){1500}"))
+    follower = Recording(target.store.grammars.matcher(params.constraint))
+
+    async def generate():
+        loop_thread = threading.get_ident()
+        result = await generate_async(
+            LocalTarget(target), LocalDraft(NgramDraft(VOCAB)), PROMPT, params, 2, [tokenizer.eos_token_id],
+            tokenizer, constraint=follower,
+        )  # fmt: skip
+        return result, loop_thread
+
+    result, loop_thread = asyncio.run(generate())
+    assert len(result.token_ids) == 3 and result.stats.forced_tokens == 3
+    assert follower.limits == [3] and loop_thread not in follower.threads

@@ -48,7 +48,10 @@ def _peer_error(kind: str, address: str, exc: grpc.aio.AioRpcError) -> PeerError
     if code == "INTERNAL" and exc.details() == TRANSPORT_FAILURE:
         code = "UNAVAILABLE"
     log.info("%s %s answered %s: %s", kind, address, code, exc.details())
-    return PeerError(code, f"{kind} replica: {code}: {_without_addresses(exc.details() or '')}")
+    details = _without_addresses(exc.details() or "")
+    if code == "INVALID_ARGUMENT" and details.startswith("sampling."):
+        return PeerError(code, details)  # a field of the client's own request: its 400 names it first
+    return PeerError(code, f"{kind} replica: {code}: {details}")
 
 
 _ADDRESS = re.compile(r"(ipv[46]:)?(\[[0-9a-fA-F:]+\]|\d{1,3}(\.\d{1,3}){3}|[\w.-]+\.[\w-]+)(:\d{1,5})\b")

@@ -160,3 +160,63 @@ def test_specdec_generate_takes_a_constraint_from_its_flags(stack, tmp_path):
         [*base, "--json-schema", "{not json"], capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 2 and "INVALID_ARGUMENT: sampling.structured_output: json_schema: not JSON" in proc.stderr
+
+
+# -- hostile constraints (issue 62): none takes the coordinator down or stalls it -----------------
+def chained_rules(count: int) -> str:
+    return "\n".join(["start: r0", *(f'r{i}: "t{i}" | r{i + 1}' for i in range(count)), f'r{count}: "end"'])
+
+
+def gbnf_rules(count: int) -> str:
+    return "\n".join(["root ::= r0", *(f'r{i} ::= "t{i}" | r{i + 1}' for i in range(count)), f'r{count} ::= "end"'])
+
+
+# each: the constraint, what its refusal names, whether it may be served instead
+HOSTILE = {
+    # 61 KB: it overflowed the compiling thread's stack -- a segfault of the coordinator; it
+    # compiles now, and llguidance's parser gives up on its first token (too many items)
+    "rule_chain": (pb.StructuredOutput(grammar=chained_rules(2800)), "too complex", True),
+    # compiled again on every request, 3.8 s each, on the threads that tokenize
+    "gbnf_rules": (pb.StructuredOutput(grammar=gbnf_rules(2500)), "GBNF rules; at most", False),
+    # past Python's recursion limit when read: INTERNAL
+    "deep_json": (pb.StructuredOutput(json_schema='{"a":' * 2000 + "1" + "}" * 2000), "nested too deeply", False),
+    # its lexer gives up after the first tokens: a MatcherError and HTTP 500
+    "lexer_limit": (pb.StructuredOutput(regex="(a{1000}){1000}"), "too complex", False),
+}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE))
+def test_a_hostile_constraint_is_served_or_refused_and_the_server_carries_on(stack, kind):
+    structured, refusal, may_serve = HOSTILE[kind]
+    try:
+        answer = generate(stack, structured, 4, temperature=0.0, max_new_tokens=4)
+        assert may_serve, f"served a constraint expected to be refused: {answer.text!r}"
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+        assert error.details().startswith("sampling.structured_output: ") and len(error.details()) < 600
+        assert refusal in error.details(), error.details()
+    after = generate(stack, CASES["choice"], 4, temperature=0.0, max_new_tokens=8)
+    assert after.text in ("a cat", "a dog", "a bird")
+
+
+def test_a_long_forced_run_is_computed_only_as_far_as_max_tokens(stack):
+    # (ab){1500}: 3,000 forced characters, computed whole on the event loop (13 s) before
+    # max_tokens cut them; with max_tokens 1, one token
+    answer = generate(stack, pb.StructuredOutput(regex="(ab){1500}"), 4, temperature=0.0, max_new_tokens=1)
+    assert len(answer.token_ids) == 1 and answer.finish_reason == "length"
+
+
+def test_the_openai_client_gets_400_for_a_constraint_past_the_matchers_limits(stack):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+    for grammar in ({"regex": "(a{1000}){1000}"}, {"grammar": gbnf_rules(2500)}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=client.models.list().data[0].id,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=8,
+                temperature=0,
+                extra_body={"structured_outputs": grammar},
+            )
+        assert "structured_output" in str(info.value) and "Traceback" not in str(info.value)

@@ -72,7 +72,7 @@ class MatcherError(RuntimeError):
 
 def short(message: str) -> str:
     """llguidance's message, on one line and bounded: some quote the grammar back."""
-    line = " ".join(message.split())
+    line = " ".join(message.replace("<non-verbose/>", "").split())
     return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
 
 

@@ -390,3 +390,101 @@ def test_fuzz_internal_rpcs(stack):
     assert "StartSession:OK" in seen and stepped & set(seen), seen
     client = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(stack.coordinator_address))
     after_a_fuzz_run_nothing_is_left_and_a_request_works(stack, client)
+
+
+# -- structured-output constraints (issue 62) -----------------------------------------------------
+# Shapes that stress what compiles a constraint -- nesting depth, rule count, size, repetition
+# counts -- drawn around the bounds; on the selftest's byte-level vocabulary, which llguidance reads.
+COUNTS = st.one_of(st.integers(0, 12), st.integers(0, 6000), st.sampled_from([999, 1000, 1001, 2000, 2800, 4800, 9000]))
+
+
+def nested_schema(depth: int, field: str) -> str:
+    return f'{{"type":"object","properties":{{"{field}":' * depth + '{"type":"string"}' + "}}" * depth
+
+
+SHAPES = {
+    "lark_chain": lambda n, m: "\n".join(
+        ["start: r0", *(f'r{i}: "{"ab"[i % 2]}" | r{i + 1}' for i in range(n)), f'r{n}: "x"']
+    ),
+    "gbnf_chain": lambda n, m: "\n".join(
+        ["root ::= r0", *(f'r{i} ::= "{"cd"[i % 2]}" | r{i + 1}' for i in range(n)), f'r{n} ::= "y"']
+    ),
+    "lark_parens": lambda n, m: "start: " + "(" * n + '"a"' + ")" * n,
+    "lark_recursion": lambda n, m: f'start: "a" start{"?" * (m % 2)} | ' + " ".join(['"b"'] * max(n % 500, 1)),
+    "regex_parens": lambda n, m: "(" * n + "a" + ")" * n,
+    "regex_counts": lambda n, m: f"(a{{{n}}}){{{m}}}",
+    "regex_range": lambda n, m: f"[ab]{{{min(n, m)},{max(n, m)}}}(xy|yz){{{m % 700}}}",
+    "regex_alternatives": lambda n, m: "|".join("ab" * (i % 40) + "c" for i in range(n % 4000)),
+    "schema_depth": lambda n, m: nested_schema(n, "a"),
+    "schema_items": lambda n, m: '{"type":"array","items":' * n + '{"type":"string"}' + "}" * n,
+    "schema_refs": lambda n, m: (
+        '{"$ref":"#/$defs/d0","$defs":{'
+        + ",".join(f'"d{i}":{{"$ref":"#/$defs/d{i + 1}"}}' for i in range(n))
+        + f',"d{n}":{{"type":"string","maxLength":{m}}}}}}}'
+    ),
+    "schema_any_of": lambda n, m: (
+        '{"anyOf":[' + ",".join(f'{{"const":"{"ab" * (i % 9)}{i}"}}' for i in range(n)) + "]}"
+    ),
+    "json_brackets": lambda n, m: "[" * n + "]" * n,
+    "choices": lambda n, m: json.dumps(["ab" * (i % 7) + str(i) for i in range(n % 300)]),
+}
+KIND_OF = {"lark": "grammar", "gbnf": "grammar", "rege": "regex", "sche": "json_schema", "json": "json_schema"}
+
+
+@st.composite
+def constraint_request(draw) -> pb.GenerateRequest:
+    from specdec.exact.constraint import MAX_SPEC_CHARS
+
+    shape = draw(st.sampled_from(sorted(SHAPES)))
+    spec = SHAPES[shape](draw(COUNTS), draw(COUNTS))
+    spec = spec[: MAX_SPEC_CHARS + draw(st.integers(-64, 64))] if draw(st.booleans()) else spec  # cut at the bound
+    structured = pb.StructuredOutput()
+    if shape == "choices":
+        structured.choice.choices.extend(json.loads(spec) if spec.endswith("]") else [spec])
+    else:
+        setattr(structured, KIND_OF[shape[:4]], spec)
+    req = pb.GenerateRequest(prompt_token_ids=draw(st.lists(st.integers(1, 15), min_size=1, max_size=6)))
+    req.sampling.max_new_tokens = draw(st.integers(1, 8))
+    req.sampling.temperature = draw(st.sampled_from([0.0, 0.8]))
+    req.sampling.structured_output.CopyFrom(structured)
+    req.speculation.num_speculative_tokens = draw(st.sampled_from([0, 3]))
+    return req
+
+
+@pytest.fixture(scope="module")
+def constrained_stack(tmp_path_factory):
+    from stack_util import save_selftest_pair
+
+    root = tmp_path_factory.mktemp("fuzz-constraints")
+    save_selftest_pair(root, tokenizer="chars")
+    with local_stack(
+        str(root / "target"),
+        str(root / "draft"),
+        num_speculative_tokens=3,
+        log_dir=tmp_path_factory.mktemp("fuzz-constraint-logs"),
+        extra_target=["--threads", "1"],
+        extra_draft=["--threads", "1"],
+    ) as s:
+        yield s
+
+
+def test_fuzz_constraints(constrained_stack):
+    client = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(constrained_stack.coordinator_address))
+    seen: dict[str, int] = {}
+
+    @settings(CASES, max_examples=48)
+    @given(req=constraint_request())
+    def case(req):
+        try:
+            client.Generate(req, timeout=120)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+            assert code in CLIENT_ERRORS, (code, exc.details()[:500])
+            assert exc.details().startswith("sampling.") and len(exc.details()) < 1000, exc.details()[:1200]
+        seen[code] = seen.get(code, 0) + 1
+
+    case()
+    print("constraint statuses:", seen)
+    assert seen.get("OK", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
+    after_a_fuzz_run_nothing_is_left_and_a_request_works(constrained_stack, client)

@@ -28,6 +28,7 @@ from specdec.modeling.grammar import (
     GrammarError,
     Grammars,
     MatcherError,
+    UnfollowableConstraintError,
     template_bytes,
     unpack_bitmask,
 )
@@ -375,3 +376,25 @@ def test_the_cache_is_scoped_by_tenant_and_bounded_in_bytes(tokenizer):
         grammars.matcher(Constraint("regex", f"{i}" + spec), "tenant-a")
     stats = grammars.stats()
     assert stats["grammar_cache_entries"] == 2 and stats["grammar_cache_bytes"] <= room
+
+
+def test_a_vocabulary_that_cannot_continue_a_constraint_is_the_clients_error():
+    # the selftest's 16 tokens have no digits and no byte fallback: a fuzzed schema of digits
+    # left the target a row admitting nothing, a token drawn from it, and INTERNAL (issue 62)
+    from specdec.apps.selftest import CHAR_TOKENS
+    from specdec.modeling.tiny import char_tokenizer
+
+    grammars = Grammars(char_tokenizer(list(CHAR_TOKENS)), vocab_size=len(CHAR_TOKENS), eos_tokens=[0])
+    with pytest.raises(GrammarError, match="no token of the model's vocabulary can begin it"):
+        grammars.matcher(Constraint("regex", "[0-9]+"))
+    a, b = CHAR_TOKENS.index("a"), CHAR_TOKENS.index("b")
+    matcher = grammars.matcher(Constraint("regex", "a0"))
+    assert matcher.allowed().nonzero().flatten().tolist() == [a]
+    with pytest.raises(UnfollowableConstraintError, match="continues the constraint after 1 tokens"):
+        matcher.advance([a, b])  # b was drawn after a, where nothing is admitted
+    matcher = grammars.matcher(Constraint("regex", "a0"))
+    matcher.advance([a])
+    with pytest.raises(UnfollowableConstraintError, match="continues the constraint after 1 tokens"):
+        matcher.allowed()
+    with pytest.raises(MatcherError):  # a token refused where others are admitted is still a bug upstream
+        grammars.matcher(Constraint("regex", "ab")).advance([b])

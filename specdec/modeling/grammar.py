@@ -59,10 +59,11 @@ class GrammarError(InvalidArgumentError):
     the caller's 400)."""
 
 
-class ConstraintTooComplexError(InvalidArgumentError):
-    """A compiled constraint whose matcher hit one of llguidance's limits while following the
-    output (too many parser items or lexer states at some position): the client's constraint is
-    beyond what this server follows, a 400 naming the position, not a server fault."""
+class UnfollowableConstraintError(InvalidArgumentError):
+    """A compiled constraint the output cannot follow further: its matcher hit one of
+    llguidance's limits (too many parser items or lexer states at some position), or no token of
+    the model's vocabulary continues it (a vocabulary without byte fallback). The client's
+    constraint, a 400 naming the position, not a server fault."""
 
 
 class MatcherError(RuntimeError):
@@ -74,6 +75,12 @@ def short(message: str) -> str:
     """llguidance's message, on one line and bounded: some quote the grammar back."""
     line = " ".join(message.replace("<non-verbose/>", "").split())
     return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def dead_end(error: str) -> bool:
+    """Whether llguidance's ``error`` says its mask admits no token at all (the bytes the
+    constraint needs next are in no token); its matcher cannot roll back from it."""
+    return error.startswith("NoExtensionBias")
 
 
 def parser_limits():
@@ -158,17 +165,35 @@ class Matcher:
 
     def _check(self) -> None:
         if self._inner.is_error():
-            raise ConstraintTooComplexError(
+            if dead_end(self._inner.get_error()):
+                raise self._dead_end()
+            raise UnfollowableConstraintError(
                 "sampling.structured_output",
                 f"the constraint is too complex to follow after {self.consumed} tokens "
                 f"({short(self._inner.get_error())})",
             )
 
     def allowed(self) -> torch.Tensor:
-        """[vocab_size] bool: the tokens the constraint admits next (only EOS once it is complete)."""
+        """[vocab_size] bool: the tokens the constraint admits next (only EOS once it is
+        complete), at a position the output has reached: one admitting no token at all leaves
+        the law there undefined, UnfollowableConstraintError."""
+        mask = self._mask()
+        if not bool(mask.any()):
+            raise self._dead_end()
+        return mask
+
+    def _mask(self) -> torch.Tensor:
+        """:meth:`allowed`, where an empty set is an answer (a position looked ahead to: a draft
+        ends its block there, a verifier that reaches it finds it at its next step)."""
         mask = unpack_bitmask(self._inner.compute_bitmask(), self.vocab_size)
         self._check()
         return mask
+
+    def _dead_end(self) -> UnfollowableConstraintError:
+        return UnfollowableConstraintError(
+            "sampling.structured_output",
+            f"no token of the model's vocabulary continues the constraint after {self.consumed} tokens",
+        )
 
     def admits(self, tokens: list[int]) -> int:
         """How many of ``tokens``, in order, the constraint admits from here (state unchanged)."""
@@ -177,10 +202,16 @@ class Matcher:
     def advance(self, tokens: list[int]) -> None:
         """Consume committed ``tokens``; a token the constraint does not admit is a MatcherError,
         with nothing consumed (llguidance's matcher never leaves an error state, so a token is
-        checked before it is offered)."""
+        checked before it is offered) -- or UnfollowableConstraintError where the constraint
+        admits no token at all there, which ends the matcher."""
         tokens = [int(t) for t in tokens]
         admitted = self._inner.validate_tokens(tokens)
         if admitted < len(tokens):
+            self.advance(tokens[:admitted])
+            words = self._inner.compute_bitmask()
+            if not any(words) or (self._inner.is_error() and dead_end(self._inner.get_error())):
+                raise self._dead_end()  # drawn where nothing is admitted (no rollback from there)
+            self.rollback(admitted)
             raise MatcherError(f"token {tokens[admitted]} (index {admitted}) is not admitted here")
         if tokens and not self._inner.consume_tokens(tokens):
             self._check()  # a limit reached on the way is the client's constraint, not a bug
@@ -209,7 +240,7 @@ class Matcher:
         start = self.consumed
         try:
             self.advance(before_eos)
-            allowed = self.allowed()
+            allowed = self._mask()
             if len(before_eos) == len(tokens):
                 return allowed
             if not allowed[int(tokens[len(before_eos)])]:
@@ -232,7 +263,7 @@ class Matcher:
         run: list[int] = []
         try:
             for token in self._inner.compute_ff_tokens()[:limit]:
-                mask = self.allowed()
+                mask = self._mask() if run else self.allowed()
                 if not mask[token] or int(mask.sum()) != 1:
                     break
                 self.advance([token])
@@ -252,7 +283,7 @@ class Matcher:
         admitted = self._inner.validate_tokens(before_eos)
         for token in before_eos[:admitted]:
             self._inner.consume_token(token)
-            masks.append(self.allowed())
+            masks.append(self._mask())
         if admitted:
             self._inner.rollback(admitted)
         self._check()
@@ -497,7 +528,9 @@ class Grammars:
         if template.is_error():
             raise GrammarError("constraint", f"{constraint.kind}: {short(template.get_error())}")
         first = template.deep_copy()
-        first.compute_bitmask()
+        words = first.compute_bitmask()
+        if not any(words) or (first.is_error() and dead_end(first.get_error())):
+            raise GrammarError("constraint", f"{constraint.kind}: no token of the model's vocabulary can begin it")
         if first.is_error():
             raise GrammarError(
                 "constraint", f"{constraint.kind}: too complex at its first token ({short(first.get_error())})"

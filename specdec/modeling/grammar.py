@@ -83,6 +83,14 @@ def dead_end(error: str) -> bool:
     return error.startswith("NoExtensionBias")
 
 
+def spelled(matcher, words: bytes, eos: Sequence[int]) -> bool:
+    """Whether the first token ``words`` (a fresh matcher's mask) admits besides EOS is one its
+    parser accepts: where the constraint's first bytes are in no token (a vocabulary without
+    byte fallback), llguidance's mask admits tokens as if they were spelled, and refuses each."""
+    allowed = [t for t in unpack_bitmask(words, len(words) * 8).nonzero().flatten().tolist() if t not in eos]
+    return not allowed or matcher.validate_tokens(allowed[:1]) == 1
+
+
 def parser_limits():
     """The limits every matcher runs under, in every process: a constraint the coordinator
     accepts must compile the same on each replica. No grammar or parser state in messages."""
@@ -211,7 +219,14 @@ class Matcher:
             words = self._inner.compute_bitmask()
             if not any(words) or (self._inner.is_error() and dead_end(self._inner.get_error())):
                 raise self._dead_end()  # drawn where nothing is admitted (no rollback from there)
+            masked_in = bool(unpack_bitmask(words, self.vocab_size)[tokens[admitted]])
             self.rollback(admitted)
+            if masked_in:  # llguidance's mask admits what its parser refuses: bytes no token spells
+                raise UnfollowableConstraintError(
+                    "sampling.structured_output",
+                    f"the model's vocabulary cannot spell what the constraint needs after "
+                    f"{self.consumed + admitted} tokens",
+                )
             raise MatcherError(f"token {tokens[admitted]} (index {admitted}) is not admitted here")
         if tokens and not self._inner.consume_tokens(tokens):
             self._check()  # a limit reached on the way is the client's constraint, not a bug
@@ -529,7 +544,7 @@ class Grammars:
             raise GrammarError("constraint", f"{constraint.kind}: {short(template.get_error())}")
         first = template.deep_copy()
         words = first.compute_bitmask()
-        if not any(words) or (first.is_error() and dead_end(first.get_error())):
+        if not any(words) or (first.is_error() and dead_end(first.get_error())) or not spelled(first, words, self._eos):
             raise GrammarError("constraint", f"{constraint.kind}: no token of the model's vocabulary can begin it")
         if first.is_error():
             raise GrammarError(

@@ -2,19 +2,21 @@
 
 Keys (all with a TTL, refreshed on every write):
 - ``specdec:req:<id>:meta``  hash: the canonical request (serialized, resolved seed included),
-  status (running / done), the bytes of its chunks so far;
+  status (running / done), the bytes of its chunks so far, its epoch (the run that owns it);
 - ``specdec:req:<id>:out``   stream: one entry per committed chunk: ``start`` (index of its first
   token), ``chunk`` (a serialized GenerateChunk; the last one carries finish_reason/seed/stats);
-- ``specdec:req:<id>:lease`` the coordinator currently generating it (TTL LEASE_S, refreshed
-  every LEASE_REFRESH_S). When it dies the lease lapses and a resuming replica takes over; a
-  coordinator merely slow past it (a starved loop) takes a lapsed lease again if nobody did.
+- ``specdec:req:<id>:lease`` the run currently generating it (TTL LEASE_S, refreshed every
+  LEASE_REFRESH_S): its coordinator and the request's *epoch* (``owner#epoch``, a :class:`Run`).
+  The meta's ``epoch`` is bumped by every takeover. When a coordinator dies the lease lapses and a
+  resuming replica takes over (the next epoch); one merely slow past it (a starved loop) takes a
+  lapsed lease again only while the epoch is still its own: nobody took over, so nobody wrote.
 
 A chunk is appended (and fsync'ed by Redis, ``appendfsync always``) before it is sent, so a token
 a client has seen is never lost. An append is one script that checks the lease and writes the
 entry at an explicit stream id derived from the chunk's first token index (``start + 1``): the
-lease is a fence (a coordinator whose lease lapsed -- a paused process, a slow fsync -- cannot
-write after the one that took over), and an append retried after a lost reply finds its entry
-already there and writes nothing (exactly once, not at least once).
+lease and epoch are a fence (a run whose lease lapsed -- a paused process, a slow fsync -- cannot
+write after one that took over, even one that has let go since), and an append retried after a
+lost reply finds its entry already there and writes nothing (exactly once, not at least once).
 
 Bounds: a request's chunks at most ``max_request_bytes``; every key a TTL (``ttl_s`` after the
 last write); and Redis's own maxmemory, which the coordinator keeps new requests under
@@ -47,42 +49,65 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 ROOM_FRACTION = 0.85
 ROOM_CHECK_S = 0.5  # how long one look at Redis's memory stands for the requests that follow
 
-# KEYS: lease, meta. Extend the lease if we still hold it; take it again if it lapsed and nobody
-# took the request over (a loop starved past the lease on a loaded machine, with no reader waiting
-# to take over: the request is still ours, and fencing stays by owner); never steal one another
-# replica holds, nor retake a request another finished. 1: extended, 2: taken again, 0: lost.
-_REFRESH = """
+# A run may write while its lease (``owner#epoch``) is in place, or lapsed with the request's epoch
+# still its own: nobody took the request over since, so the log is as this run left it (a loop
+# starved past the lease on a loaded machine, with no reader waiting to take over). Once another
+# run took over -- even one that has let go since -- the epoch has moved on and this one is fenced.
+_OURS = """
+local function ours(holder, meta, token, epoch)
+  return holder == token or (not holder and redis.call('HGET', meta, 'epoch') == epoch)
+end
+"""
+# KEYS: lease, meta. ARGV: the run's token, lease ms, its epoch. Extend the lease if we hold it;
+# take it again if it lapsed and the request is still ours and not finished. 1: extended, 2: taken
+# again, 0: lost.
+_REFRESH = (
+    _OURS
+    + """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
-if not holder and redis.call('HGET', KEYS[2], 'status') ~= 'done' then
+if ours(holder, KEYS[2], ARGV[1], ARGV[3]) and redis.call('HGET', KEYS[2], 'status') ~= 'done' then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return 2
 end
 return 0
 """
-# KEYS: out, meta, lease. ARGV: owner, stream id's time part (start + 1), start, chunk, ttl ms,
-# done (1 for the last chunk), the request's byte bound, the lease ms. -1: another holds the lease,
-# or it lapsed and another wrote past this chunk or finished the request meanwhile (nothing
-# written; a lapsed one nobody took over is taken again, as in _REFRESH); -2: the chunk would take
-# the request past its bound (nothing written); 0: an entry at or past this id exists (a retried
-# append: nothing written); 1: appended.
-_APPEND = """
+)
+# KEYS: lease, meta. ARGV: owner, lease ms. A takeover: the request's next epoch, and the lease in
+# that run's name; 0 when another holds the lease or the request is gone.
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 0 then
+  return 0
+end
+local epoch = redis.call('HINCRBY', KEYS[2], 'epoch', 1)
+redis.call('SET', KEYS[1], ARGV[1] .. '#' .. epoch, 'PX', ARGV[2])
+return epoch
+"""
+# KEYS: out, meta, lease. ARGV: the run's token, stream id's time part (start + 1), start, chunk,
+# ttl ms, done (1 for the last chunk), the request's byte bound, the lease ms, the run's epoch.
+# -1: the request is not this run's (another holds the lease, or took it over since), or it is
+# finished (nothing written); -2: the chunk would take the request past its bound (nothing
+# written); 0: an entry at or past this id exists (this run's append, retried: nothing written);
+# 1: appended (a lapsed lease still ours is taken again, as in _REFRESH).
+_APPEND = (
+    _OURS
+    + """
 local holder = redis.call('GET', KEYS[3])
-local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local written = #top > 0 and tonumber(string.match(top[1][1], '^(%d+)')) >= tonumber(ARGV[2])
-if not holder then
-  if written or redis.call('HGET', KEYS[2], 'status') == 'done' then
-    return -1
-  end
-  redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[8])
-elseif holder ~= ARGV[1] then
+if not ours(holder, KEYS[2], ARGV[1], ARGV[9]) then
   return -1
 end
-if written then
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top > 0 and tonumber(string.match(top[1][1], '^(%d+)')) >= tonumber(ARGV[2]) then
   return 0
+end
+if redis.call('HGET', KEYS[2], 'status') == 'done' then
+  return -1
+end
+if not holder then
+  redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[8])
 end
 local bytes = tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0') + string.len(ARGV[4])
 if bytes > tonumber(ARGV[7]) then
@@ -97,12 +122,29 @@ end
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 return 1
 """
+)
+# KEYS: lease. ARGV: the run's token. Only the run's own lease: a stale run never frees a newer
+# one's, even of the same coordinator.
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
 """
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a request -- the first, or a takeover: the coordinator generating it and the
+    request's epoch when this run took its lease (1 for the first; every takeover bumps it)."""
+
+    owner: str
+    epoch: int
+
+    @property
+    def token(self) -> str:
+        """What the lease holds while this run has it."""
+        return f"{self.owner}#{self.epoch}"
 
 
 @dataclass
@@ -136,6 +178,7 @@ class OutputLog:
         self._refresh = self.redis.register_script(_REFRESH)
         self._release = self.redis.register_script(_RELEASE)
         self._append = self.redis.register_script(_APPEND)
+        self._acquire = self.redis.register_script(_ACQUIRE)
         self._room_looked = -ROOM_CHECK_S  # when Redis's memory was last read
         self._no_room = ""  # why new requests are refused (empty: they are not)
 
@@ -166,39 +209,41 @@ class OutputLog:
         base = f"specdec:req:{request_id}"
         return f"{base}:meta", f"{base}:out", f"{base}:lease"
 
-    async def create(self, request_id: str, canonical: bytes, owner: str) -> bool:
-        """Record a new request and take its lease; False if the request id already exists."""
+    async def create(self, request_id: str, canonical: bytes, owner: str) -> Run | None:
+        """Record a new request and take its lease (its first run); None if the request id
+        already exists."""
         import redis.exceptions
 
         meta, _, lease = self.keys(request_id)
+        run = Run(owner, 1)
         try:
             if not await self.redis.hsetnx(meta, "request", canonical):
-                return False
+                return None
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(meta, "status", "running")
+                pipe.hset(meta, mapping={"status": "running", "epoch": run.epoch})
                 pipe.pexpire(meta, self.ttl_ms)
-                pipe.set(lease, owner, px=LEASE_MS)
+                pipe.set(lease, run.token, px=LEASE_MS)
                 await pipe.execute()
         except redis.exceptions.ResponseError as exc:
             if _full(exc):
                 await self.redis.delete(meta)  # deleting frees memory: allowed when full
                 raise ResourceExhaustedError(f"the session log (Redis) is full: {exc}") from None
             raise
-        return True
+        return run
 
     async def meta(self, request_id: str) -> dict[str, bytes] | None:
         data = await self.redis.hgetall(self.keys(request_id)[0])
         return {k.decode(): v for k, v in data.items()} if data else None
 
-    async def append(self, request_id: str, start: int, chunk: coordinator_pb2.GenerateChunk, owner: str) -> bool:
-        """Append the chunk whose first token is token ``start``, if ``owner`` still holds the
-        lease (else LeaseLostError); False when it was already appended (a retry)."""
+    async def append(self, request_id: str, start: int, chunk: coordinator_pb2.GenerateChunk, run: Run) -> bool:
+        """Append the chunk whose first token is token ``start``, if the request is still ``run``'s
+        (else LeaseLostError); False when it was already appended (a retry)."""
         import redis.exceptions
 
         meta, out, lease = self.keys(request_id)
         done = "1" if chunk.finish_reason else "0"
         args = [
-            owner,
+            run.token,
             start + 1,
             start,
             chunk.SerializeToString(),
@@ -206,6 +251,7 @@ class OutputLog:
             done,
             self.max_request_bytes,
             LEASE_MS,
+            run.epoch,
         ]
         try:
             written = int(await self._append(keys=[out, meta, lease], args=args))
@@ -216,9 +262,7 @@ class OutputLog:
                 ) from None
             raise
         if written == -1:
-            raise LeaseLostError(
-                f"request {request_id!r}: another coordinator took it over; resume with resume_from_index"
-            )
+            raise LeaseLostError(f"request {request_id!r}: another run took it over; resume with resume_from_index")
         if written == -2:
             raise ResourceExhaustedError(
                 f"request {request_id!r}: its output passed the session log's bound of {self.max_request_bytes} "
@@ -236,29 +280,33 @@ class OutputLog:
             for entry_id, fields in rows
         ]
 
-    async def acquire_lease(self, request_id: str, owner: str) -> bool:
-        return bool(await self.redis.set(self.keys(request_id)[2], owner, nx=True, px=LEASE_MS))
+    async def acquire_lease(self, request_id: str, owner: str) -> Run | None:
+        """Take a request over (nobody holds its lease): the new run, or None."""
+        meta, _, lease = self.keys(request_id)
+        epoch = int(await self._acquire(keys=[lease, meta], args=[owner, LEASE_MS]))
+        return Run(owner, epoch) if epoch else None
 
     async def lease_holder(self, request_id: str) -> bytes | None:
         return await self.redis.get(self.keys(request_id)[2])
 
-    async def refresh_lease(self, request_id: str, owner: str) -> int:
-        """1: extended; 2: it had lapsed and nobody took it over, taken again; 0: another holds it."""
+    async def refresh_lease(self, request_id: str, run: Run) -> int:
+        """1: extended; 2: it had lapsed and nobody took it over since, taken again; 0: lost
+        (another run holds it or held it since, or the request is finished)."""
         meta, _, lease = self.keys(request_id)
-        return int(await self._refresh(keys=[lease, meta], args=[owner, LEASE_MS]))
+        return int(await self._refresh(keys=[lease, meta], args=[run.token, LEASE_MS, run.epoch]))
 
-    async def release_lease(self, request_id: str, owner: str) -> None:
-        await self._release(keys=[self.keys(request_id)[2]], args=[owner])
+    async def release_lease(self, request_id: str, run: Run) -> None:
+        await self._release(keys=[self.keys(request_id)[2]], args=[run.token])
 
-    async def keep_lease(self, request_id: str, owner: str) -> None:
+    async def keep_lease(self, request_id: str, run: Run) -> None:
         """Refresh the lease until cancelled (run as a task beside the generation); returns once
         it is lost, so the generation can stop at once (the appends are fenced anyway)."""
         while True:
             await asyncio.sleep(LEASE_REFRESH_S)
             try:
-                held = await self.refresh_lease(request_id, owner)
+                held = await self.refresh_lease(request_id, run)
                 if not held:
-                    log.warning("request %s: lease lost (another coordinator took the request over)", request_id)
+                    log.warning("request %s: lease lost (another run took the request over)", request_id)
                     return
                 if held == 2:  # nobody was waiting to take over: a slow loop, not a dead coordinator
                     log.info("request %s: the lease had lapsed (this process was slow) and was taken again", request_id)

@@ -4,10 +4,11 @@ once, and readers see each token once."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from coordinator.output_log import OutputLog
+from coordinator.output_log import OutputLog, Run
 from specdec.errors import LeaseLostError
 from specdec.runtime.redis_embedded import EmbeddedRedis
 from specdec.v1 import coordinator_pb2 as pb
@@ -29,33 +30,45 @@ def test_only_the_lease_holder_appends_and_a_retried_append_writes_nothing(redis
     async def scenario():
         log = OutputLog(redis_url)
         try:
-            assert await log.create("r1", b"req", owner="A")
-            assert await log.append("r1", 0, chunk(7, 8, 9), "A")
-            assert not await log.append("r1", 0, chunk(7, 8, 9), "A")  # the reply was lost, the client retried
+            a = await log.create("r1", b"req", owner="A")
+            assert a == Run("A", 1) and await log.create("r1", b"req", owner="B") is None
+            assert await log.append("r1", 0, chunk(7, 8, 9), a)
+            assert not await log.append("r1", 0, chunk(7, 8, 9), a)  # the reply was lost, the client retried
             with pytest.raises(LeaseLostError):
-                await log.append("r1", 3, chunk(10), "B")  # B never held it
+                await log.append("r1", 3, chunk(10), Run("B", 1))  # B never held it
             await log.redis.delete(log.keys("r1")[2])  # A's lease lapses (a slow loop) and nobody takes it:
-            assert await log.append("r1", 3, chunk(10), "A")  # A's next append takes it again
-            assert await log.lease_holder("r1") == b"A"
+            assert not await log.append("r1", 0, chunk(7, 8, 9), a)  # still A's: a retry is a retry
+            assert await log.append("r1", 3, chunk(10), a)  # A's next append takes it again
+            assert await log.lease_holder("r1") == b"A#1"
             await log.redis.delete(log.keys("r1")[2])  # A's lease lapses (a paused process) ...
-            assert await log.acquire_lease("r1", "B")  # ... and B takes over
+            b = await log.acquire_lease("r1", "B")  # ... and B takes over
+            assert b == Run("B", 2) and await log.acquire_lease("r1", "C") is None
             with pytest.raises(LeaseLostError):
-                await log.append("r1", 4, chunk(11), "A")  # A wakes up: fenced
-            assert await log.append("r1", 4, chunk(11, finish="length"), "B")
+                await log.append("r1", 4, chunk(11), a)  # A wakes up: fenced
+            assert await log.append("r1", 4, chunk(11, finish="length"), b)
             entries = await log.entries("r1")
             assert [(e.start, list(e.chunk.token_ids)) for e in entries] == [(0, [7, 8, 9]), (3, [10]), (4, [11])]
             assert (await log.meta("r1"))["status"] == b"done"
-            await log.redis.delete(log.keys("r1")[2])  # B released it, done; A wakes again:
+            await log.release_lease("r1", a)  # not A's to release
+            assert await log.lease_holder("r1") == b"B#2"
+            await log.release_lease("r1", b)  # B released it, done; A wakes again:
             with pytest.raises(LeaseLostError):
-                await log.append("r1", 5, chunk(12), "A")  # a lapsed lease of a finished request stays lost
-            assert await log.refresh_lease("r1", "A") == 0
-            assert await log.create("r9", b"req", owner="A")
-            assert await log.append("r9", 0, chunk(1, 2), "A")
+                await log.append("r1", 5, chunk(12), a)  # a lapsed lease of a finished request stays lost
+            assert await log.refresh_lease("r1", a) == 0
+            a9 = await log.create("r9", b"req", owner="A")
+            assert await log.append("r9", 0, chunk(1, 2), a9)
             await log.redis.delete(log.keys("r9")[2])
-            assert await log.acquire_lease("r9", "B") and await log.append("r9", 2, chunk(3), "B")
+            b9 = await log.acquire_lease("r9", "B")
+            assert b9 and await log.append("r9", 2, chunk(3), b9)
             await log.redis.delete(log.keys("r9")[2])  # B's client went away; A wakes behind B's entries:
             with pytest.raises(LeaseLostError):
-                await log.append("r9", 2, chunk(3), "A")  # fenced, not a "retried append"
+                await log.append("r9", 2, chunk(3), a9)  # fenced, not a "retried append"
+            a9_again = await log.acquire_lease("r9", "A")  # A's own resume takes it over: a run of its own
+            assert a9_again == Run("A", 3)
+            with pytest.raises(LeaseLostError):
+                await log.append("r9", 3, chunk(4), a9)  # the same coordinator's stale run is fenced too
+            assert await log.append("r9", 3, chunk(4), a9_again)
+            assert await log.acquire_lease("gone", "A") is None and await log.meta("gone") is None
         finally:
             await log.close()
 
@@ -70,14 +83,14 @@ def test_the_keeper_takes_a_lapsed_lease_again_and_returns_once_another_holds_it
     async def scenario():
         log = OutputLog(redis_url)
         try:
-            assert await log.create("r2", b"req", owner="A")
-            keeper = asyncio.ensure_future(log.keep_lease("r2", "A"))
+            a = await log.create("r2", b"req", owner="A")
+            keeper = asyncio.ensure_future(log.keep_lease("r2", a))
             await asyncio.sleep(0.2)
             assert not keeper.done()  # refreshed while held
             await log.redis.delete(log.keys("r2")[2])  # lapsed (a starved loop), nobody took it over:
             await asyncio.sleep(0.2)
-            assert not keeper.done() and await log.lease_holder("r2") == b"A"  # taken again
-            await log.redis.set(log.keys("r2")[2], "B")  # taken over
+            assert not keeper.done() and await log.lease_holder("r2") == b"A#1"  # taken again
+            await log.redis.set(log.keys("r2")[2], "B#2")  # taken over
             await asyncio.wait_for(keeper, 2.0)  # returns: the generation can stop now
         finally:
             await log.close()
@@ -98,8 +111,8 @@ def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2])
         stored = canonical(req, rid, core.requests.parse(req, rid).resolved())
         writer = OutputLog(redis_url)
-        assert await writer.create(rid, stored, owner="W")  # another coordinator is generating it
-        keeper = asyncio.ensure_future(writer.keep_lease(rid, "W"))
+        w = await writer.create(rid, stored, owner="W")  # another coordinator is generating it
+        keeper = asyncio.ensure_future(writer.keep_lease(rid, w))
 
         async def read():
             return [t for c in [c async for c in core.generate(req)] for t in c.token_ids]
@@ -122,8 +135,8 @@ def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis
             assert min(in_use) <= 4, in_use
             with pytest.raises(ResourceExhaustedError, match="limit is 50"):
                 await read()
-            await writer.append(rid, 0, chunk(5, 6), "W")
-            await writer.append(rid, 2, chunk(7, finish="length"), "W")
+            await writer.append(rid, 0, chunk(5, 6), w)
+            await writer.append(rid, 2, chunk(7, finish="length"), w)
             assert await asyncio.wait_for(asyncio.gather(*readers), 10) == [[5, 6, 7]] * 50
             assert core.durable.readers == 0
         finally:
@@ -141,10 +154,10 @@ def test_a_requests_log_stops_at_its_byte_bound_and_writes_nothing_past_it(redis
     async def scenario():
         log = OutputLog(redis_url, max_request_bytes=100)
         try:
-            assert await log.create("big", b"req", owner="A")
-            assert await log.append("big", 0, chunk(*range(20)), "A")  # ~30 bytes
+            a = await log.create("big", b"req", owner="A")
+            assert await log.append("big", 0, chunk(*range(20)), a)  # ~30 bytes
             with pytest.raises(ResourceExhaustedError, match="bound of 100 bytes per request"):
-                await log.append("big", 20, chunk(*range(1000, 1100)), "A")  # ~200 bytes
+                await log.append("big", 20, chunk(*range(1000, 1100)), a)  # ~200 bytes
             assert [e.start for e in await log.entries("big")] == [0]
             assert int((await log.meta("big"))["bytes"]) < 100
         finally:
@@ -166,7 +179,8 @@ def test_new_requests_are_refused_past_the_share_of_maxmemory_and_a_full_redis_r
         log = OutputLog(url)
         try:
             await log.check_room()  # room: nothing raised
-            assert await log.create("running", b"req", owner="A")
+            a = await log.create("running", b"req", owner="A")
+            assert a
             used, limit = await log.memory()
             assert limit == 4 << 20 and used < limit
             filler = b"x" * 4096
@@ -180,9 +194,96 @@ def test_new_requests_are_refused_past_the_share_of_maxmemory_and_a_full_redis_r
                 await log.create("late", b"r" * 65536, owner="A")
             assert await log.meta("late") is None
             with pytest.raises(ResourceExhaustedError, match="full; the tokens sent so far stand"):
-                await log.append("running", 0, chunk(*range(5000)), "A")
+                await log.append("running", 0, chunk(*range(5000)), a)
         finally:
             await log.close()
 
     with EmbeddedRedis(maxmemory="4mb") as server:
         asyncio.run(scenario(server.url))
+
+
+# -- a lapsed lease is retaken only where nobody ran the request since (issue 62, item 6) ------
+def test_a_lapsed_owner_cannot_retake_a_request_another_ran_and_left(redis_url):
+    """A lapses, B takes the request over, writes tokens [3, 7) and lets go (its client left);
+    A's refresh must not take the lease again (nobody holds it, but the log is no longer as A
+    left it), and A's appends are refused, not written past B's: the log stays one run of
+    consecutive tokens a reader can resume from."""
+
+    async def scenario():
+        log = OutputLog(redis_url)
+        try:
+            a = await log.create("r6", b"req", owner="A")
+            assert await log.append("r6", 0, chunk(0, 1, 2), a)
+            await log.redis.delete(log.keys("r6")[2])  # A's lease lapses (a paused process) ...
+            b = await log.acquire_lease("r6", "B")  # ... B takes over ...
+            assert await log.append("r6", 3, chunk(3, 4, 5, 6), b)
+            await log.release_lease("r6", b)  # ... and its client goes away
+            assert await log.refresh_lease("r6", a) == 0  # A wakes: the request is no longer its
+            with pytest.raises(LeaseLostError):
+                await log.append("r6", 5, chunk(5, 6, 7), a)
+            with pytest.raises(LeaseLostError):
+                await log.append("r6", 8, chunk(8, 9, finish="length"), a)
+            entries = await log.entries("r6")
+            assert [(e.start, e.end) for e in entries] == [(0, 3), (3, 7)]
+            assert await log.lease_holder("r6") is None  # free for the next resuming reader
+        finally:
+            await log.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_run_whose_request_was_taken_over_and_left_is_aborted_and_the_log_stays_resumable(redis_url, monkeypatch):
+    """The same sequence through a coordinator's own generation (its lease keeper running): the
+    stale run's stream ends ABORTED at its next chunk instead of writing past the takeover, and
+    a reader of the log finds consecutive tokens. The loop is a stand-in (this is the session
+    log's side of one run); the log, its scripts and the keeper are real."""
+    from coordinator import output_log
+    from coordinator.config import CoordinatorConfig
+    from coordinator.core import CoordinatorCore
+    from specdec.errors import SpecdecError
+
+    monkeypatch.setattr(output_log, "LEASE_REFRESH_S", 0.05)
+
+    async def scenario():
+        core = CoordinatorCore(CoordinatorConfig(redis_url=redis_url))
+        core.requests.vocab_size, core.requests.context_length = 32, 64
+        rid = "r7"
+
+        async def b_takes_over_and_leaves():
+            other = OutputLog(redis_url)
+            try:
+                await other.redis.delete(other.keys(rid)[2])  # A's lease lapses ...
+                b = await other.acquire_lease(rid, "B")  # ... B takes over, writes [3, 7) and lets go
+                assert b is not None and await other.append(rid, 3, chunk(3, 4, 5, 6), b)
+                await other.release_lease(rid, b)
+            finally:
+                await other.close()
+
+        async def loop(parsed, committed, steps, carrier):  # A's run, paused past its lease after 3 tokens
+            yield chunk(0, 1, 2)
+            while not await core.log.entries(rid):  # (the loop runs a step ahead of the log)
+                await asyncio.sleep(0.01)
+            # A's whole event loop stands still (its lease keeper too) while B runs elsewhere
+            b = threading.Thread(target=asyncio.run, args=(b_takes_over_and_leaves(),))
+            b.start()
+            b.join()
+            await asyncio.sleep(0.3)  # A wakes; its keeper looks at the lease (a few times)
+            for piece in (chunk(3, 4), chunk(5, 6, 7), chunk(8, 9, finish="length")):
+                yield piece
+
+        core.durable.generate = loop
+        received: list[int] = []
+        try:
+            with pytest.raises(LeaseLostError) as lost:
+                async for piece in core.generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2])):
+                    received.extend(piece.token_ids)
+            assert isinstance(lost.value, SpecdecError) and lost.value.code == "ABORTED"
+            assert received == [0, 1, 2]
+            entries = await core.log.entries(rid)
+            assert [(e.start, e.end) for e in entries] == [(0, 3), (3, 7)]  # B's run, consecutive
+            assert (await core.log.meta(rid))["status"] == b"running"  # resumable: nobody holds it
+            assert await core.log.lease_holder(rid) is None
+        finally:
+            await core.close()
+
+    asyncio.run(scenario())

@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 
-from coordinator.output_log import OutputLog, Run
+from coordinator.output_log import OutputLog, Run, reserved_bytes
 from coordinator.requests import ParsedRequest, RequestParser, canonical
 from specdec.errors import InvalidArgumentError, LeaseLostError, PeerError, ResourceExhaustedError, SessionNotFoundError
 from specdec.v1 import coordinator_pb2
@@ -113,19 +113,24 @@ class DurableRequests:
         self.generate = generate
 
     async def stream(
-        self, request: coordinator_pb2.GenerateRequest, request_id: str, trace_carrier: dict | None
+        self, request: coordinator_pb2.GenerateRequest, request_id: str, trace_carrier: dict | None, tenant: str = ""
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """A request's chunks: generated here and logged when the log does not know its id (or
         it has none), else read from the log from ``resume_from_index`` (taken over if nobody
-        generates it)."""
+        generates it). ``tenant``: the caller's API key's (its bound on the log), "" for none."""
         meta = await self.log.meta(request_id) if request.request_id else None
         if meta is None:
             if request.resume_from_index:
                 raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
             parsed = self.requests.parse(request, request_id, await self.requests.encode(request))
+            stored = canonical(request, request_id, parsed.resolved())
+            params = parsed.params
+            reserve = reserved_bytes(
+                params.max_new_tokens, params.logprobs, request_id, len(stored), self.log.max_request_bytes
+            )
             async with self.admitted(True):
                 await self.requests.check_constraint(parsed)  # refused: nothing written
-                run = await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner)
+                run = await self.log.create(request_id, stored, self.owner, reserve, tenant)
                 if run is not None:
                     async for chunk in self._owned(run, parsed, [], [], 0, trace_carrier):
                         yield chunk

@@ -30,8 +30,8 @@ def test_only_the_lease_holder_appends_and_a_retried_append_writes_nothing(redis
     async def scenario():
         log = OutputLog(redis_url)
         try:
-            a = await log.create("r1", b"req", owner="A")
-            assert a == Run("A", 1) and await log.create("r1", b"req", owner="B") is None
+            a = await log.create("r1", b"req", owner="A", reserve=0)
+            assert a == Run("A", 1) and await log.create("r1", b"req", owner="B", reserve=0) is None
             assert await log.append("r1", 0, chunk(7, 8, 9), a)
             assert not await log.append("r1", 0, chunk(7, 8, 9), a)  # the reply was lost, the client retried
             with pytest.raises(LeaseLostError):
@@ -55,7 +55,7 @@ def test_only_the_lease_holder_appends_and_a_retried_append_writes_nothing(redis
             with pytest.raises(LeaseLostError):
                 await log.append("r1", 5, chunk(12), a)  # a lapsed lease of a finished request stays lost
             assert await log.refresh_lease("r1", a) == 0
-            a9 = await log.create("r9", b"req", owner="A")
+            a9 = await log.create("r9", b"req", owner="A", reserve=0)
             assert await log.append("r9", 0, chunk(1, 2), a9)
             await log.redis.delete(log.keys("r9")[2])
             b9 = await log.acquire_lease("r9", "B")
@@ -83,7 +83,7 @@ def test_the_keeper_takes_a_lapsed_lease_again_and_returns_once_another_holds_it
     async def scenario():
         log = OutputLog(redis_url)
         try:
-            a = await log.create("r2", b"req", owner="A")
+            a = await log.create("r2", b"req", owner="A", reserve=0)
             keeper = asyncio.ensure_future(log.keep_lease("r2", a))
             await asyncio.sleep(0.2)
             assert not keeper.done()  # refreshed while held
@@ -111,7 +111,7 @@ def test_resumed_readers_are_capped_and_hold_no_connection_while_they_wait(redis
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2])
         stored = canonical(req, rid, core.requests.parse(req, rid).resolved())
         writer = OutputLog(redis_url)
-        w = await writer.create(rid, stored, owner="W")  # another coordinator is generating it
+        w = await writer.create(rid, stored, owner="W", reserve=0)  # another coordinator is generating it
         keeper = asyncio.ensure_future(writer.keep_lease(rid, w))
 
         async def read():
@@ -154,7 +154,7 @@ def test_a_requests_log_stops_at_its_byte_bound_and_writes_nothing_past_it(redis
     async def scenario():
         log = OutputLog(redis_url, max_request_bytes=100)
         try:
-            a = await log.create("big", b"req", owner="A")
+            a = await log.create("big", b"req", owner="A", reserve=0)
             assert await log.append("big", 0, chunk(*range(20)), a)  # ~30 bytes
             with pytest.raises(ResourceExhaustedError, match="bound of 100 bytes per request"):
                 await log.append("big", 20, chunk(*range(1000, 1100)), a)  # ~200 bytes
@@ -179,7 +179,7 @@ def test_new_requests_are_refused_past_the_share_of_maxmemory_and_a_full_redis_r
         log = OutputLog(url)
         try:
             await log.check_room()  # room: nothing raised
-            a = await log.create("running", b"req", owner="A")
+            a = await log.create("running", b"req", owner="A", reserve=0)
             assert a
             used, limit = await log.memory()
             assert limit == 4 << 20 and used < limit
@@ -191,7 +191,7 @@ def test_new_requests_are_refused_past_the_share_of_maxmemory_and_a_full_redis_r
             with pytest.raises(ResourceExhaustedError, match=r"session log .* maxmemory"):
                 await log.check_room()
             with pytest.raises(ResourceExhaustedError, match="full"):
-                await log.create("late", b"r" * 65536, owner="A")
+                await log.create("late", b"r" * 65536, owner="A", reserve=0)
             assert await log.meta("late") is None
             with pytest.raises(ResourceExhaustedError, match="full; the tokens sent so far stand"):
                 await log.append("running", 0, chunk(*range(5000)), a)
@@ -212,7 +212,7 @@ def test_a_lapsed_owner_cannot_retake_a_request_another_ran_and_left(redis_url):
     async def scenario():
         log = OutputLog(redis_url)
         try:
-            a = await log.create("r6", b"req", owner="A")
+            a = await log.create("r6", b"req", owner="A", reserve=0)
             assert await log.append("r6", 0, chunk(0, 1, 2), a)
             await log.redis.delete(log.keys("r6")[2])  # A's lease lapses (a paused process) ...
             b = await log.acquire_lease("r6", "B")  # ... B takes over ...
@@ -285,5 +285,176 @@ def test_a_run_whose_request_was_taken_over_and_left_is_aborted_and_the_log_stay
             assert await core.log.lease_holder(rid) is None
         finally:
             await core.close()
+
+    asyncio.run(scenario())
+
+
+# -- a request's log bytes reserved at admission, and bounded per API key (issue 62, item 7) ---
+ALPHA, BRAVO = "sk-alpha-0123456789abcdef", "sk-bravo-0123456789abcdef"
+
+
+def logprob_chunks(parsed, committed, steps, carrier):
+    """A stand-in for the loop (the session log's side of admission is under test): the chunks
+    of a request of ``max_new_tokens`` tokens, 4 a step, each with its logprobs as the loop sends
+    them (a token's text and its top alternatives)."""
+
+    async def chunks():
+        n, top = parsed.params.max_new_tokens, parsed.params.logprobs
+        for start in range(len(committed), n, 4):
+            tokens = list(range(start, min(start + 4, n)))
+            piece = pb.GenerateChunk(request_id=parsed.request_id, token_ids=[t % 32 for t in tokens])
+            if top is not None:
+                for t in tokens:
+                    piece.logprobs.add(
+                        logprob=-1.5,
+                        token=f"w{t % 32}",
+                        top_ids=list(range(top)),
+                        top_logprobs=[-2.0] * top,
+                        top_tokens=[f"w{i}" for i in range(top)],
+                    )
+            if start + 4 >= n:
+                piece.finish_reason = "length"
+            yield piece
+            await asyncio.sleep(0)
+
+    return chunks()
+
+
+def test_one_api_key_cannot_lock_the_others_out_of_the_session_log(monkeypatch):
+    """The issue's case, scaled to a 6 MB Redis: one key floods requests of 1000 tokens with 20
+    logprobs each; before, all were admitted, their logs took Redis past its admission line and
+    another key's small request was refused for the outputs' TTL. Now each request's log bytes
+    are reserved at admission and one key may hold at most --max-output-bytes-per-key of them:
+    its own requests past that are refused before they write anything, naming the bound, every
+    one it admitted runs to its end, and the other key still gets in."""
+    from coordinator import settings
+    from coordinator.api_keys import ApiKey, ApiKeys
+    from coordinator.front import CoordinatorFront, LocalBackend
+    from specdec.errors import SpecdecError
+
+    monkeypatch.setenv("SPECDEC_MAX_OUTPUT_BYTES_PER_KEY", str(2 << 20))
+
+    async def scenario(url):
+        front = CoordinatorFront(
+            LocalBackend(settings.config_from({"redis": url})),
+            keys=ApiKeys([ApiKey("alpha", ALPHA, 32), ApiKey("bravo", BRAVO, 32)]),
+        )
+        core = front.backend.core
+        core.requests.vocab_size, core.requests.context_length = 32, 2048
+        core.durable.generate = logprob_chunks
+
+        async def call(key, rid, **sampling):
+            request = pb.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3], sampling=sampling)
+            tokens = 0
+            try:
+                async for piece in front.stream(request, {}, authorization=f"Bearer {key}"):
+                    tokens += len(piece.token_ids)
+                return tokens, "OK", ""
+            except SpecdecError as exc:
+                return tokens, exc.code, str(exc)
+
+        try:
+            heavy = {"max_new_tokens": 1000, "logprobs": 20, "ignore_eos": True}
+            flood = await asyncio.gather(*(call(ALPHA, f"alpha-{i}", **heavy) for i in range(20)))
+            done = [o for o in flood if o[1] == "OK"]
+            refused = [o for o in flood if o[1] != "OK"]
+            assert done and all(tokens == 1000 for tokens, _, _ in done), flood
+            assert refused, flood  # alpha is past its bound ...
+            for tokens, code, message in refused:  # ... and told so before anything was written
+                assert (tokens, code) == (0, "RESOURCE_EXHAUSTED") and "--max-output-bytes-per-key" in message, flood
+            small = {"max_new_tokens": 16, "ignore_eos": True}
+            assert await call(BRAVO, "bravo-1", **small) == (16, "OK", "")  # another key gets in
+            used, limit = await core.log.memory()
+            assert used < limit
+        finally:
+            await core.close()
+
+    with EmbeddedRedis(maxmemory="6mb") as server:
+        asyncio.run(scenario(server.url))
+
+
+async def ledger_total(log, scope):
+    from coordinator.output_log import ledger_keys
+
+    return int(await log.redis.get(ledger_keys(scope)[2]) or 0)
+
+
+def test_a_reservation_is_held_while_its_request_runs_settled_at_its_end_and_ages_out_with_its_log():
+    """The ledgers against a real redis-server: a request reserves its bytes when it is created,
+    in the running ledger and its key's; its last chunk (here written by a run that took it over)
+    settles them -- out of the running one, its log's bytes in its key's; a request whose
+    coordinator died keeps its reservation until its log would expire, then the next admission
+    prunes it. Past its key's bound a request is refused and writes nothing; another key is not."""
+    from coordinator import output_log
+    from coordinator.output_log import ledger_keys, tenant_scope
+    from specdec.errors import ResourceExhaustedError
+
+    async def scenario(url):
+        log = OutputLog(url, ttl_s=1.5, max_tenant_bytes=10_000)
+        try:
+            await log.check_room()
+            a = await log.create("a", b"req", owner="A", reserve=4000, tenant="t1")
+            assert a == Run("A", 1, "t1")
+            assert await ledger_total(log, "running") == await ledger_total(log, tenant_scope("t1")) == 4000
+            assert await log.append("a", 0, chunk(1, 2), a)
+            await log.redis.delete(log.keys("a")[2])  # A dies; a resuming reader takes the request over
+            b = await log.acquire_lease("a", "B")
+            assert b == Run("B", 2, "t1")  # the same key's
+            assert await log.append("a", 2, chunk(3, finish="length"), b)
+            kept = int((await log.meta("a"))["bytes"]) + len(b"req")
+            assert await ledger_total(log, "running") == 0
+            assert await ledger_total(log, tenant_scope("t1")) == kept  # its log, until it expires
+
+            dead = await log.create("dead", b"req", owner="A", reserve=6000, tenant="t1")  # never refreshed
+            assert dead and await ledger_total(log, tenant_scope("t1")) == kept + 6000
+            with pytest.raises(ResourceExhaustedError, match=r"per-key bound of 10000 bytes \(--max-output-bytes"):
+                await log.create("over", b"req", owner="A", reserve=4000, tenant="t1")
+            assert await log.meta("over") is None
+            assert await log.create("other", b"req", owner="A", reserve=4000, tenant="t2")  # another key
+            assert await log.create("anonymous", b"req", owner="A", reserve=20_000)  # no key: no bound
+
+            await asyncio.sleep(1.7)  # the logs expire, and so do their reservations
+            assert await log.meta("dead") is None
+            assert await log.create("later", b"req", owner="A", reserve=9000, tenant="t1")
+            assert await ledger_total(log, tenant_scope("t1")) == 9000
+            assert await ledger_total(log, "running") == 9000
+            for key in [*ledger_keys("running"), *ledger_keys(tenant_scope("t1"))]:
+                assert 0 < await log.redis.pttl(key) <= 1500  # nothing outlives the TTL
+
+            # Room: Redis's use plus the running reservations stay under its admission line
+            log._room_looked = -output_log.ROOM_CHECK_S  # look at Redis's memory again now
+            await log.check_room()
+            used, limit = await log.memory()
+            room = int(output_log.ROOM_FRACTION * limit) - used - 9000
+            assert await log.create("big", b"req", owner="A", reserve=room - 100_000)
+            with pytest.raises(ResourceExhaustedError, match=r"too full for request 'big2'.* more reserved"):
+                await log.create("big2", b"req", owner="A", reserve=200_000)
+            assert await log.meta("big2") is None
+        finally:
+            await log.close()
+
+    with EmbeddedRedis(maxmemory="64mb") as server:
+        asyncio.run(scenario(server.url))
+
+
+def test_the_lease_keeper_keeps_a_running_requests_reservation_past_the_ttl(redis_url, monkeypatch):
+    from coordinator import output_log
+
+    monkeypatch.setattr(output_log, "LEASE_REFRESH_S", 0.05)
+
+    async def scenario():
+        log = OutputLog(redis_url, ttl_s=0.5)
+        try:
+            run = await log.create("long", b"req", owner="A", reserve=5000, tenant="t5")
+            keeper = asyncio.ensure_future(log.keep_lease("long", run))
+            await asyncio.sleep(1.2)  # past the TTL, running
+            assert await log.create("probe", b"req", owner="A", reserve=1, tenant="t5")  # prunes what expired
+            assert await ledger_total(log, "tenant:t5") == 5001
+            keeper.cancel()  # its coordinator dies
+            await asyncio.sleep(0.7)
+            assert await log.create("probe2", b"req", owner="A", reserve=1, tenant="t5")
+            assert await ledger_total(log, "tenant:t5") == 1
+        finally:
+            await log.close()
 
     asyncio.run(scenario())

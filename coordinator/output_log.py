@@ -56,9 +56,10 @@ DEFAULT_TTL_S = 600.0
 # One request's log holds at most this many bytes of chunks: the largest a request the default
 # limits allow writes (4096 tokens with 20 logprobs each) is about a third of it.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
-# A new request is admitted while Redis uses less than this share of its maxmemory: the rest is
-# headroom for the requests already running, their leases and the replicas' heartbeats, which
-# Redis (maxmemory-policy noeviction) refuses rather than evicting anything.
+# A new request is admitted while Redis's use, the running requests' reservations and its own stay
+# under this share of its maxmemory: the rest is headroom for their leases and the replicas'
+# heartbeats (and for text longer than a reservation allows), which Redis (maxmemory-policy
+# noeviction) refuses rather than evicting anything.
 ROOM_FRACTION = 0.85
 ROOM_CHECK_S = 0.5  # how long one look at Redis's memory stands for the requests that follow
 # What one API key's requests may hold of the log (reserved while they run, written until expiry).
@@ -335,7 +336,8 @@ class OutputLog:
 
     async def check_room(self) -> None:
         """Refuse a new request (RESOURCE_EXHAUSTED) while Redis is past ROOM_FRACTION of its
-        maxmemory: what runs keeps the rest. Without a maxmemory only the TTLs bound the log."""
+        maxmemory: what runs keeps the rest. Without a maxmemory only the TTLs, the per-request
+        and the per-key bounds bound the log. The look stands for :meth:`create`'s room too."""
         now = time.monotonic()
         if now - self._room_looked >= ROOM_CHECK_S:
             used, limit = await self.memory()

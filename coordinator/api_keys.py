@@ -12,7 +12,8 @@ Bearer <key>`` header, what the ``openai`` client sends) must carry one of them;
 Each key has a limit of requests in flight at this front (a key's own line, else
 ``--max-concurrent-per-key``); past it the call is RESOURCE_EXHAUSTED (HTTP 429). A key is also its
 caller's *tenant*: the prefix cache of one tenant is never visible to another (docs/http-api.md,
-"What is shared").
+"What is shared"), and what one tenant's logged requests hold of the session log is bounded
+(``--max-output-bytes-per-key``, coordinator.output_log).
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ class CoordinatorConfig:
     default_method: str = "draft_model"
     output_ttl_s: float = 600.0  # a request's session log lives this long after its last write
     max_output_bytes: int = 4 << 20  # ... and holds at most this many bytes of chunks
+    # what one API key's logged requests may hold of the session log: their reservations while
+    # they run, their outputs until they expire (coordinator.output_log)
+    max_output_bytes_per_key: int = 64 << 20
     startup_timeout_s: float = 120.0
     # a new session goes to the replica this coordinator last sent its prompt's prefix to, while
     # that one is not much busier than the least loaded (coordinator.affinity)

@@ -66,7 +66,9 @@ class CoordinatorCore:
         self.log: OutputLog | None = None
         self.durable: DurableRequests | None = None  # the session log's requests (with REDIS_URL)
         if config.redis_url:
-            self.log = OutputLog(config.redis_url, config.output_ttl_s, config.max_output_bytes)
+            self.log = OutputLog(
+                config.redis_url, config.output_ttl_s, config.max_output_bytes, config.max_output_bytes_per_key
+            )
             self.durable = DurableRequests(
                 self.log, self.owner, self.requests, config.max_resume_readers, self._admitted, self._generate
             )
@@ -147,14 +149,19 @@ class CoordinatorCore:
             self.active -= 1
 
     async def generate(
-        self, request: coordinator_pb2.GenerateRequest, trace_carrier: dict | None = None, durable: bool = True
+        self,
+        request: coordinator_pb2.GenerateRequest,
+        trace_carrier: dict | None = None,
+        durable: bool = True,
+        tenant: str = "",
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """Chunks of committed tokens; the last one carries finish_reason, seed and stats.
 
         ``trace_carrier``: W3C headers of the caller's span (the public gRPC call, across Ray).
         ``durable``: keep the request in the session log (resumable, taken over when its
         coordinator dies). The HTTP API passes False: an OpenAI client has no way to resume, so
-        its requests write nothing to Redis."""
+        its requests write nothing to Redis. ``tenant``: the caller's API key's, whose bound on the
+        session log its logged requests count against ("": no key)."""
         if request.resume_from_index < 0:
             raise InvalidArgumentError("resume_from_index", "must be >= 0")
         if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
@@ -182,7 +189,7 @@ class CoordinatorCore:
                     if request.request_id:
                         self.live_ids.discard(request_id)
                 return
-            async for chunk in self.durable.stream(request, request_id, trace_carrier):
+            async for chunk in self.durable.stream(request, request_id, trace_carrier, tenant):
                 yield chunk
         except _redis_errors() as exc:
             raise PeerError("UNAVAILABLE", f"session log (Redis) unavailable: {exc}") from None

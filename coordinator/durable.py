@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 
-from coordinator.output_log import OutputLog
+from coordinator.output_log import OutputLog, Run, reserved_bytes
 from coordinator.requests import ParsedRequest, RequestParser, canonical
 from specdec.errors import InvalidArgumentError, LeaseLostError, PeerError, ResourceExhaustedError, SessionNotFoundError
 from specdec.v1 import coordinator_pb2
@@ -113,20 +113,26 @@ class DurableRequests:
         self.generate = generate
 
     async def stream(
-        self, request: coordinator_pb2.GenerateRequest, request_id: str, trace_carrier: dict | None
+        self, request: coordinator_pb2.GenerateRequest, request_id: str, trace_carrier: dict | None, tenant: str = ""
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """A request's chunks: generated here and logged when the log does not know its id (or
         it has none), else read from the log from ``resume_from_index`` (taken over if nobody
-        generates it)."""
+        generates it). ``tenant``: the caller's API key's (its bound on the log), "" for none."""
         meta = await self.log.meta(request_id) if request.request_id else None
         if meta is None:
             if request.resume_from_index:
                 raise SessionNotFoundError(f"request_id {request_id!r}: nothing to resume (unknown or expired)")
             parsed = self.requests.parse(request, request_id, await self.requests.encode(request))
+            stored = canonical(request, request_id, parsed.resolved())
+            params = parsed.params
+            reserve = reserved_bytes(
+                params.max_new_tokens, params.logprobs, request_id, len(stored), self.log.max_request_bytes
+            )
             async with self.admitted(True):
                 await self.requests.check_constraint(parsed)  # refused: nothing written
-                if await self.log.create(request_id, canonical(request, request_id, parsed.resolved()), self.owner):
-                    async for chunk in self._owned(parsed, [], [], 0, trace_carrier):
+                run = await self.log.create(request_id, stored, self.owner, reserve, tenant)
+                if run is not None:
+                    async for chunk in self._owned(run, parsed, [], [], 0, trace_carrier):
                         yield chunk
                     return
             meta = await self.log.meta(request_id)  # created concurrently by another call
@@ -136,19 +142,25 @@ class DurableRequests:
             yield chunk
 
     async def _owned(
-        self, parsed: ParsedRequest, committed: list[int], committed_steps: list[int], from_index: int, trace_carrier
+        self,
+        run: Run,
+        parsed: ParsedRequest,
+        committed: list[int],
+        committed_steps: list[int],
+        from_index: int,
+        trace_carrier,
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
-        """Generate while holding the lease: append each chunk (one step's tokens) to the log,
-        then send it (the next step runs meanwhile: see :func:`run_ahead`)."""
+        """Generate as ``run``, holding its lease: append each chunk (one step's tokens) to the
+        log, then send it (the next step runs meanwhile: see :func:`run_ahead`)."""
         session_log = self.log
-        keeper = asyncio.create_task(session_log.keep_lease(parsed.request_id, self.owner))
+        keeper = asyncio.create_task(session_log.keep_lease(parsed.request_id, run))
         tokens = list(committed)
         try:
             async for chunk in run_ahead(self.generate(parsed, committed, committed_steps, trace_carrier)):
                 if keeper.done():  # the lease lapsed: another coordinator may be generating it
                     raise LeaseLostError(f"request {parsed.request_id!r}: lease lost; resume with resume_from_index")
                 start = len(tokens)
-                await session_log.append(parsed.request_id, start, chunk, self.owner)  # fenced
+                await session_log.append(parsed.request_id, start, chunk, run)  # fenced
                 tokens.extend(chunk.token_ids)
                 out = trim_chunk(chunk, start, from_index, tokens, self.requests.tokenizer)
                 if out is not None:
@@ -156,7 +168,7 @@ class DurableRequests:
         finally:
             keeper.cancel()
             with contextlib.suppress(Exception):  # the lease expires by itself
-                await asyncio.shield(session_log.release_lease(parsed.request_id, self.owner))
+                await asyncio.shield(session_log.release_lease(parsed.request_id, run))
 
     async def _resume(self, request, request_id: str, meta: dict, trace_carrier):
         """A resumed stream: counted against ``max_resume_readers`` (each polls the log)."""
@@ -201,25 +213,24 @@ class DurableRequests:
                 )
             # Nobody is generating it (its coordinator died, or its client cancelled): take over,
             # continuing from the committed tokens with the same seed, hence the same tokens.
-            if await session_log.lease_holder(request_id) is None and await session_log.acquire_lease(
-                request_id, self.owner
-            ):
+            run = await session_log.acquire_lease(request_id, self.owner)
+            if run is not None:
                 for entry in await session_log.entries(request_id, last):  # appended before the lease lapsed
                     last = entry.entry_id
                     out = self._absorb(entry, from_index, tokens, steps)
                     if out is not None:
                         yield out
                     if entry.chunk.finish_reason:
-                        await session_log.release_lease(request_id, self.owner)
+                        await session_log.release_lease(request_id, run)
                         return
                 log.info("request %s: taking over after %d committed tokens", request_id, len(tokens))
                 parsed = self.requests.parse(stored, request_id, await self.requests.encode(stored))
                 try:
                     async with self.admitted(True):
-                        async for chunk in self._owned(parsed, tokens, steps, from_index, trace_carrier):
+                        async for chunk in self._owned(run, parsed, tokens, steps, from_index, trace_carrier):
                             yield chunk
                 except ResourceExhaustedError:  # no room to take it over here: it stays resumable
-                    await session_log.release_lease(request_id, self.owner)
+                    await session_log.release_lease(request_id, run)
                     raise
                 return
 

@@ -39,7 +39,7 @@ class Backend(Protocol):
 
     async def start(self) -> None: ...
     def generate(
-        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str], durable: bool = True
+        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str], durable: bool = True, tenant: str = ""
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]: ...
     async def stop(self) -> None: ...
     async def cost_model(self) -> list: ...
@@ -57,9 +57,9 @@ class LocalBackend:
         await self.core.setup()
 
     async def generate(
-        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str], durable: bool = True
+        self, request: coordinator_pb2.GenerateRequest, carrier: dict[str, str], durable: bool = True, tenant: str = ""
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
-        async for chunk in self.core.generate(request, carrier, durable):
+        async for chunk in self.core.generate(request, carrier, durable, tenant):
             yield chunk
 
     async def stop(self) -> None:
@@ -155,7 +155,8 @@ class CoordinatorFront:
         """The request's chunks. ``caller``: the caller's W3C trace headers (may be empty).
         ``durable``: False for a caller that cannot resume (the HTTP API): nothing is logged.
         ``authorization``: the caller's ``Bearer <API key>`` (needed where keys are configured;
-        the key's limit of requests in flight holds, and its tenant scopes the prefix cache)."""
+        the key's limit of requests in flight holds, its tenant scopes the prefix cache and bounds
+        what its requests hold of the session log)."""
         recorder = metrics.RequestRecorder(self.model_name)
         span = tracing.start_span(f"coordinator.{method}", caller, {"rpc.method": method})
         try:
@@ -169,7 +170,8 @@ class CoordinatorFront:
             with self.keys.slot(key):
                 with tracing.span_as_current(span):
                     carrier = tracing.inject_context()
-                async for chunk in self.backend.generate(request, carrier, durable):
+                tenant = key.tenant if key is not None else ""  # its bound on the session log
+                async for chunk in self.backend.generate(request, carrier, durable, tenant):
                     recorder.chunk(chunk)
                     if chunk.finish_reason:
                         span.set_attribute("specdec.request_id", chunk.request_id)

@@ -47,11 +47,11 @@ class CoordinatorActor:
             self.ready = True
         return True
 
-    async def generate(self, request_bytes: bytes, carrier: dict, durable: bool = True):
+    async def generate(self, request_bytes: bytes, carrier: dict, durable: bool = True, tenant: str = ""):
         if not self.ready:
             await self.setup()
         request = coordinator_pb2.GenerateRequest.FromString(request_bytes)
-        async for chunk in self.core.generate(request, carrier, durable):
+        async for chunk in self.core.generate(request, carrier, durable, tenant):
             yield chunk.SerializeToString()
 
     async def cost_model(self) -> list:
@@ -118,7 +118,7 @@ class RayBackend:
     def _pick(self) -> int:
         return min(range(len(self.actors)), key=lambda i: self.in_flight[i])
 
-    async def generate(self, request, carrier, durable: bool = True):
+    async def generate(self, request, carrier, durable: bool = True, tenant: str = ""):
         index = self._pick()
         self.in_flight[index] += 1
         # backpressure: the actor pauses a request's generation while this many of its chunks
@@ -126,7 +126,7 @@ class RayBackend:
         stream = (
             self.actors[index]
             .generate.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE_CHUNKS)
-            .remote(request.SerializeToString(), carrier, durable)
+            .remote(request.SerializeToString(), carrier, durable, tenant)
         )
         finished = False
         try:

@@ -178,6 +178,14 @@ SETTINGS = (
         "bytes of output the session log keeps per request (past it the request ends RESOURCE_EXHAUSTED)",
         "max_output_bytes",
     ),
+    Setting(
+        "max_output_bytes_per_key",
+        int,
+        "bytes of the session log one API key's requests may hold: what each may write, reserved while it runs "
+        "(from its max_new_tokens and logprobs), then its output until it expires; past it the key's new requests "
+        "are RESOURCE_EXHAUSTED, other keys' unaffected",
+        "max_output_bytes_per_key",
+    ),
     Setting("metrics_port", int, "serve Prometheus /metrics on this port (0 = off)"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}

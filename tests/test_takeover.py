@@ -207,9 +207,11 @@ def test_a_hung_redis_fails_requests_fast_and_shows_in_the_health_check(stack):
 def test_redis_holds_nothing_for_refused_or_http_requests_and_stays_under_its_maxmemory(stack, tmp_path):
     """Issue 42, item 1. (a) A flood of gRPC requests over the coordinator's limit: the refused
     ones write no key, only the admitted ones do; an HTTP request (no OpenAI client can resume)
-    writes none. (b) Redis near its maxmemory: new requests are refused naming the session log
-    while Redis never passes its bound and the replicas' heartbeats go on; once finished outputs
-    expire (--output-ttl) requests are admitted again."""
+    writes none. (b) Redis near its maxmemory: new requests that would not fit are refused at
+    admission naming the session log (issue 62, item 7: before, they were admitted until the log
+    was full, and then refused every request) while Redis never passes its bound and the
+    replicas' heartbeats go on; once finished outputs expire (--output-ttl) they are admitted
+    again."""
     import asyncio
 
     import httpx
@@ -255,31 +257,76 @@ def test_redis_holds_nothing_for_refused_or_http_requests_and_stays_under_its_ma
         )
         assert answer.status_code == 200 and logged() - before == ok
 
-        # (b): a bound just above what Redis holds now, filled by requests with logprobs
+        # (b): a bound a little above what Redis holds now, filled by requests with logprobs. Each
+        # reserves what it may write (docs/protocol.md, "Reservations"): one that does not fit
+        # beside those running is refused before it writes anything, naming the session log;
+        # those admitted run to their end, their outputs filling Redis until a wave is refused whole
         used = int(client.info("memory")["used_memory"])
         original = client.config_get("maxmemory")["maxmemory"]
-        client.config_set("maxmemory", used + (1 << 20))
+        client.config_set("maxmemory", used + (3 << 20))
         try:
-            heavy = {**small, "max_new_tokens": 1500, "logprobs": 20}
-            seen_refusal, peak = "", 0
+            heavy = {**small, "max_new_tokens": 1500, "logprobs": 20}  # about 0.8 MB reserved each
+            admitted, refusals = 0, []
             for wave in range(8):
                 outcomes = asyncio.run(flood([request([4, 5, wave, i], **heavy) for i in range(4)]))
                 info = client.info("memory")
-                peak = max(peak, int(info["used_memory"]))
                 # Redis checks its bound before each write, so one write in flight may pass it a
                 # little (its buffers count too); what it must never do is grow on
                 assert int(info["used_memory"]) <= 1.1 * int(info["maxmemory"]), info["used_memory"]
                 assert {code for code, _ in outcomes} <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
-                seen_refusal = next((d for code, d in outcomes if "session log" in d), "")
-                if seen_refusal:
+                admitted += sum(code == "OK" for code, _ in outcomes)
+                refusals += [d for code, d in outcomes if code != "OK"]
+                if all(code != "OK" for code, _ in outcomes):
                     break
-            assert seen_refusal, outcomes  # at admission, or a running request's append when Redis was full
-            time.sleep(1.0)  # past the coordinator's last look at Redis's memory
-            ((code, details),) = asyncio.run(flood([request([6, 7, 8], **small)]))
-            assert code == "RESOURCE_EXHAUSTED" and "maxmemory" in details, details  # refused before any write
+            assert admitted and refusals, (admitted, refusals)
+            # every refusal at admission: no running request met a full Redis
+            assert all("too full for request" in d and "sent so far" not in d for d in refusals), refusals
             assert {"target", "draft"} <= {k.decode().split(":")[2] for k in client.scan_iter("specdec:replica:*")}
+            reply = stub(bounded.address).Generate(request([6, 7, 8], **small), timeout=120)
+            assert len(reply.token_ids) == 40  # a request that fits still gets in
             time.sleep(12)  # the finished outputs expire (--output-ttl 10)
-            reply = stub(bounded.address).Generate(request([1, 2, 3], **small), timeout=120)
-            assert len(reply.token_ids) == 40
+            reply = stub(bounded.address).Generate(request([1, 2, 3], **heavy), timeout=300)
+            assert len(reply.token_ids) == 1500  # room again for the largest
         finally:
             client.config_set("maxmemory", original)
+
+
+def test_one_api_key_cannot_lock_the_others_out_of_the_session_log(stack, tmp_path, monkeypatch):
+    """Issue 62, item 7, through real processes: a key that floods requests with logprobs gets
+    those past its bound on the session log (--max-output-bytes-per-key, here from the
+    environment as deploy/'s ConfigMap sets it) refused at admission, naming the bound; those it
+    got in run to their end; another key's request still gets in."""
+    import asyncio
+
+    from specdec.v1 import coordinator_pb2_grpc
+
+    alpha, bravo = "sk-alpha-0123456789abcdef", "sk-bravo-0123456789abcdef"
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{alpha} alpha\n{bravo} bravo\n")
+    monkeypatch.setenv("SPECDEC_MAX_OUTPUT_BYTES_PER_KEY", str(2 << 20))  # the coordinator inherits it
+    with coordinator(stack, tmp_path, "keyed", ["--api-key-file", str(keys)]) as keyed:
+
+        async def calls(key, requests):
+            async with grpc.aio.insecure_channel(keyed.address) as channel:
+                s = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+                async def one(r):
+                    try:
+                        reply = await s.Generate(r, timeout=300, metadata=(("authorization", f"Bearer {key}"),))
+                        return "OK", len(reply.token_ids), ""
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code().name, 0, exc.details()
+
+                return await asyncio.gather(*(one(r) for r in requests))
+
+        # 1000 tokens with 20 logprobs: about 0.53 MB reserved each, so 3 fit in alpha's 2 MiB
+        heavy = {"k": 2, "temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True, "logprobs": 20}
+        outcomes = asyncio.run(calls(alpha, [request([4, 5, 6, i], **heavy) for i in range(8)]))
+        admitted = [o for o in outcomes if o[0] == "OK"]
+        refused = [o for o in outcomes if o[0] != "OK"]
+        assert admitted and all(tokens == 1000 for _, tokens, _ in admitted), outcomes
+        assert refused and all(
+            code == "RESOURCE_EXHAUSTED" and "--max-output-bytes-per-key" in details for code, _, details in refused
+        ), outcomes
+        small = {"k": 2, "temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+        assert asyncio.run(calls(bravo, [request([1, 2, 3], **small)])) == [("OK", 16, "")]

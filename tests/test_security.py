@@ -270,9 +270,39 @@ def test_bad_tls_flags_stop_a_service_with_one_line_naming_the_setting(tmp_path)
     assert "SPECDEC_TLS_CERT and SPECDEC_TLS_KEY" in result.stderr  # a cert without its key
 
 
-def test_replica_errors_reach_clients_without_internal_addresses():
+@pytest.mark.parametrize(
+    "code, details, leaks",
+    [
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.3.7:50052: Connection refused",
+            ["10.0.3.7", "50052"],
+        ),
+        # issue 62, item 12: the transport's other spellings of a peer, and its errno text
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNAVAILABLE: ipv6:%5Bfd00::7%5D:50052: Socket closed",
+            ["fd00", "50052"],
+        ),
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "DNS resolution failed for specdec-target-0:50052: C-ares status is not ARES_SUCCESS qtype=A "
+            "name=specdec-target-0 is_balancer=0: Domain name not found",
+            ["specdec-target-0", "50052"],
+        ),
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNKNOWN: unix:/run/specdec/target.sock: "
+            "connect: No such file or directory (2)",
+            ["/run/specdec", "No such file"],
+        ),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded on ipv4:10.0.3.7:50052", ["10.0.3.7"]),
+        (grpc.StatusCode.INTERNAL, "internal error in Verify (error id 0a1b2c; ipv4:10.0.3.7:50052)", ["10.0.3.7"]),
+    ],
+)
+def test_replica_errors_reach_clients_without_internal_addresses(code, details, leaks):
     """A failed call to a replica becomes the client's status naming the replica's kind and the
-    problem; its address (and any HOST:PORT gRPC's transport error names) stays in the log."""
+    problem; its address (and any peer, path or errno gRPC's transport error names) stays in the log."""
     from coordinator.peers import _peer_error
 
     class Failed(grpc.aio.AioRpcError):
@@ -280,14 +310,17 @@ def test_replica_errors_reach_clients_without_internal_addresses():
             pass
 
         def code(self):
-            return grpc.StatusCode.UNAVAILABLE
+            return code
 
         def details(self):
-            return "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.3.7:50052: Connection refused"
+            return details
 
     error = _peer_error("target", "10.0.3.7:50052", Failed())
-    assert error.code == "UNAVAILABLE" and str(error).startswith("target replica: UNAVAILABLE")
-    assert "10.0.3.7" not in str(error) and "50052" not in str(error)
+    assert error.code == code.name and str(error).startswith(f"target replica: {code.name}")
+    for leak in leaks:
+        assert leak not in str(error), str(error)
+    if code == grpc.StatusCode.INTERNAL:  # the replica's own message (its error id) is kept
+        assert "error id 0a1b2c" in str(error)
 
 
 def test_metrics_listen_on_the_processs_own_interface(monkeypatch):

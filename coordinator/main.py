@@ -23,6 +23,7 @@ from specdec.v1 import coordinator_pb2_grpc
 def add_arguments(p: argparse.ArgumentParser) -> None:
     settings.add_arguments(p)
     security.add_arguments(p)
+    security.add_public_arguments(p)
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     p.add_argument("--replicas", type=int, default=1, help="coordinator Ray actors")
@@ -104,7 +105,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = srv.create_server(max_receive_bytes=args.max_request_bytes)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(front), server)
     health = srv.add_health_and_reflection(server, [SERVICE])
-    bound = security.bind(server, f"{args.host}:{args.port}")
+    bound = security.bind(server, f"{args.host}:{args.port}", public=True)
     if bound == 0:
         raise SystemExit(f"specdec coordinator: cannot listen on {args.host}:{args.port}")
     http = None

@@ -18,9 +18,10 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
-from coordinator.api_keys import ApiKeys, scoped_salt
+from coordinator.api_keys import ApiKey, ApiKeys, scoped_salt
 from coordinator.config import CoordinatorConfig
 from coordinator.core import CoordinatorCore
+from specdec.errors import UnauthenticatedError
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method, status_of
 from specdec.telemetry import metrics, tracing
@@ -144,22 +145,31 @@ class CoordinatorFront:
             except Exception as exc:  # noqa: BLE001 - metrics must never take the front down
                 log.debug("cost model poll failed: %s", exc)
 
+    def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The caller's API key from its ``authorization`` header or metadata (None where no keys
+        are configured); UnauthenticatedError otherwise. Called before anything of the request
+        is read, parsed or run: a caller without a key costs no more than this."""
+        try:
+            return self.keys.authenticate(authorization)
+        except UnauthenticatedError:
+            metrics.REQUEST_ERRORS.labels("UNAUTHENTICATED").inc()
+            raise
+
     async def stream(
         self,
         request: coordinator_pb2.GenerateRequest,
         caller: Mapping[str, str],
         method: str = "GenerateStream",
         durable: bool = True,
-        authorization: str | None = None,
+        key: ApiKey | None = None,
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """The request's chunks. ``caller``: the caller's W3C trace headers (may be empty).
         ``durable``: False for a caller that cannot resume (the HTTP API): nothing is logged.
-        ``authorization``: the caller's ``Bearer <API key>`` (needed where keys are configured;
-        the key's limit of requests in flight holds, and its tenant scopes the prefix cache)."""
+        ``key``: the caller's API key, from :meth:`authenticate` (its limit of requests in
+        flight holds, and its tenant scopes the prefix cache)."""
         recorder = metrics.RequestRecorder(self.model_name)
         span = tracing.start_span(f"coordinator.{method}", caller, {"rpc.method": method})
         try:
-            key = self.keys.authenticate(authorization)
             if key is not None:
                 scoped = coordinator_pb2.GenerateRequest()
                 scoped.CopyFrom(request)
@@ -186,10 +196,10 @@ class CoordinatorFront:
             span.end()
 
     async def unary(
-        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], authorization: str | None = None
+        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], key: ApiKey | None = None
     ) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse()
-        async for chunk in self.stream(request, caller, method="Generate", authorization=authorization):
+        async for chunk in self.stream(request, caller, method="Generate", key=key):
             wire.add_chunk(response, chunk)
         return response
 
@@ -217,11 +227,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @grpc_method
     async def Generate(self, request, context):
-        return await self.front.unary(request, self._caller(context), authorization_of(context.invocation_metadata()))
+        key = self.front.authenticate(authorization_of(context.invocation_metadata()))
+        return await self.front.unary(request, self._caller(context), key)
 
     @grpc_method
     async def GenerateStream(self, request, context):
         # `async def ... yield`, not context.write: the OpenTelemetry interceptor mishandles the latter
-        key = authorization_of(context.invocation_metadata())
-        async for chunk in self.front.stream(request, self._caller(context), authorization=key):
+        key = self.front.authenticate(authorization_of(context.invocation_metadata()))
+        async for chunk in self.front.stream(request, self._caller(context), key=key):
             yield chunk

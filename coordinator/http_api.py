@@ -317,7 +317,7 @@ class OpenAIApp:
 
     async def models(self, request: Request) -> Response:
         try:
-            self.front.keys.authenticate(request.headers.get("authorization"))
+            self.front.authenticate(request.headers.get("authorization"))
         except SpecdecError as exc:
             return error_response(exc)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec"}
@@ -336,6 +336,9 @@ class OpenAIApp:
         caller = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
         streams: list = []
         try:
+            # the key first, from the headers: a caller without one gets its 401 before a byte
+            # of its body is read, let alone parsed into requests
+            key = self.front.authenticate(request.headers.get("authorization"))
             body = await read_json(request)
             if not isinstance(body, dict):
                 raise HttpError(400, "invalid_request_error", "the body must be a JSON object")
@@ -348,8 +351,7 @@ class OpenAIApp:
             request_id = f"{prefix}-{uuid.uuid4().hex}"
             grpc_requests = to_grpc(parsed, request_id)
             # not durable: an OpenAI client cannot resume, so nothing of it goes to the session log
-            key = request.headers.get("authorization")
-            streams = [self.front.stream(r, caller, durable=False, authorization=key) for r in grpc_requests]
+            streams = [self.front.stream(r, caller, durable=False, key=key) for r in grpc_requests]
             firsts = await _first_chunks(streams)  # every choice validated and started
             if not parsed.stream:
                 _check_whole_answer(grpc_requests)

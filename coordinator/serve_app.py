@@ -78,9 +78,10 @@ class CoordinatorDeployment:
     async def Generate(self, request, grpc_context):
         try:
             with metrics.rpc_timer("Generate"):
-                await self._start()
                 metadata = grpc_context.invocation_metadata()
-                return await self.front.unary(request, trace_headers(metadata), authorization_of(metadata))
+                key = self.front.authenticate(authorization_of(metadata))
+                await self._start()
+                return await self.front.unary(request, trace_headers(metadata), key)
         except Exception as exc:
             _fail(grpc_context, exc, "Generate")
             raise
@@ -88,10 +89,10 @@ class CoordinatorDeployment:
     async def GenerateStream(self, request, grpc_context):
         try:
             with metrics.rpc_timer("GenerateStream"):
-                await self._start()
                 metadata = grpc_context.invocation_metadata()
-                stream = self.front.stream(request, trace_headers(metadata), authorization=authorization_of(metadata))
-                async for chunk in stream:
+                key = self.front.authenticate(authorization_of(metadata))
+                await self._start()
+                async for chunk in self.front.stream(request, trace_headers(metadata), key=key):
                     yield chunk
         except Exception as exc:
             _fail(grpc_context, exc, "GenerateStream")

@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
-from coordinator.api_keys import ApiKey, ApiKeys, scoped_salt
+from coordinator.api_keys import ApiKey, ApiKeys, has_own_scope, scoped_salt
 from coordinator.config import CoordinatorConfig
 from coordinator.core import CoordinatorCore
 from specdec.errors import UnauthenticatedError
@@ -84,9 +84,13 @@ class CoordinatorFront:
         model_name: str | None = None,
         keys: ApiKeys | None = None,
         metrics_host: str = "127.0.0.1",
+        report_unscoped_cached_tokens: bool = False,
     ):
         self.backend = backend
         self.keys = keys or ApiKeys([])  # who may call (none configured: anyone), and how much
+        # whether a request with no scope of its own (no API key, no cache_salt) is told its
+        # prefix-cache hits, which show what other such requests sent (docs/http-api.md)
+        self.report_unscoped_cached_tokens = report_unscoped_cached_tokens
         self._poll: asyncio.Future | None = None
         self.serving = False  # what the health check answers: Redis and a target answer
         self.not_serving_because = "starting"
@@ -169,6 +173,7 @@ class CoordinatorFront:
         flight holds, and its tenant scopes the prefix cache)."""
         recorder = metrics.RequestRecorder(self.model_name)
         span = tracing.start_span(f"coordinator.{method}", caller, {"rpc.method": method})
+        shows_cache_hits = self.report_unscoped_cached_tokens or has_own_scope(key, request.cache_salt)
         try:
             if key is not None:
                 scoped = coordinator_pb2.GenerateRequest()
@@ -180,6 +185,8 @@ class CoordinatorFront:
                 with tracing.span_as_current(span):
                     carrier = tracing.inject_context()
                 async for chunk in self.backend.generate(request, carrier, durable):
+                    if not shows_cache_hits and chunk.HasField("stats"):
+                        chunk.stats.cached_prompt_tokens = 0
                     recorder.chunk(chunk)
                     if chunk.finish_reason:
                         span.set_attribute("specdec.request_id", chunk.request_id)

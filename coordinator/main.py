@@ -99,6 +99,7 @@ async def serve(args: argparse.Namespace) -> None:
         model_name=args.served_model_name,
         keys=keys,
         metrics_host=args.host,
+        report_unscoped_cached_tokens=config.report_unscoped_cached_tokens,
     )
     print("[specdec] coordinator: connecting to the target and draft...", file=sys.stderr, flush=True)
     await front.start()

@@ -61,9 +61,14 @@ class CoordinatorDeployment:
     def __init__(self, values: dict[str, Any]):
         tracing.init_tracing("specdec-coordinator")
         port = {**settings.values_from_env(), **values}.get("metrics_port", 0)  # SPECDEC_METRICS_PORT too
+        config = serve_config(values)
         # in a Serve pod the metrics are scraped over the pod network (deploy/'s NetworkPolicy bounds who)
         self.front = CoordinatorFront(
-            LocalBackend(serve_config(values)), port, keys=api_keys.from_env(), metrics_host="0.0.0.0"
+            LocalBackend(config),
+            port,
+            keys=api_keys.from_env(),
+            metrics_host="0.0.0.0",
+            report_unscoped_cached_tokens=config.report_unscoped_cached_tokens,
         )
         self._starting: asyncio.Future | None = None
         self._http: Any = None  # the OpenAI-compatible HTTP API, made on the first HTTP request

@@ -10,7 +10,7 @@ import socket
 import pytest
 from stack_util import http_api_alone
 
-from coordinator.api_keys import ApiKey, ApiKeys, from_env, parse_key_lines, scoped_salt
+from coordinator.api_keys import ApiKey, ApiKeys, from_env, has_own_scope, parse_key_lines, scoped_salt
 from specdec.errors import ResourceExhaustedError, UnauthenticatedError
 
 A, B = "sk-alpha-0123456789abcdef", "sk-bravo-0123456789abcdef"
@@ -78,6 +78,8 @@ def test_a_tenants_scope_hides_the_key_and_keeps_tenants_apart():
     assert scoped_salt(alpha, "x") == scoped_salt(alpha, "x")  # and is stable (a resume matches)
     assert len(scoped_salt(alpha, "s" * 256)) == 32
     assert scoped_salt(None, "x") == "x"  # without keys: the request's own salt
+    # a scope of its own -- a key or a salt -- is what lets a request be told its cache hits
+    assert has_own_scope(alpha, "") and has_own_scope(None, "x") and not has_own_scope(None, "")
 
 
 # -- the HTTP API's door: the key before the body ---------------------------------------------

@@ -93,13 +93,15 @@ def test_models_and_health(stack, client):
 
 def test_usage_reports_the_prompt_tokens_copied_from_the_prefix_cache(stack, client):
     """OpenAI's usage.prompt_tokens_details.cached_tokens: the prompt positions the target copied
-    from its prefix cache (whole blocks of 16) -- none the first time a prompt is seen, its whole
-    blocks the next time, streamed (in the usage chunk) or not."""
+    from its prefix cache (whole blocks of 16) -- none the first time a prompt is seen in the
+    request's scope (its cache_salt here; no key is configured), its whole blocks the next time,
+    streamed (in the usage chunk) or not."""
     from specdec.apps.selftest import VOCAB
 
     prompt = " ".join(f"w{(11 * i + 5) % VOCAB}" for i in range(40))
-    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
-    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    salted = {"cache_salt": "tenant-x"}
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body=salted)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body=salted)
     whole_blocks = 16 * ((again.usage.prompt_tokens - 1) // 16)  # the last position is fed by the first step
     assert whole_blocks == 32
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -108,25 +110,59 @@ def test_usage_reports_the_prompt_tokens_copied_from_the_prefix_cache(stack, cli
     usage = {"include_usage": True}
     chunks = list(
         client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=4, temperature=0, stream=True, stream_options=usage
+            model="tiny",
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options=usage,
+            extra_body=salted,
         )
     )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole_blocks
     # cache_salt (vLLM's field) scopes the prefix cache: another salt sees none of it, even the
     # exact prompt -- no client can learn from cached_tokens what another client sent -- and
     # requests of the same salt share their own copy (issue 42, item 6)
-    salted = [
+    other = [
         client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-x"}
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-y"}
         )
         for _ in range(2)
     ]
-    assert [r.usage.prompt_tokens_details.cached_tokens for r in salted] == [0, whole_blocks]
-    other = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-y"}
-    )
-    assert other.usage.prompt_tokens_details.cached_tokens == 0
-    assert ids(other.choices[0].text) == ids(first.choices[0].text)  # the scope changes nothing else
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in other] == [0, whole_blocks]
+    assert ids(other[0].choices[0].text) == ids(first.choices[0].text)  # the scope changes nothing else
+
+
+def test_a_request_without_a_scope_of_its_own_is_told_no_cache_hits(stack, client):
+    """Issue 62, item 11: requests with neither an API key nor a cache_salt share one scope of
+    the prefix cache, so their cache hits tell what other such clients sent: a guess of another's
+    secret prompt was told 16 cached tokens when wrong after its first block, 32 when right. Now
+    such a request is told 0 (the server's default; --report-unscoped-cached-tokens opts in) on
+    both APIs -- usage, the specdec extension, a stream's usage chunk, gRPC's stats -- and its
+    tokens are the same."""
+    from specdec.apps.selftest import VOCAB
+
+    secret = [f"w{(13 * i + 7) % VOCAB}" for i in range(40)]
+    wrong = secret[:16] + [f"w{(3 * i + 1) % VOCAB}" for i in range(24)]  # its first block right
+    victim = client.completions.create(model="tiny", prompt=" ".join(secret), max_tokens=4, temperature=0)
+    for guess in (wrong, secret):
+        told = client.completions.create(model="tiny", prompt=" ".join(guess), max_tokens=4, temperature=0)
+        assert told.usage.prompt_tokens_details.cached_tokens == 0, guess
+        assert told.model_extra["specdec"]["choices"][0]["cached_prompt_tokens"] == 0
+        streamed = list(
+            client.completions.create(
+                model="tiny",
+                prompt=" ".join(guess),
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 0
+        over_grpc = grpc_tokens(stack, prompt=" ".join(guess), temperature=0.0, max_new_tokens=4)
+        assert over_grpc.stats.cached_prompt_tokens == 0
+    assert ids(told.choices[0].text) == ids(victim.choices[0].text) == list(over_grpc.token_ids)
 
 
 def test_greedy_completion_equals_the_grpc_api_streamed_or_not(stack, client):

@@ -14,6 +14,7 @@ function, and says whether it is serving: both paths report alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
@@ -21,7 +22,7 @@ from typing import Protocol
 from coordinator.api_keys import ApiKey, ApiKeys, has_own_scope, scoped_salt
 from coordinator.config import CoordinatorConfig
 from coordinator.core import CoordinatorCore
-from specdec.errors import UnauthenticatedError
+from specdec.errors import ReaderStalledError, UnauthenticatedError
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method, status_of
 from specdec.telemetry import metrics, tracing
@@ -33,6 +34,8 @@ HEALTH_POLL_SECONDS = 2.0  # how often the front asks whether the request path c
 HEALTH_TIMEOUT_SECONDS = 3.0  # ... and how long an answer may take (past it: not serving)
 log = logging.getLogger("specdec.coordinator.front")
 TRACE_HEADERS = ("traceparent", "tracestate")
+BUFFERED_CHUNKS = 16  # per stream, chunks produced and not yet taken by its client
+STALL_TIMEOUT_S = 60.0  # a streaming client that reads nothing this long has its generation stopped
 
 
 class Backend(Protocol):
@@ -84,10 +87,12 @@ class CoordinatorFront:
         model_name: str | None = None,
         keys: ApiKeys | None = None,
         metrics_host: str = "127.0.0.1",
+        stall_timeout: float = STALL_TIMEOUT_S,
         report_unscoped_cached_tokens: bool = False,
     ):
         self.backend = backend
         self.keys = keys or ApiKeys([])  # who may call (none configured: anyone), and how much
+        self.stall_timeout = stall_timeout  # seconds a streaming client may read nothing
         # whether a request with no scope of its own (no API key, no cache_salt) is told its
         # prefix-cache hits, which show what other such requests sent (docs/http-api.md)
         self.report_unscoped_cached_tokens = report_unscoped_cached_tokens
@@ -202,6 +207,14 @@ class CoordinatorFront:
             recorder.close()
             span.end()
 
+    def stream_to_reader(
+        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], key: ApiKey | None = None
+    ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        """GenerateStream's chunks for a client that takes them as it reads: paced by its reading
+        (:func:`paced`), so one that stops reading stalls its own request and is stopped after
+        the stall timeout."""
+        return paced(self.stream(request, caller, key=key), self.stall_timeout)
+
     async def unary(
         self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], key: ApiKey | None = None
     ) -> coordinator_pb2.GenerateResponse:
@@ -209,6 +222,60 @@ class CoordinatorFront:
         async for chunk in self.stream(request, caller, method="Generate", key=key):
             wire.add_chunk(response, chunk)
         return response
+
+
+class Stalled(Exception):
+    """The reader of a stream took nothing for the stall timeout."""
+
+
+async def put_or_stall(queue: asyncio.Queue, item, stall_timeout: float) -> None:
+    """Put ``item`` for a reader; Stalled if the reader makes no room for ``stall_timeout`` s."""
+    try:
+        await asyncio.wait_for(queue.put(item), stall_timeout)
+    except asyncio.TimeoutError:
+        raise Stalled from None
+
+
+async def paced(
+    stream: AsyncIterator[coordinator_pb2.GenerateChunk], stall_timeout: float, buffered: int = BUFFERED_CHUNKS
+) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+    """``stream``'s chunks, never more than ``buffered`` produced ahead of the reader of this
+    iterator. A gRPC server's write waits while the client's flow-control window is full, so a
+    client that stops reading stops this iterator's reader: the generation behind it pauses
+    (nothing more is generated or buffered for it), and once it has read nothing for
+    ``stall_timeout`` seconds the generation is stopped -- its sessions and its slot freed --
+    and the reader, if it ever reads again, gets the chunks already buffered, then
+    ReaderStalledError."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=buffered)
+    end = object()
+
+    async def pump() -> None:
+        outcome: object = end
+        try:
+            async for chunk in stream:
+                await put_or_stall(queue, chunk, stall_timeout)
+        except Stalled:
+            log.warning("a client read nothing for %.0f s: its generation is stopped", stall_timeout)
+            outcome = ReaderStalledError(stall_timeout)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            outcome = exc
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]  # cancels the generation, frees its sessions
+        await queue.put(outcome)  # after the buffered chunks; the generation is over by now
+
+    pumping = asyncio.ensure_future(pump())
+    try:
+        while True:
+            item = await queue.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        pumping.cancel()
+        await asyncio.gather(pumping, return_exceptions=True)
 
 
 def trace_headers(metadata) -> dict[str, str]:
@@ -239,7 +306,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @grpc_method
     async def GenerateStream(self, request, context):
-        # `async def ... yield`, not context.write: the OpenTelemetry interceptor mishandles the latter
+        # `async def ... yield`, not context.write: the OpenTelemetry interceptor mishandles the
+        # latter. Each yield returns once gRPC has taken the chunk within the client's window.
         key = self.front.authenticate(authorization_of(context.invocation_metadata()))
-        async for chunk in self.front.stream(request, self._caller(context), key=key):
+        async for chunk in self.front.stream_to_reader(request, self._caller(context), key):
             yield chunk

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from coordinator import api_keys, settings
 from coordinator.config import CoordinatorConfig
-from coordinator.front import SERVICE, Backend, CoordinatorFront, CoordinatorServicer, LocalBackend
+from coordinator.front import (
+    SERVICE,
+    STALL_TIMEOUT_S,
+    Backend,
+    CoordinatorFront,
+    CoordinatorServicer,
+    LocalBackend,
+)
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security
 from specdec.telemetry import logs, tracing
@@ -37,10 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(0 = off; `specdec serve` turns it on at 8000)",
     )
     p.add_argument(
-        "--http-stall-timeout",
+        "--stall-timeout",
+        "--http-stall-timeout",  # its name before gRPC streams had it too
+        dest="stall_timeout",
         type=float,
-        default=60.0,
-        help="seconds a streaming HTTP client may read nothing before its generation is stopped",
+        default=STALL_TIMEOUT_S,
+        help="seconds a streaming client (HTTP or gRPC GenerateStream) may read nothing before its generation is "
+        "stopped and its sessions freed",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -99,6 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
         model_name=args.served_model_name,
         keys=keys,
         metrics_host=args.host,
+        stall_timeout=args.stall_timeout,
         report_unscoped_cached_tokens=config.report_unscoped_cached_tokens,
     )
     print("[specdec] coordinator: connecting to the target and draft...", file=sys.stderr, flush=True)
@@ -113,9 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.http_port:
         from coordinator.http_server import HttpServer
 
-        http = await HttpServer.start(
-            front, front.model_name, args.host, args.http_port, security.current(), args.http_stall_timeout
-        )
+        http = await HttpServer.start(front, front.model_name, args.host, args.http_port, security.current())
     await server.start()
     await srv.set_serving(health, [SERVICE], front.serving)
     front.on_health_change.append(lambda serving: srv.set_serving(health, [SERVICE], serving))

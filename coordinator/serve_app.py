@@ -97,7 +97,7 @@ class CoordinatorDeployment:
                 metadata = grpc_context.invocation_metadata()
                 key = self.front.authenticate(authorization_of(metadata))
                 await self._start()
-                async for chunk in self.front.stream(request, trace_headers(metadata), key=key):
+                async for chunk in self.front.stream_to_reader(request, trace_headers(metadata), key):
                     yield chunk
         except Exception as exc:
             _fail(grpc_context, exc, "GenerateStream")

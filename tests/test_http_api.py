@@ -63,7 +63,7 @@ def stack(tmp_path_factory):
             "tiny",
             "--max-new-tokens-limit",
             str(LONG),
-            "--http-stall-timeout",
+            "--stall-timeout",
             str(STALL_S),
         ],
     ) as s:
@@ -366,6 +366,44 @@ def test_a_streaming_client_that_stops_reading_stalls_only_itself_and_is_stopped
     delivered = sum(len(ids(e["choices"][0]["text"])) for e in events if e.get("choices"))
     assert 0 < delivered < LONG - 100, delivered  # generation paused with the reader, then stopped
     assert events[-1]["error"]["type"] == "timeout_error" and "read nothing" in events[-1]["error"]["message"]
+
+
+def test_a_grpc_stream_whose_client_stops_reading_stalls_only_itself_and_is_stopped(stack):
+    """Issue 62, item 12: GenerateStream's equivalent of the test above. A client that reads one
+    chunk of a long stream and then nothing (its flow-control window kept small: the server
+    feels it at once) used to hold its generation -- its sessions and its slot -- paused for as
+    long as it kept the call open. Now the generation waits for it only --stall-timeout seconds
+    (the stack's, 3) and is stopped, its sessions freed, while the call is still open; when the
+    client reads again it gets the chunks that were waiting, then DEADLINE_EXCEEDED saying so."""
+    from stack_util import request as grpc_request
+
+    from specdec.v1 import coordinator_pb2_grpc
+
+    slow = grpc.insecure_channel(stack.coordinator_address, options=[("grpc.http2.bdp_probe", 0)])
+    long = grpc_request(
+        [5, 6],
+        k=2,
+        adaptive=False,
+        temperature=1.0,
+        max_new_tokens=LONG - 100,
+        ignore_eos=True,
+        logprobs=20,  # large chunks: the window fills after fewer tokens
+    )
+    call = coordinator_pb2_grpc.CoordinatorStub(slow).GenerateStream(long, timeout=600)
+    try:
+        delivered = len(next(call).token_ids)
+        other = grpc_tokens(stack, prompt="w7", temperature=0.0, max_new_tokens=20, ignore_eos=True)
+        assert len(other.token_ids) == 20  # the stalled stream holds nobody else up
+        assert _sessions_clear(stack, within=120.0)  # stopped after the stall timeout, the call still open
+        with pytest.raises(grpc.RpcError) as stopped:
+            for chunk in call:
+                delivered += len(chunk.token_ids)
+    finally:
+        call.cancel()
+        slow.close()
+    assert 0 < delivered < LONG - 100, delivered  # generation paused with the reader, then stopped
+    assert stopped.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, stopped.value
+    assert "read nothing" in stopped.value.details()
 
 
 def test_a_whole_answer_too_large_to_render_at_once_is_refused_naming_stream(stack):

@@ -12,8 +12,10 @@ Bearer <key>`` header, what the ``openai`` client sends) must carry one of them;
 Each key has a limit of requests in flight at this front (a key's own line, else
 ``--max-concurrent-per-key``); past it the call is RESOURCE_EXHAUSTED (HTTP 429). A key is also its
 caller's *tenant*: the prefix cache of one tenant is never visible to another (docs/http-api.md,
-"What is shared"), and what one tenant's logged requests hold of the session log is bounded
-(``--max-output-bytes-per-key``, coordinator.output_log).
+"What is shared"); a request with neither a key nor a ``cache_salt`` is told none of its cache
+hits unless the operator opts in (``--report-unscoped-cached-tokens``); and what one tenant's
+logged requests hold of the session log is bounded (``--max-output-bytes-per-key``,
+coordinator.output_log).
 """
 
 from __future__ import annotations
@@ -131,6 +133,13 @@ def scoped_salt(key: ApiKey | None, cache_salt: str) -> str:
     if key is None:
         return cache_salt
     return hashlib.blake2b(f"{key.tenant}\0{cache_salt}".encode(), digest_size=16).hexdigest()
+
+
+def has_own_scope(key: ApiKey | None, cache_salt: str) -> bool:
+    """Whether a request's prefix-cache scope is its own -- its key's tenant, or its
+    ``cache_salt`` -- rather than the one every request without either shares: only then may it
+    be told its prefix-cache hits, which otherwise show what other clients sent."""
+    return key is not None or bool(cache_salt)
 
 
 def from_env(env: Mapping[str, str] | None = None, default_max_concurrent: int = DEFAULT_MAX_CONCURRENT_PER_KEY):

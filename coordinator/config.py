@@ -54,6 +54,9 @@ class CoordinatorConfig:
     # what the load-aware regime assumes of the machine before it has measured it (None: from the
     # replicas' placement; 0: the draft's work leaves the target's alone, 1: they take turns)
     contention: float | None = None
+    # whether requests with no prefix-cache scope of their own (no API key, no cache_salt) are told
+    # their cached prompt tokens: those show what other such clients sent (docs/http-api.md)
+    report_unscoped_cached_tokens: bool = False
 
     def __post_init__(self):
         if not 0 <= self.max_k <= MAX_BLOCK:

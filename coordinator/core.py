@@ -31,6 +31,7 @@ from specdec.loop.generate import DraftPeer, LocalDraft, SpeculativeRun
 from specdec.loop.load_aware_k import SHARED_HARDWARE_CONTENTION
 from specdec.modeling.loading import longest_token_chars, try_load_tokenizer
 from specdec.runtime import wire
+from specdec.runtime.grpc_server import SESSION_LOG_UNAVAILABLE
 from specdec.runtime.registry import Registry, Replica
 from specdec.telemetry import tracing
 from specdec.v1 import coordinator_pb2
@@ -192,7 +193,8 @@ class CoordinatorCore:
             async for chunk in self.durable.stream(request, request_id, trace_carrier, tenant):
                 yield chunk
         except _redis_errors() as exc:
-            raise PeerError("UNAVAILABLE", f"session log (Redis) unavailable: {exc}") from None
+            log.warning("request %s: the session log is unavailable: %r", request_id, exc)
+            raise PeerError("UNAVAILABLE", SESSION_LOG_UNAVAILABLE) from None
 
     # -- one run of the loop -------------------------------------------------------------------
     async def _generate(

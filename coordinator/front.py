@@ -14,13 +14,15 @@ function, and says whether it is serving: both paths report alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
-from coordinator.api_keys import ApiKeys, scoped_salt
+from coordinator.api_keys import ApiKey, ApiKeys, has_own_scope, scoped_salt
 from coordinator.config import CoordinatorConfig
 from coordinator.core import CoordinatorCore
+from specdec.errors import ReaderStalledError, UnauthenticatedError
 from specdec.runtime import wire
 from specdec.runtime.grpc_server import grpc_method, status_of
 from specdec.telemetry import metrics, tracing
@@ -32,6 +34,8 @@ HEALTH_POLL_SECONDS = 2.0  # how often the front asks whether the request path c
 HEALTH_TIMEOUT_SECONDS = 3.0  # ... and how long an answer may take (past it: not serving)
 log = logging.getLogger("specdec.coordinator.front")
 TRACE_HEADERS = ("traceparent", "tracestate")
+BUFFERED_CHUNKS = 16  # per stream, chunks produced and not yet taken by its client
+STALL_TIMEOUT_S = 60.0  # a streaming client that reads nothing this long has its generation stopped
 
 
 class Backend(Protocol):
@@ -83,9 +87,15 @@ class CoordinatorFront:
         model_name: str | None = None,
         keys: ApiKeys | None = None,
         metrics_host: str = "127.0.0.1",
+        stall_timeout: float = STALL_TIMEOUT_S,
+        report_unscoped_cached_tokens: bool = False,
     ):
         self.backend = backend
         self.keys = keys or ApiKeys([])  # who may call (none configured: anyone), and how much
+        self.stall_timeout = stall_timeout  # seconds a streaming client may read nothing
+        # whether a request with no scope of its own (no API key, no cache_salt) is told its
+        # prefix-cache hits, which show what other such requests sent (docs/http-api.md)
+        self.report_unscoped_cached_tokens = report_unscoped_cached_tokens
         self._poll: asyncio.Future | None = None
         self.serving = False  # what the health check answers: Redis and a target answer
         self.not_serving_because = "starting"
@@ -144,23 +154,33 @@ class CoordinatorFront:
             except Exception as exc:  # noqa: BLE001 - metrics must never take the front down
                 log.debug("cost model poll failed: %s", exc)
 
+    def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The caller's API key from its ``authorization`` header or metadata (None where no keys
+        are configured); UnauthenticatedError otherwise. Called before anything of the request
+        is read, parsed or run: a caller without a key costs no more than this."""
+        try:
+            return self.keys.authenticate(authorization)
+        except UnauthenticatedError:
+            metrics.REQUEST_ERRORS.labels("UNAUTHENTICATED").inc()
+            raise
+
     async def stream(
         self,
         request: coordinator_pb2.GenerateRequest,
         caller: Mapping[str, str],
         method: str = "GenerateStream",
         durable: bool = True,
-        authorization: str | None = None,
+        key: ApiKey | None = None,
     ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
         """The request's chunks. ``caller``: the caller's W3C trace headers (may be empty).
         ``durable``: False for a caller that cannot resume (the HTTP API): nothing is logged.
-        ``authorization``: the caller's ``Bearer <API key>`` (needed where keys are configured;
-        the key's limit of requests in flight holds, its tenant scopes the prefix cache and bounds
-        what its requests hold of the session log)."""
+        ``key``: the caller's API key, from :meth:`authenticate` (its limit of requests in
+        flight holds, its tenant scopes the prefix cache and bounds what its requests hold of the
+        session log)."""
         recorder = metrics.RequestRecorder(self.model_name)
         span = tracing.start_span(f"coordinator.{method}", caller, {"rpc.method": method})
+        shows_cache_hits = self.report_unscoped_cached_tokens or has_own_scope(key, request.cache_salt)
         try:
-            key = self.keys.authenticate(authorization)
             if key is not None:
                 scoped = coordinator_pb2.GenerateRequest()
                 scoped.CopyFrom(request)
@@ -172,6 +192,8 @@ class CoordinatorFront:
                     carrier = tracing.inject_context()
                 tenant = key.tenant if key is not None else ""  # its bound on the session log
                 async for chunk in self.backend.generate(request, carrier, durable, tenant):
+                    if not shows_cache_hits and chunk.HasField("stats"):
+                        chunk.stats.cached_prompt_tokens = 0
                     recorder.chunk(chunk)
                     if chunk.finish_reason:
                         span.set_attribute("specdec.request_id", chunk.request_id)
@@ -187,13 +209,75 @@ class CoordinatorFront:
             recorder.close()
             span.end()
 
+    def stream_to_reader(
+        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], key: ApiKey | None = None
+    ) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        """GenerateStream's chunks for a client that takes them as it reads: paced by its reading
+        (:func:`paced`), so one that stops reading stalls its own request and is stopped after
+        the stall timeout."""
+        return paced(self.stream(request, caller, key=key), self.stall_timeout)
+
     async def unary(
-        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], authorization: str | None = None
+        self, request: coordinator_pb2.GenerateRequest, caller: Mapping[str, str], key: ApiKey | None = None
     ) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse()
-        async for chunk in self.stream(request, caller, method="Generate", authorization=authorization):
+        async for chunk in self.stream(request, caller, method="Generate", key=key):
             wire.add_chunk(response, chunk)
         return response
+
+
+class Stalled(Exception):
+    """The reader of a stream took nothing for the stall timeout."""
+
+
+async def put_or_stall(queue: asyncio.Queue, item, stall_timeout: float) -> None:
+    """Put ``item`` for a reader; Stalled if the reader makes no room for ``stall_timeout`` s."""
+    try:
+        await asyncio.wait_for(queue.put(item), stall_timeout)
+    except asyncio.TimeoutError:
+        raise Stalled from None
+
+
+async def paced(
+    stream: AsyncIterator[coordinator_pb2.GenerateChunk], stall_timeout: float, buffered: int = BUFFERED_CHUNKS
+) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+    """``stream``'s chunks, never more than ``buffered`` produced ahead of the reader of this
+    iterator. A gRPC server's write waits while the client's flow-control window is full, so a
+    client that stops reading stops this iterator's reader: the generation behind it pauses
+    (nothing more is generated or buffered for it), and once it has read nothing for
+    ``stall_timeout`` seconds the generation is stopped -- its sessions and its slot freed --
+    and the reader, if it ever reads again, gets the chunks already buffered, then
+    ReaderStalledError."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=buffered)
+    end = object()
+
+    async def pump() -> None:
+        outcome: object = end
+        try:
+            async for chunk in stream:
+                await put_or_stall(queue, chunk, stall_timeout)
+        except Stalled:
+            log.warning("a client read nothing for %.0f s: its generation is stopped", stall_timeout)
+            outcome = ReaderStalledError(stall_timeout)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            outcome = exc
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]  # cancels the generation, frees its sessions
+        await queue.put(outcome)  # after the buffered chunks; the generation is over by now
+
+    pumping = asyncio.ensure_future(pump())
+    try:
+        while True:
+            item = await queue.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        pumping.cancel()
+        await asyncio.gather(pumping, return_exceptions=True)
 
 
 def trace_headers(metadata) -> dict[str, str]:
@@ -219,11 +303,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @grpc_method
     async def Generate(self, request, context):
-        return await self.front.unary(request, self._caller(context), authorization_of(context.invocation_metadata()))
+        key = self.front.authenticate(authorization_of(context.invocation_metadata()))
+        return await self.front.unary(request, self._caller(context), key)
 
     @grpc_method
     async def GenerateStream(self, request, context):
-        # `async def ... yield`, not context.write: the OpenTelemetry interceptor mishandles the latter
-        key = authorization_of(context.invocation_metadata())
-        async for chunk in self.front.stream(request, self._caller(context), authorization=key):
+        # `async def ... yield`, not context.write: the OpenTelemetry interceptor mishandles the
+        # latter. Each yield returns once gRPC has taken the chunk within the client's window.
+        key = self.front.authenticate(authorization_of(context.invocation_metadata()))
+        async for chunk in self.front.stream_to_reader(request, self._caller(context), key):
             yield chunk

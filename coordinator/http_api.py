@@ -27,15 +27,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from coordinator import openai_schema as schema
-from coordinator.front import TRACE_HEADERS, CoordinatorFront
-from specdec.errors import InvalidArgumentError, SpecdecError
+from coordinator.front import (
+    BUFFERED_CHUNKS,
+    STALL_TIMEOUT_S,
+    TRACE_HEADERS,
+    CoordinatorFront,
+    Stalled,
+    put_or_stall,
+)
+from specdec.errors import InvalidArgumentError, ReaderStalledError, SpecdecError
 from specdec.runtime.grpc_server import failure_status
 from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger("specdec.coordinator.http")
 MAX_BODY_BYTES = 4 << 20  # a request body (prompts are bounded further by the schema)
-BUFFERED_CHUNKS = 16  # per stream, chunks produced and not yet taken by the client
-STALL_TIMEOUT_S = 60.0  # a streaming client that reads nothing this long has its generations stopped
 # A whole (non-streamed) answer is rendered in a worker thread; past this many tokens and logprob
 # entries in all (n x max_tokens x (1 + top logprobs)) it is refused: such an answer is streamed.
 MAX_WHOLE_ANSWER_ENTRIES = 1 << 20
@@ -173,10 +178,6 @@ async def _first_chunks(streams: list) -> list:
         raise
 
 
-class _Stalled(Exception):
-    """The reader of a stream took nothing for the stall timeout."""
-
-
 async def merged(
     streams: list[AsyncIterator[coordinator_pb2.GenerateChunk]],
     firsts: list[coordinator_pb2.GenerateChunk | None],
@@ -195,10 +196,7 @@ async def merged(
     stalled = asyncio.Event()
 
     async def put(item) -> None:
-        try:
-            await asyncio.wait_for(queue.put(item), stall_timeout)
-        except asyncio.TimeoutError:
-            raise _Stalled from None
+        await put_or_stall(queue, item, stall_timeout)
 
     async def pump(index: int) -> None:
         try:
@@ -207,13 +205,13 @@ async def merged(
             async for chunk in streams[index]:
                 await put((index, chunk))
             await put((index, done))
-        except _Stalled:
+        except Stalled:
             log.warning("a client read nothing for %.0f s: its generation is stopped", stall_timeout)
             stalled.set()
             with contextlib.suppress(Exception):
                 await streams[index].aclose()  # type: ignore[attr-defined]  # cancels it, frees its sessions
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            with contextlib.suppress(_Stalled):
+            with contextlib.suppress(Stalled):
                 await put((index, exc))
 
     pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
@@ -225,11 +223,7 @@ async def merged(
     try:
         while left:
             if stalled.is_set() and queue.empty():
-                raise HttpError(
-                    408,
-                    "timeout_error",
-                    f"the client read nothing for {stall_timeout:.0f} s: the generation was stopped",
-                )
+                raise HttpError(408, "timeout_error", str(ReaderStalledError(stall_timeout)))
             getter = asyncio.ensure_future(queue.get())
             await asyncio.wait({getter, gone, waiting_stall}, return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
@@ -271,19 +265,13 @@ def sse(obj: Any) -> bytes:
 
 class OpenAIApp:
     """The routes, over one front. ``model_name``: what ``/v1/models`` lists and requests may name.
-    ``stall_timeout``: seconds a streaming client may read nothing before its generation stops."""
+    A streaming client may read nothing for the front's ``stall_timeout`` before its generation
+    stops."""
 
-    def __init__(
-        self,
-        front: CoordinatorFront,
-        model_name: str,
-        metrics_text: Callable[[], bytes],
-        stall_timeout: float = STALL_TIMEOUT_S,
-    ):
+    def __init__(self, front: CoordinatorFront, model_name: str, metrics_text: Callable[[], bytes]):
         self.front = front
         self.model_name = model_name
         self.metrics_text = metrics_text
-        self.stall_timeout = stall_timeout
         self.app = FastAPI(title="specdec", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_api_route("/health", self.health, methods=["GET"])
         self.app.add_api_route("/v1/models", self.models, methods=["GET"])
@@ -317,7 +305,7 @@ class OpenAIApp:
 
     async def models(self, request: Request) -> Response:
         try:
-            self.front.keys.authenticate(request.headers.get("authorization"))
+            self.front.authenticate(request.headers.get("authorization"))
         except SpecdecError as exc:
             return error_response(exc)
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec"}
@@ -336,6 +324,9 @@ class OpenAIApp:
         caller = {k: v for k, v in request.headers.items() if k in TRACE_HEADERS}
         streams: list = []
         try:
+            # the key first, from the headers: a caller without one gets its 401 before a byte
+            # of its body is read, let alone parsed into requests
+            key = self.front.authenticate(request.headers.get("authorization"))
             body = await read_json(request)
             if not isinstance(body, dict):
                 raise HttpError(400, "invalid_request_error", "the body must be a JSON object")
@@ -348,8 +339,7 @@ class OpenAIApp:
             request_id = f"{prefix}-{uuid.uuid4().hex}"
             grpc_requests = to_grpc(parsed, request_id)
             # not durable: an OpenAI client cannot resume, so nothing of it goes to the session log
-            key = request.headers.get("authorization")
-            streams = [self.front.stream(r, caller, durable=False, authorization=key) for r in grpc_requests]
+            streams = [self.front.stream(r, caller, durable=False, key=key) for r in grpc_requests]
             firsts = await _first_chunks(streams)  # every choice validated and started
             if not parsed.stream:
                 _check_whole_answer(grpc_requests)
@@ -362,7 +352,7 @@ class OpenAIApp:
             return error_response(exc)
         response = _Response(request_id, self.model_name, chat, parsed, len(streams))
         gone = asyncio.ensure_future(until_disconnected(request))
-        chunks = merged(streams, list(firsts), gone, self.stall_timeout)
+        chunks = merged(streams, list(firsts), gone, self.front.stall_timeout)
         if parsed.stream:
             return StreamingResponse(
                 self._events(response, chunks, gone),

@@ -11,7 +11,7 @@ import sys
 import uvicorn
 
 from coordinator.front import CoordinatorFront
-from coordinator.http_api import STALL_TIMEOUT_S, OpenAIApp
+from coordinator.http_api import OpenAIApp
 from specdec.runtime.security import Security
 from specdec.telemetry import metrics
 
@@ -34,19 +34,19 @@ class HttpServer:
         host: str,
         port: int,
         tls: Security | None = None,
-        stall_timeout: float = STALL_TIMEOUT_S,
     ) -> HttpServer:
         """Serve the API on ``host``:``port``: HTTPS when ``tls`` has a certificate (the same
-        SPECDEC_TLS_* files as the gRPC port, a CA then requiring client certificates), else
-        plain HTTP -- never plain HTTP beside a TLS gRPC port."""
+        SPECDEC_TLS_* files as the public gRPC port, client certificates required only with the
+        public client CA), else plain HTTP -- never plain HTTP beside a TLS gRPC port."""
         from prometheus_client import generate_latest
 
-        app = OpenAIApp(front, model_name, lambda: generate_latest(metrics.REGISTRY), stall_timeout).app
+        app = OpenAIApp(front, model_name, lambda: generate_latest(metrics.REGISTRY)).app
         options: dict = {}
         if tls is not None and tls.server_tls:
             options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
-            if tls.ca:
-                options.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+            client_ca = tls.client_ca(public=True)
+            if client_ca:
+                options.update(ssl_ca_certs=client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(
             app, host=host, port=port, log_level="warning", access_log=False, lifespan="off", **options
         )

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from coordinator import api_keys, settings
 from coordinator.config import CoordinatorConfig
-from coordinator.front import SERVICE, Backend, CoordinatorFront, CoordinatorServicer, LocalBackend
+from coordinator.front import (
+    SERVICE,
+    STALL_TIMEOUT_S,
+    Backend,
+    CoordinatorFront,
+    CoordinatorServicer,
+    LocalBackend,
+)
 from specdec.runtime import grpc_server as srv
 from specdec.runtime import security
 from specdec.telemetry import logs, tracing
@@ -23,6 +30,7 @@ from specdec.v1 import coordinator_pb2_grpc
 def add_arguments(p: argparse.ArgumentParser) -> None:
     settings.add_arguments(p)
     security.add_arguments(p)
+    security.add_public_arguments(p)
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     p.add_argument("--replicas", type=int, default=1, help="coordinator Ray actors")
@@ -36,10 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(0 = off; `specdec serve` turns it on at 8000)",
     )
     p.add_argument(
-        "--http-stall-timeout",
+        "--stall-timeout",
+        "--http-stall-timeout",  # its name before gRPC streams had it too
+        dest="stall_timeout",
         type=float,
-        default=60.0,
-        help="seconds a streaming HTTP client may read nothing before its generation is stopped",
+        default=STALL_TIMEOUT_S,
+        help="seconds a streaming client (HTTP or gRPC GenerateStream) may read nothing before its generation is "
+        "stopped and its sessions freed",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -98,22 +109,22 @@ async def serve(args: argparse.Namespace) -> None:
         model_name=args.served_model_name,
         keys=keys,
         metrics_host=args.host,
+        stall_timeout=args.stall_timeout,
+        report_unscoped_cached_tokens=config.report_unscoped_cached_tokens,
     )
     print("[specdec] coordinator: connecting to the target and draft...", file=sys.stderr, flush=True)
     await front.start()
     server = srv.create_server(max_receive_bytes=args.max_request_bytes)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(front), server)
     health = srv.add_health_and_reflection(server, [SERVICE])
-    bound = security.bind(server, f"{args.host}:{args.port}")
+    bound = security.bind(server, f"{args.host}:{args.port}", public=True)
     if bound == 0:
         raise SystemExit(f"specdec coordinator: cannot listen on {args.host}:{args.port}")
     http = None
     if args.http_port:
         from coordinator.http_server import HttpServer
 
-        http = await HttpServer.start(
-            front, front.model_name, args.host, args.http_port, security.current(), args.http_stall_timeout
-        )
+        http = await HttpServer.start(front, front.model_name, args.host, args.http_port, security.current())
     await server.start()
     await srv.set_serving(health, [SERVICE], front.serving)
     front.on_health_change.append(lambda serving: srv.set_serving(health, [SERVICE], serving))

@@ -41,6 +41,17 @@ CLOSE_GRACE_S = 3.0  # how long close() waits for releases in flight before clos
 log = logging.getLogger("specdec.coordinator.peers")
 
 
+# The statuses gRPC's own transport gives a call to a replica that is gone, slow or restarting.
+# Their details are the transport's (peer addresses in any spelling, socket paths, DNS names,
+# errno text), so the client is told a fixed line instead; the log has the details.
+TRANSPORT_STATUSES = {
+    "UNAVAILABLE": "unreachable, restarting or shutting down; retry",
+    "DEADLINE_EXCEEDED": "did not answer in time",
+    "CANCELLED": "the call was cancelled",
+    "UNKNOWN": "failed; the coordinator's log has the details",
+}
+
+
 def _peer_error(kind: str, address: str, exc: grpc.aio.AioRpcError) -> PeerError:
     """A replica's failure as the coordinator passes it on: its kind and status, never its
     address (clients must not learn the internal topology; the log line here has it)."""
@@ -48,7 +59,7 @@ def _peer_error(kind: str, address: str, exc: grpc.aio.AioRpcError) -> PeerError
     if code == "INTERNAL" and exc.details() == TRANSPORT_FAILURE:
         code = "UNAVAILABLE"
     log.info("%s %s answered %s: %s", kind, address, code, exc.details())
-    details = _without_addresses(exc.details() or "")
+    details = TRANSPORT_STATUSES.get(code) or _without_addresses(exc.details() or "")
     if code == "INVALID_ARGUMENT" and details.startswith("sampling."):
         return PeerError(code, details)  # a field of the client's own request: its 400 names it first
     return PeerError(code, f"{kind} replica: {code}: {details}")

@@ -61,9 +61,14 @@ class CoordinatorDeployment:
     def __init__(self, values: dict[str, Any]):
         tracing.init_tracing("specdec-coordinator")
         port = {**settings.values_from_env(), **values}.get("metrics_port", 0)  # SPECDEC_METRICS_PORT too
+        config = serve_config(values)
         # in a Serve pod the metrics are scraped over the pod network (deploy/'s NetworkPolicy bounds who)
         self.front = CoordinatorFront(
-            LocalBackend(serve_config(values)), port, keys=api_keys.from_env(), metrics_host="0.0.0.0"
+            LocalBackend(config),
+            port,
+            keys=api_keys.from_env(),
+            metrics_host="0.0.0.0",
+            report_unscoped_cached_tokens=config.report_unscoped_cached_tokens,
         )
         self._starting: asyncio.Future | None = None
         self._http: Any = None  # the OpenAI-compatible HTTP API, made on the first HTTP request
@@ -78,9 +83,10 @@ class CoordinatorDeployment:
     async def Generate(self, request, grpc_context):
         try:
             with metrics.rpc_timer("Generate"):
-                await self._start()
                 metadata = grpc_context.invocation_metadata()
-                return await self.front.unary(request, trace_headers(metadata), authorization_of(metadata))
+                key = self.front.authenticate(authorization_of(metadata))
+                await self._start()
+                return await self.front.unary(request, trace_headers(metadata), key)
         except Exception as exc:
             _fail(grpc_context, exc, "Generate")
             raise
@@ -88,10 +94,10 @@ class CoordinatorDeployment:
     async def GenerateStream(self, request, grpc_context):
         try:
             with metrics.rpc_timer("GenerateStream"):
-                await self._start()
                 metadata = grpc_context.invocation_metadata()
-                stream = self.front.stream(request, trace_headers(metadata), authorization=authorization_of(metadata))
-                async for chunk in stream:
+                key = self.front.authenticate(authorization_of(metadata))
+                await self._start()
+                async for chunk in self.front.stream_to_reader(request, trace_headers(metadata), key):
                     yield chunk
         except Exception as exc:
             _fail(grpc_context, exc, "GenerateStream")

@@ -164,6 +164,16 @@ SETTINGS = (
         "'Bursts')",
         "contention",
     ),
+    Setting(
+        "report_unscoped_cached_tokens",
+        _boolean,
+        "tell requests with neither an API key nor a cache_salt how many prompt tokens they found in the prefix "
+        "cache (usage.prompt_tokens_details.cached_tokens, stats.cached_prompt_tokens), which they all share: "
+        "a client could then confirm what another sent. Default: 0 for them; a key or salt always gets its own "
+        "(docs/http-api.md, 'What is shared')",
+        "report_unscoped_cached_tokens",
+        switch=True,
+    ),
     Setting("max_speculative_tokens", int, "largest k a request may ask for", "max_k"),
     Setting("default_max_new_tokens", int, "max_new_tokens of a request that does not say", "default_max_new_tokens"),
     Setting("max_new_tokens_limit", int, "largest max_new_tokens a request may ask for", "max_new_tokens_limit"),

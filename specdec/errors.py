@@ -91,6 +91,17 @@ class UnauthenticatedError(SpecdecError):
     code = "UNAUTHENTICATED"
 
 
+class ReaderStalledError(SpecdecError):
+    """A streaming client read nothing for the stall timeout: its generation was stopped and its
+    sessions freed, rather than kept waiting for it (the HTTP API sends the same as a 408 event)."""
+
+    code = "DEADLINE_EXCEEDED"
+
+    def __init__(self, seconds: float):
+        super().__init__(f"the client read nothing for {seconds:.0f} s: the generation was stopped")
+        self._init_args = (seconds,)
+
+
 class ReplicaFaultError(SpecdecError):
     """The replica itself failed while running a work (its batched pass, its admission, its
     bookkeeping), not the request: the work's session is released and the caller may retry on

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 import grpc
 
@@ -131,3 +133,29 @@ def greedy_continuations(model, prompts, tokens: int) -> list[list[int]]:
 
     settings = {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens, "pad_token_id": 0}
     return [model.generate(torch.tensor([p]), **settings)[0, len(p) :].tolist() for p in prompts]
+
+
+@contextlib.contextmanager
+def http_api_alone(keys=None, tls=None):
+    """The real HTTP API (uvicorn, the OpenAI routes, the front) on a free port of 127.0.0.1,
+    with API ``keys`` and ``tls`` (a Security); yields the port. Its request path is never
+    started: for what the API's door does before a request reaches it."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.front import CoordinatorFront, LocalBackend
+    from coordinator.http_server import HttpServer
+    from specdec.apps.launcher import free_port
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    port = free_port()
+    backend = LocalBackend(CoordinatorConfig(target_address="127.0.0.1:9"))
+    front = CoordinatorFront(backend, model_name="tiny", keys=keys)
+    started = HttpServer.start(front, "tiny", "127.0.0.1", port, tls)
+    server = asyncio.run_coroutine_threadsafe(started, loop).result(60)
+    try:
+        yield port
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)

@@ -71,3 +71,43 @@ def test_the_http_api_maps_the_same_way():
     assert error.status == 500 and "error id" in error.message and "4242" not in error.message
     assert error_of(rx.ResponseError("OOM command not allowed")).status == 503
     assert error_of(InvalidArgumentError("sampling.top_p", "bad")).param == "top_p"
+
+
+def test_redis_down_is_unavailable_naming_the_session_log_without_its_address(caplog):
+    """Issue 62, item 12: with Redis down, the client was told redis-py's own message, "Error 111
+    connecting to 127.0.0.1:PORT. Connection refused." -- an internal address and an errno. Now
+    UNAVAILABLE saying the session log is unavailable; the log has the rest. A real request path
+    and a real Redis client, dialing a port nobody listens on, for a logged (gRPC) request and an
+    unlogged (HTTP) one (which needs Redis only for the registry: no target, then)."""
+    import asyncio
+
+    from coordinator.config import CoordinatorConfig
+    from coordinator.core import CoordinatorCore
+    from coordinator.http_api import error_of
+    from specdec.apps.launcher import free_port
+    from specdec.v1 import coordinator_pb2
+
+    port = free_port()
+
+    async def failure(durable: bool) -> BaseException:
+        core = CoordinatorCore(CoordinatorConfig(redis_url=f"redis://127.0.0.1:{port}/0"))
+        core.requests.vocab_size, core.requests.context_length = 32, 64  # what setup learns from a target
+        try:
+            async for _ in core.generate(coordinator_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3]), None, durable):
+                pass
+        except Exception as exc:  # noqa: BLE001 - the failure is the subject
+            return exc
+        finally:
+            await core.close()
+        raise AssertionError("a request with Redis down succeeded")
+
+    for durable in (True, False):
+        exc = asyncio.run(failure(durable))
+        code, details = failure_status(exc, "GenerateStream")
+        assert code == grpc.StatusCode.UNAVAILABLE, (durable, details)
+        assert ("session log" in details) if durable else ("no target replica" in details), details
+        for leak in ("127.0.0.1", str(port), "111", "refused"):
+            assert leak not in details, (durable, details)
+        http = error_of(exc)
+        assert http.status == 503 and http.message == details
+    assert any(str(port) in r.getMessage() for r in caplog.records)  # the log names it

@@ -222,6 +222,7 @@ def test_a_repeated_prompt_goes_back_to_the_replicas_that_hold_its_prefix(stack)
     prompt = [(5 * i + 1) % 32 for i in range(48)]  # three whole blocks
     started = {kind: {c.name: info(c).sessions_started for c in alive(stack, kind)} for kind in ("target", "draft")}
     greedy = request(prompt, k=2, adaptive=False, temperature=0.0, max_new_tokens=6)
+    greedy.cache_salt = "affinity"  # a scope of its own: it is told its prefix-cache hits
     replies = [stub(stack.coordinator_address).Generate(greedy) for _ in range(3)]
     answers = [list(r.token_ids) for r in replies]
     assert answers[0] == answers[1] == answers[2] and answers[0]

@@ -63,7 +63,7 @@ def stack(tmp_path_factory):
             "tiny",
             "--max-new-tokens-limit",
             str(LONG),
-            "--http-stall-timeout",
+            "--stall-timeout",
             str(STALL_S),
         ],
     ) as s:
@@ -93,13 +93,15 @@ def test_models_and_health(stack, client):
 
 def test_usage_reports_the_prompt_tokens_copied_from_the_prefix_cache(stack, client):
     """OpenAI's usage.prompt_tokens_details.cached_tokens: the prompt positions the target copied
-    from its prefix cache (whole blocks of 16) -- none the first time a prompt is seen, its whole
-    blocks the next time, streamed (in the usage chunk) or not."""
+    from its prefix cache (whole blocks of 16) -- none the first time a prompt is seen in the
+    request's scope (its cache_salt here; no key is configured), its whole blocks the next time,
+    streamed (in the usage chunk) or not."""
     from specdec.apps.selftest import VOCAB
 
     prompt = " ".join(f"w{(11 * i + 5) % VOCAB}" for i in range(40))
-    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
-    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    salted = {"cache_salt": "tenant-x"}
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body=salted)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body=salted)
     whole_blocks = 16 * ((again.usage.prompt_tokens - 1) // 16)  # the last position is fed by the first step
     assert whole_blocks == 32
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -108,25 +110,59 @@ def test_usage_reports_the_prompt_tokens_copied_from_the_prefix_cache(stack, cli
     usage = {"include_usage": True}
     chunks = list(
         client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=4, temperature=0, stream=True, stream_options=usage
+            model="tiny",
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options=usage,
+            extra_body=salted,
         )
     )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole_blocks
     # cache_salt (vLLM's field) scopes the prefix cache: another salt sees none of it, even the
     # exact prompt -- no client can learn from cached_tokens what another client sent -- and
     # requests of the same salt share their own copy (issue 42, item 6)
-    salted = [
+    other = [
         client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-x"}
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-y"}
         )
         for _ in range(2)
     ]
-    assert [r.usage.prompt_tokens_details.cached_tokens for r in salted] == [0, whole_blocks]
-    other = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-y"}
-    )
-    assert other.usage.prompt_tokens_details.cached_tokens == 0
-    assert ids(other.choices[0].text) == ids(first.choices[0].text)  # the scope changes nothing else
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in other] == [0, whole_blocks]
+    assert ids(other[0].choices[0].text) == ids(first.choices[0].text)  # the scope changes nothing else
+
+
+def test_a_request_without_a_scope_of_its_own_is_told_no_cache_hits(stack, client):
+    """Issue 62, item 11: requests with neither an API key nor a cache_salt share one scope of
+    the prefix cache, so their cache hits tell what other such clients sent: a guess of another's
+    secret prompt was told 16 cached tokens when wrong after its first block, 32 when right. Now
+    such a request is told 0 (the server's default; --report-unscoped-cached-tokens opts in) on
+    both APIs -- usage, the specdec extension, a stream's usage chunk, gRPC's stats -- and its
+    tokens are the same."""
+    from specdec.apps.selftest import VOCAB
+
+    secret = [f"w{(13 * i + 7) % VOCAB}" for i in range(40)]
+    wrong = secret[:16] + [f"w{(3 * i + 1) % VOCAB}" for i in range(24)]  # its first block right
+    victim = client.completions.create(model="tiny", prompt=" ".join(secret), max_tokens=4, temperature=0)
+    for guess in (wrong, secret):
+        told = client.completions.create(model="tiny", prompt=" ".join(guess), max_tokens=4, temperature=0)
+        assert told.usage.prompt_tokens_details.cached_tokens == 0, guess
+        assert told.model_extra["specdec"]["choices"][0]["cached_prompt_tokens"] == 0
+        streamed = list(
+            client.completions.create(
+                model="tiny",
+                prompt=" ".join(guess),
+                max_tokens=4,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 0
+        over_grpc = grpc_tokens(stack, prompt=" ".join(guess), temperature=0.0, max_new_tokens=4)
+        assert over_grpc.stats.cached_prompt_tokens == 0
+    assert ids(told.choices[0].text) == ids(victim.choices[0].text) == list(over_grpc.token_ids)
 
 
 def test_greedy_completion_equals_the_grpc_api_streamed_or_not(stack, client):
@@ -330,6 +366,44 @@ def test_a_streaming_client_that_stops_reading_stalls_only_itself_and_is_stopped
     delivered = sum(len(ids(e["choices"][0]["text"])) for e in events if e.get("choices"))
     assert 0 < delivered < LONG - 100, delivered  # generation paused with the reader, then stopped
     assert events[-1]["error"]["type"] == "timeout_error" and "read nothing" in events[-1]["error"]["message"]
+
+
+def test_a_grpc_stream_whose_client_stops_reading_stalls_only_itself_and_is_stopped(stack):
+    """Issue 62, item 12: GenerateStream's equivalent of the test above. A client that reads one
+    chunk of a long stream and then nothing (its flow-control window kept small: the server
+    feels it at once) used to hold its generation -- its sessions and its slot -- paused for as
+    long as it kept the call open. Now the generation waits for it only --stall-timeout seconds
+    (the stack's, 3) and is stopped, its sessions freed, while the call is still open; when the
+    client reads again it gets the chunks that were waiting, then DEADLINE_EXCEEDED saying so."""
+    from stack_util import request as grpc_request
+
+    from specdec.v1 import coordinator_pb2_grpc
+
+    slow = grpc.insecure_channel(stack.coordinator_address, options=[("grpc.http2.bdp_probe", 0)])
+    long = grpc_request(
+        [5, 6],
+        k=2,
+        adaptive=False,
+        temperature=1.0,
+        max_new_tokens=LONG - 100,
+        ignore_eos=True,
+        logprobs=20,  # large chunks: the window fills after fewer tokens
+    )
+    call = coordinator_pb2_grpc.CoordinatorStub(slow).GenerateStream(long, timeout=600)
+    try:
+        delivered = len(next(call).token_ids)
+        other = grpc_tokens(stack, prompt="w7", temperature=0.0, max_new_tokens=20, ignore_eos=True)
+        assert len(other.token_ids) == 20  # the stalled stream holds nobody else up
+        assert _sessions_clear(stack, within=120.0)  # stopped after the stall timeout, the call still open
+        with pytest.raises(grpc.RpcError) as stopped:
+            for chunk in call:
+                delivered += len(chunk.token_ids)
+    finally:
+        call.cancel()
+        slow.close()
+    assert 0 < delivered < LONG - 100, delivered  # generation paused with the reader, then stopped
+    assert stopped.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, stopped.value
+    assert "read nothing" in stopped.value.details()
 
 
 def test_a_whole_answer_too_large_to_render_at_once_is_refused_naming_stream(stack):

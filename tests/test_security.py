@@ -158,12 +158,89 @@ def test_mutual_tls_and_the_token_admit_only_who_has_both(target_model, certs):
     }
 
 
+def test_the_public_ports_trust_their_own_client_ca_and_never_the_internal_one(certs, tmp_path_factory):
+    """Issue 62, item 12: SPECDEC_TLS_CA made the coordinator's public ports require client
+    certificates from the internal CA -- the one the replicas and coordinator prove themselves
+    with -- so trusting an outside client meant issuing it an internal identity. Now the public
+    ports (gRPC and HTTPS) ask for a client certificate only with SPECDEC_PUBLIC_TLS_CLIENT_CA,
+    and then admit that CA's clients alone; internal ports keep the internal CA's mutual TLS."""
+    import ssl
+
+    import httpx
+    from grpc_health.v1 import health
+    from stack_util import http_api_alone
+
+    from specdec.runtime.grpc_server import client_channel
+
+    public = _certificates(tmp_path_factory.mktemp("public-certs"))  # another CA, and a client it signed
+    internal_ca = str(certs / "ca.pem")
+    served = Security(str(certs / "server.pem"), str(certs / "server.key"), internal_ca)
+    with_public_ca = Security(served.cert, served.key, internal_ca, public_client_ca=str(public / "ca.pem"))
+    clients = {
+        "no certificate": Security(ca=internal_ca),
+        "internal certificate": Security(str(certs / "client.pem"), str(certs / "client.key"), internal_ca),
+        "public certificate": Security(str(public / "client.pem"), str(public / "client.key"), internal_ca),
+    }
+
+    async def answers(sec: Security, public_port: bool) -> dict[str, str]:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        address = f"127.0.0.1:{security.bind(server, '127.0.0.1:0', sec, public=public_port)}"
+        await server.start()
+        out = {}
+        try:
+            for who, client in clients.items():
+                async with client_channel(address, client) as channel:
+                    try:
+                        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                        out[who] = "OK"
+                    except grpc.aio.AioRpcError as exc:
+                        out[who] = exc.code().name
+        finally:
+            await server.stop(None)
+        return out
+
+    assert asyncio.run(answers(served, public_port=True)) == {
+        "no certificate": "OK",  # API keys say who a public client is
+        "internal certificate": "OK",
+        "public certificate": "OK",
+    }
+    assert asyncio.run(answers(with_public_ca, public_port=True)) == {
+        "no certificate": "UNAVAILABLE",
+        "internal certificate": "UNAVAILABLE",  # an internal identity is no public client's
+        "public certificate": "OK",
+    }
+    assert asyncio.run(answers(with_public_ca, public_port=False)) == {
+        "no certificate": "UNAVAILABLE",
+        "internal certificate": "OK",
+        "public certificate": "UNAVAILABLE",
+    }
+
+    def https_status(port: int, client: Security) -> int | str:
+        tls = ssl.create_default_context(cafile=internal_ca)
+        if client.cert:
+            tls.load_cert_chain(client.cert, client.key)
+        try:
+            return httpx.get(f"https://127.0.0.1:{port}/health", verify=tls, timeout=10).status_code
+        except httpx.HTTPError:
+            return "refused"
+
+    for sec, admitted in ((served, set(clients)), (with_public_ca, {"public certificate"})):
+        with http_api_alone(tls=sec) as port:
+            for who, client in clients.items():
+                status = https_status(port, client)  # 503: answered (its request path is not started)
+                assert (status == 503) == (who in admitted), (sec.public_client_ca, who, status)
+    with pytest.raises(SecurityConfigError, match="SPECDEC_PUBLIC_TLS_CLIENT_CA needs a server certificate"):
+        Security(public_client_ca=str(public / "ca.pem"))
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_a_stack_over_mutual_tls_with_a_token_generates_and_a_plaintext_client_is_refused(certs, tmp_path):
     """The real stack -- target, draft and the coordinator with its Ray actor, each its own
-    process -- with mTLS on every port and the token on the internal ones, all from the
-    environment a Secret would set; a request through it generates every token it asks for."""
+    process -- with mutual TLS on the internal ports, TLS on the public ones and the token on
+    the internal ones, all from the environment a Secret would set; a request through it
+    generates every token it asks for."""
     from stack_util import request, save_tiny_pair
 
     from specdec.apps.launcher import local_stack
@@ -195,9 +272,20 @@ def test_a_stack_over_mutual_tls_with_a_token_generates_and_a_plaintext_client_i
             with grpc.insecure_channel(stack.coordinator_address) as channel, pytest.raises(grpc.RpcError) as info:
                 coordinator_pb2_grpc.CoordinatorStub(channel).Generate(req, timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            # Issue 62, item 12: the public port trusts the internal CA for no client. A TLS client
+            # without a certificate is served (its API key says who it is); the replicas, whose
+            # mutual TLS is the internal trust, still refuse it.
+            certless = Security(ca=str(certs / "ca.pem"))
+            with sync_channel(stack.coordinator_address, certless) as channel:
+                keyed = [("authorization", f"Bearer {ALPHA}")]
+                reply = coordinator_pb2_grpc.CoordinatorStub(channel).Generate(req, timeout=120, metadata=keyed)
+                assert len(reply.token_ids) == 12
+            target_address = next(c.address for c in stack.children if c.name == "target-0")
+            with sync_channel(target_address, certless) as channel, pytest.raises(grpc.RpcError) as info:
+                target_pb2_grpc.TargetStub(channel).Info(engine_pb2.InfoRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             check_the_https_api(stack.http_url, certs)
             del os.environ[security.TOKEN_ENV]  # TLS alone, without the token: the target refuses
-            target_address = next(c.address for c in stack.children if c.name == "target-0")
             with sync_channel(target_address) as channel, pytest.raises(grpc.RpcError) as info:
                 target_pb2_grpc.TargetStub(channel).Info(engine_pb2.InfoRequest(), timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -239,6 +327,10 @@ def check_the_https_api(http_url: str, certs) -> None:
     with pytest.raises(openai.RateLimitError, match="'alpha' has 1 requests in flight, its limit is 1"):
         client(ALPHA).completions.create(model=model, prompt=[1, 2, 3], max_tokens=5, n=2)
     assert len(client(BRAVO).completions.create(model=model, prompt=[1, 2, 3], max_tokens=5, n=2).choices) == 2
+    certless = ssl.create_default_context(cafile=str(certs / "ca.pem"))  # issue 62, item 12: as on gRPC
+    with httpx.Client(verify=certless, timeout=60) as transport:
+        listed = openai.OpenAI(base_url=f"{https}/v1", api_key=BRAVO, max_retries=0, http_client=transport)
+        assert [m.id for m in listed.models.list().data] == [model]
     with pytest.raises(httpx.HTTPError):  # no plain HTTP beside a TLS port
         httpx.get(f"{http_url}/health", timeout=10)
     assert httpx.get(f"{https}/health", verify=tls, timeout=10).status_code == 200  # no key needed
@@ -270,9 +362,39 @@ def test_bad_tls_flags_stop_a_service_with_one_line_naming_the_setting(tmp_path)
     assert "SPECDEC_TLS_CERT and SPECDEC_TLS_KEY" in result.stderr  # a cert without its key
 
 
-def test_replica_errors_reach_clients_without_internal_addresses():
+@pytest.mark.parametrize(
+    "code, details, leaks",
+    [
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.3.7:50052: Connection refused",
+            ["10.0.3.7", "50052"],
+        ),
+        # issue 62, item 12: the transport's other spellings of a peer, and its errno text
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNAVAILABLE: ipv6:%5Bfd00::7%5D:50052: Socket closed",
+            ["fd00", "50052"],
+        ),
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "DNS resolution failed for specdec-target-0:50052: C-ares status is not ARES_SUCCESS qtype=A "
+            "name=specdec-target-0 is_balancer=0: Domain name not found",
+            ["specdec-target-0", "50052"],
+        ),
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNKNOWN: unix:/run/specdec/target.sock: "
+            "connect: No such file or directory (2)",
+            ["/run/specdec", "No such file"],
+        ),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded on ipv4:10.0.3.7:50052", ["10.0.3.7"]),
+        (grpc.StatusCode.INTERNAL, "internal error in Verify (error id 0a1b2c; ipv4:10.0.3.7:50052)", ["10.0.3.7"]),
+    ],
+)
+def test_replica_errors_reach_clients_without_internal_addresses(code, details, leaks):
     """A failed call to a replica becomes the client's status naming the replica's kind and the
-    problem; its address (and any HOST:PORT gRPC's transport error names) stays in the log."""
+    problem; its address (and any peer, path or errno gRPC's transport error names) stays in the log."""
     from coordinator.peers import _peer_error
 
     class Failed(grpc.aio.AioRpcError):
@@ -280,14 +402,17 @@ def test_replica_errors_reach_clients_without_internal_addresses():
             pass
 
         def code(self):
-            return grpc.StatusCode.UNAVAILABLE
+            return code
 
         def details(self):
-            return "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.3.7:50052: Connection refused"
+            return details
 
     error = _peer_error("target", "10.0.3.7:50052", Failed())
-    assert error.code == "UNAVAILABLE" and str(error).startswith("target replica: UNAVAILABLE")
-    assert "10.0.3.7" not in str(error) and "50052" not in str(error)
+    assert error.code == code.name and str(error).startswith(f"target replica: {code.name}")
+    for leak in leaks:
+        assert leak not in str(error), str(error)
+    if code == grpc.StatusCode.INTERNAL:  # the replica's own message (its error id) is kept
+        assert "error id 0a1b2c" in str(error)
 
 
 def test_metrics_listen_on_the_processs_own_interface(monkeypatch):

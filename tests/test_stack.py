@@ -79,6 +79,8 @@ def stack(models, collector, tmp_path_factory):
             # load, rather than the shared-CPU one, under which an unmeasured load never would
             "--contention",
             "0",
+            # tell every request its prefix-cache hits, scoped or not (this stack's clients are one)
+            "--report-unscoped-cached-tokens",
         ],
         env=env,
     ) as s:
@@ -616,7 +618,8 @@ def test_a_repeated_prompt_is_copied_from_the_prefix_cache_and_gives_the_same_to
     before = {s: scrape(stack.metrics_ports[s])[hits] for s in ("target", "draft")}
     again = stub(stack.coordinator_address).Generate(same)
     assert list(again.token_ids) == list(first.token_ids) and len(first.token_ids) == 12
-    # and the client is told (the target's count, in the request's stats)
+    # and the client is told (the target's count, in the request's stats: this stack opts in for
+    # requests without a key or salt; by default they are told none, tests/test_http_api.py)
     assert first.stats.cached_prompt_tokens == 0 and again.stats.cached_prompt_tokens == 32
     for service in ("target", "draft"):
         scraped = scrape(stack.metrics_ports[service])

@@ -31,6 +31,8 @@ CHANNEL_OPTIONS = [
 # Redis refusing a write (out of memory, a read-only replica, a failed snapshot, still loading) is
 # the session store being unavailable for now, not a bug in the request: retryable.
 REDIS_REFUSALS = frozenset({"OOM", "READONLY", "MISCONF", "LOADING", "MASTERDOWN", "BUSY", "NOREPLICAS"})
+# What a client is told of it: no address, no errno (redis-py's own message names both; the log has it).
+SESSION_LOG_UNAVAILABLE = "the session log (Redis) is unavailable or refusing writes; retry"
 
 
 def redis_unavailable(exc: BaseException) -> bool:
@@ -63,8 +65,8 @@ def failure_status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, st
     if isinstance(exc, SpecdecError) and code != grpc.StatusCode.INTERNAL:
         return code, str(exc)
     if code == grpc.StatusCode.UNAVAILABLE:
-        log.warning("%s: the session store is unavailable: %s: %s", method, type(exc).__name__, exc)
-        return code, f"{method}: the session store (Redis) is unavailable or refusing writes; retry"
+        log.warning("%s: the session log is unavailable: %s: %s", method, type(exc).__name__, exc)
+        return code, f"{method}: {SESSION_LOG_UNAVAILABLE}"
     error_id = uuid.uuid4().hex[:12]
     log.error("%s failed (error id %s)", method, error_id, exc_info=exc)
     return code, f"internal error in {method} (error id {error_id}; the server's log has the details)"

@@ -8,8 +8,13 @@ from its environment, dial the services exactly as it would:
 
 - ``SPECDEC_TLS_CERT`` / ``SPECDEC_TLS_KEY``: PEM files of this process's certificate chain and
   key. A server with them serves TLS; a client presents them under mutual TLS.
-- ``SPECDEC_TLS_CA``: PEM file of the CA that signs the peers. A client with it speaks TLS and
-  verifies the server; a server with it also requires and verifies client certificates (mTLS).
+- ``SPECDEC_TLS_CA``: PEM file of the internal CA that signs the peers. A client with it speaks
+  TLS and verifies the server; an internal server (draft, target) with it also requires and
+  verifies client certificates (mTLS). The coordinator's public ports never trust it for clients.
+- ``SPECDEC_PUBLIC_TLS_CLIENT_CA`` (coordinator): PEM file of the CA whose client certificates the
+  public ports (gRPC and HTTPS) require -- mutual TLS for clients, a trust apart from the
+  internal one. Unset: the public ports serve TLS without asking clients for a certificate
+  (clients are identified by their API keys).
 - ``SPECDEC_TLS_SERVER_NAME``: the name a client checks the server's certificate against, in
   place of the address it dials -- replicas are dialed by pod IP, and share one certificate for
   that name (deploy/ and ``specdec secrets``).
@@ -34,6 +39,7 @@ import grpc
 
 CERT_ENV, KEY_ENV, CA_ENV = "SPECDEC_TLS_CERT", "SPECDEC_TLS_KEY", "SPECDEC_TLS_CA"
 SERVER_NAME_ENV = "SPECDEC_TLS_SERVER_NAME"
+PUBLIC_CLIENT_CA_ENV = "SPECDEC_PUBLIC_TLS_CLIENT_CA"
 TOKEN_ENV, TOKEN_FILE_ENV = "SPECDEC_AUTH_TOKEN", "SPECDEC_AUTH_TOKEN_FILE"
 REDIS_PASSWORD_ENV, REDIS_USERNAME_ENV = "REDIS_PASSWORD", "REDIS_USERNAME"
 ENV_NAMES = (
@@ -60,11 +66,15 @@ class Security:
     ca: str = ""
     token: str = ""
     server_name: str = ""  # verify servers' certificates for this name, not the dialed address
+    public_client_ca: str = ""  # the public ports require client certificates it signed ("" = none)
 
     def __post_init__(self):
         if bool(self.cert) != bool(self.key):
             raise SecurityConfigError(f"{CERT_ENV} and {KEY_ENV} (--tls-cert / --tls-key) go together")
-        for name, path in ((CERT_ENV, self.cert), (KEY_ENV, self.key), (CA_ENV, self.ca)):
+        if self.public_client_ca and not self.cert:
+            raise SecurityConfigError(f"{PUBLIC_CLIENT_CA_ENV} needs a server certificate ({CERT_ENV} / {KEY_ENV})")
+        files = {CERT_ENV: self.cert, KEY_ENV: self.key, CA_ENV: self.ca, PUBLIC_CLIENT_CA_ENV: self.public_client_ca}
+        for name, path in files.items():
             if path and not Path(path).is_file():
                 raise SecurityConfigError(f"{name}: no such file {path!r}")
 
@@ -76,13 +86,20 @@ class Security:
     def client_tls(self) -> bool:
         return bool(self.ca)
 
-    def server_credentials(self) -> grpc.ServerCredentials | None:
+    def client_ca(self, public: bool) -> str:
+        """The CA whose client certificates a server requires ("" = none): on an internal port the
+        internal CA, on a public one (the coordinator's APIs) only the public client CA -- a
+        certificate the deployment issued its own services never admits an outside client."""
+        return self.public_client_ca if public else self.ca
+
+    def server_credentials(self, public: bool = False) -> grpc.ServerCredentials | None:
         if not self.server_tls:
             return None
+        client_ca = self.client_ca(public)
         return grpc.ssl_server_credentials(
             [(_read(self.key), _read(self.cert))],
-            root_certificates=_read(self.ca) if self.ca else None,
-            require_client_auth=bool(self.ca),
+            root_certificates=_read(client_ca) if client_ca else None,
+            require_client_auth=bool(client_ca),
         )
 
     def channel_options(self) -> list[tuple[str, str]]:
@@ -116,7 +133,12 @@ def from_env(env: Mapping[str, str] | None = None) -> Security:
         if not token:
             raise SecurityConfigError(f"{TOKEN_FILE_ENV}: {env[TOKEN_FILE_ENV]!r} is empty")
     return Security(
-        env.get(CERT_ENV, ""), env.get(KEY_ENV, ""), env.get(CA_ENV, ""), token, env.get(SERVER_NAME_ENV, "")
+        env.get(CERT_ENV, ""),
+        env.get(KEY_ENV, ""),
+        env.get(CA_ENV, ""),
+        token,
+        env.get(SERVER_NAME_ENV, ""),
+        env.get(PUBLIC_CLIENT_CA_ENV, ""),
     )
 
 
@@ -132,8 +154,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--tls-ca",
         default=None,
-        help=f"PEM CA of the peers: clients verify servers with it, servers then require client certificates "
-        f"(mutual TLS) (env {CA_ENV})",
+        help=f"PEM CA of the internal peers: clients verify servers with it, draft and target servers then require "
+        f"client certificates it signed (mutual TLS) (env {CA_ENV})",
     )
     p.add_argument(
         "--auth-token-file",
@@ -142,10 +164,22 @@ def add_arguments(p) -> None:
     )
 
 
+def add_public_arguments(p) -> None:
+    """The flags of a process with public ports (the coordinator)."""
+    p.add_argument(
+        "--public-tls-client-ca",
+        default=None,
+        help=f"PEM CA whose client certificates the public gRPC and HTTPS ports require (mutual TLS for clients; "
+        f"apart from --tls-ca, which they never trust for clients) (env {PUBLIC_CLIENT_CA_ENV}; default: no "
+        "client certificate asked for)",
+    )
+
+
 def apply_arguments(args) -> Security:
     """Put the flags given into the environment (children and Ray workers inherit it), and check
     the result: bad settings stop the process with one line naming the setting, no traceback."""
-    for flag, name in (("tls_cert", CERT_ENV), ("tls_key", KEY_ENV), ("tls_ca", CA_ENV)):
+    flags = {"tls_cert": CERT_ENV, "tls_key": KEY_ENV, "tls_ca": CA_ENV, "public_tls_client_ca": PUBLIC_CLIENT_CA_ENV}
+    for flag, name in flags.items():
         value = getattr(args, flag, None)
         if value:
             os.environ[name] = str(Path(value).resolve())
@@ -202,9 +236,10 @@ def server_interceptors(security: Security | None = None) -> list:
     return [TokenCheck(security.token)] if security.token else []
 
 
-def bind(server: grpc.aio.Server, address: str, security: Security | None = None) -> int:
-    """Listen on ``address`` with TLS when configured; the bound port (0: could not bind)."""
-    credentials = (security or current()).server_credentials()
+def bind(server: grpc.aio.Server, address: str, security: Security | None = None, public: bool = False) -> int:
+    """Listen on ``address`` with TLS when configured; the bound port (0: could not bind).
+    ``public``: a port outside clients call (see :meth:`Security.client_ca`)."""
+    credentials = (security or current()).server_credentials(public)
     if credentials is None:
         return server.add_insecure_port(address)
     return server.add_secure_port(address, credentials)

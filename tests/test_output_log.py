@@ -347,7 +347,7 @@ def test_one_api_key_cannot_lock_the_others_out_of_the_session_log(monkeypatch):
             request = pb.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3], sampling=sampling)
             tokens = 0
             try:
-                async for piece in front.stream(request, {}, authorization=f"Bearer {key}"):
+                async for piece in front.stream(request, {}, key=front.authenticate(f"Bearer {key}")):
                     tokens += len(piece.token_ids)
                 return tokens, "OK", ""
             except SpecdecError as exc:

@@ -472,7 +472,7 @@ def test_fuzz_constraints(constrained_stack):
     client = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(constrained_stack.coordinator_address))
     seen: dict[str, int] = {}
 
-    @settings(CASES, max_examples=48)
+    @settings(CASES, max_examples=100)
     @given(req=constraint_request())
     def case(req):
         try:

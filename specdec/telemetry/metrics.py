@@ -35,7 +35,8 @@ Draft and target:
   specdec_batch_prefill_rows_total                 prefill rows fed (chunked prefill)
   specdec_iterations_total                         batched passes run
   specdec_queue_wait_seconds                       histogram: submission to first pass of a work
-  specdec_grammar_compiles, specdec_grammar_cache_hits, specdec_grammar_compile_seconds
+  specdec_grammar_compiles, specdec_grammar_cache_hits, specdec_grammar_compile_seconds,
+  specdec_grammar_cache_bytes, specdec_grammar_refusals
                                                    structured-output constraints compiled, served
                                                    from the compile cache, and the seconds spent
                                                    compiling, since start (only grow)
@@ -169,6 +170,14 @@ GRAMMAR_CACHE_HITS = Gauge(
 GRAMMAR_COMPILE_SECONDS = Gauge(
     "specdec_grammar_compile_seconds", "Seconds spent compiling constraints since start (only grows)", registry=REGISTRY
 )
+GRAMMAR_CACHE_BYTES = Gauge(
+    "specdec_grammar_cache_bytes", "Estimated bytes of the compiled constraints cached", registry=REGISTRY
+)
+GRAMMAR_REFUSALS = Gauge(
+    "specdec_grammar_refusals",
+    "Constraints refused again from memory, without a compile, since start (only grows)",
+    registry=REGISTRY,
+)
 PREFIX_CACHE_HIT_TOKENS = Gauge(
     "specdec_prefix_cache_hit_tokens",
     "Prompt positions copied from the prefix cache instead of computed, since start (only grows)",
@@ -261,6 +270,8 @@ def watch_engine(engine) -> None:
     GRAMMAR_COMPILES.set_function(lambda: engine.stats().get("grammar_compiles", 0))
     GRAMMAR_CACHE_HITS.set_function(lambda: engine.stats().get("grammar_cache_hits", 0))
     GRAMMAR_COMPILE_SECONDS.set_function(lambda: engine.stats().get("grammar_compile_seconds", 0.0))
+    GRAMMAR_CACHE_BYTES.set_function(lambda: engine.stats().get("grammar_cache_bytes", 0))
+    GRAMMAR_REFUSALS.set_function(lambda: engine.stats().get("grammar_refusals", 0))
 
 
 @contextmanager

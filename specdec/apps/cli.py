@@ -10,8 +10,9 @@ import sys
 import time
 
 from coordinator.config import PIPELINING
+from specdec.apps.supervision import RestartPolicy
 from specdec.loop.reproducible import SEEDED_SAMPLING
-from specdec.runtime.flags import cpu_list, cpu_set, non_negative_int, positive_int
+from specdec.runtime.flags import cpu_list, cpu_set, non_negative_int, positive_float, positive_int
 
 # `specdec serve` / `run`'s default k: the best k of the held-out CPU bench with the shipped draft
 # (docs/performance.md); the load-aware policy chooses each step's k in 0..k.
@@ -113,6 +114,7 @@ def cmd_run(args) -> int:
         extra_target=_device_flags(args, "target"),
         extra_draft=_device_flags(args, "draft"),
         coordinator_cpus=getattr(args, "coordinator_cpus", None),
+        restarts=restart_policy(args),
     ) as stack:
         if args.seed is None:  # one seeded request throughout: every run and stream of it has the same tokens
             args.seed = secrets.randbits(63)
@@ -221,6 +223,7 @@ def cmd_serve(args) -> int:
         draft_replicas=args.draft_replicas,
         target_replicas=args.target_replicas,
         http_port=args.http_port,
+        restarts=restart_policy(args),
     ) as stack:
         from specdec.runtime.security import redacted  # here: `specdec distill` must not import grpc
 
@@ -236,9 +239,9 @@ def cmd_serve(args) -> int:
         )
         try:
             while not stop.wait(1.0):
-                dead = stack.any_exited()
-                if dead is not None:
-                    print(f"specdec: {dead.name} exited (code {dead.process.returncode}); stopping", file=sys.stderr)
+                failure = stack.failure()  # the supervisor restarts what it can; this it could not
+                if failure is not None:
+                    print(f"specdec: {failure}; stopping", file=sys.stderr)
                     return 1
         except KeyboardInterrupt:
             pass
@@ -305,6 +308,37 @@ def add_cpu_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def restart_policy(args) -> RestartPolicy:
+    return RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
+
+
+def add_restart_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group(
+        "supervision",
+        "A draft or target replica, or the embedded redis-server, that exits is started again (same address, "
+        f"same model) after a backoff of {RestartPolicy.first_delay_s:g} s, doubling with each exit within the "
+        f"window up to {RestartPolicy.max_delay_s:g} s; one that exits more than --max-restarts times within "
+        "--restart-window is given up on. The stack serves on "
+        "without a draft or one of several targets; without its last target, Redis or the coordinator it "
+        "stops (docs/operations.md, 'Supervision').",
+    )
+    group.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        metavar="N",
+        default=RestartPolicy.max_restarts,
+        help=f"restarts of one process within --restart-window before giving up on it (default "
+        f"{RestartPolicy.max_restarts}; 0 = never restart)",
+    )
+    group.add_argument(
+        "--restart-window",
+        type=positive_float,
+        default=RestartPolicy.window_s,
+        metavar="SECONDS",
+        help=f"how far back exits count (default {RestartPolicy.window_s:g})",
+    )
+
+
 def _policy_flags(args) -> list[str]:
     flags = ["--fixed-k"] if args.fixed_k else []
     flags += ["--pipeline-drafts", args.pipeline_drafts] if getattr(args, "pipeline_drafts", None) else []
@@ -357,6 +391,7 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
         "(greedy output under load may then differ from one stream's; docs/batching.md, 'Backends')",
     )
     add_cpu_flags(p)
+    add_restart_flags(p)
     p.add_argument(
         "--pipeline-drafts",
         nargs="?",

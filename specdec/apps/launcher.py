@@ -3,11 +3,14 @@
 Starts the target service, the draft service and the coordinator (which starts or joins Ray),
 each as its own process running the same ``specdec`` CLI, waits until each answers the standard
 gRPC health check, and stops them all (SIGTERM, then SIGKILL after a grace period) on exit.
+Given a restart policy, it supervises them meanwhile (specdec.apps.supervision): a replica or
+the embedded Redis that exits is started again the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -20,11 +23,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
+from specdec.apps.supervision import RestartPolicy, Supervised, Supervisor, describe_exit
 from specdec.engine.memory import DEFAULT_KV_FRACTION
 from specdec.errors import SpecdecError
 from specdec.modeling.loading import default_draft_for, resolve
 from specdec.runtime import security
-from specdec.runtime.grpc_server import wait_for_health
+from specdec.runtime.grpc_server import sync_channel, wait_for_health
+from specdec.runtime.redis_embedded import EmbeddedRedis
 
 
 class StackError(SpecdecError):
@@ -59,11 +66,103 @@ def specdec_command() -> list[str]:
     return [sys.executable, "-m", "specdec"]
 
 
+def spawn(argv: list[str], env: dict | None, log: Path | None, cpus: set[int] | None) -> subprocess.Popen:
+    """Start ``argv`` in a process group of its own (so it and whatever it starts can be stopped
+    together), its output appended to ``log`` (None: this process's); ``cpus``: it, and every
+    process it starts, runs on those CPUs."""
+    out = None
+    if log:
+        log.parent.mkdir(parents=True, exist_ok=True)  # --log-dir names a folder that may not exist yet
+        out = open(log, "ab")  # noqa: SIM115 - closed below, once the child holds its own copy
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdout=out or None,
+            stderr=subprocess.STDOUT if out else None,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    finally:
+        if out:
+            out.close()
+    if cpus:  # before it starts a thread or a process (Ray's): they inherit it
+        os.sched_setaffinity(process.pid, cpus)
+    return process
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL ``process`` and everything left in its group (a dead target's ranks, say)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def serving(address: str, timeout: float = 1.0) -> bool:
+    """One health check of ``address`` (blocking, at most ``timeout`` s): SERVING or not."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with sync_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 @dataclass
 class Child:
+    """A process of the stack, and how to start it again (the supervisor's restarts)."""
+
     name: str
     address: str
     process: subprocess.Popen
+    argv: list[str] = field(default_factory=list)
+    env: dict | None = None
+    log: Path | None = None
+    cpus: set[int] | None = None
+
+    @property
+    def kind(self) -> str:
+        """draft / target / coordinator: what the name says (draft-1, target-spare2)."""
+        return self.name.split("-", 1)[0]
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def relaunch(self) -> None:
+        self.process = spawn(self.argv, self.env, self.log, self.cpus)
+
+    def ready(self) -> bool:
+        return serving(self.address)
+
+    def kill(self) -> None:
+        kill_group(self.process)
+
+
+@dataclass
+class RedisChild:
+    """The embedded redis-server as a supervised process (same port, same append-only data)."""
+
+    redis: EmbeddedRedis
+    name: str = "redis"
+    kind: str = "redis"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.redis.port}"
+
+    def exit_code(self) -> int | None:
+        return self.redis.process.poll() if self.redis.process else None  # None: stopped by the stack
+
+    def relaunch(self) -> None:
+        self.redis.launch()
+
+    def ready(self) -> bool:
+        return self.redis.answers()
+
+    def kill(self) -> None:
+        if self.redis.process:
+            kill_group(self.redis.process)
 
 
 @dataclass
@@ -72,7 +171,7 @@ class Stack:
     coordinator_address: str = ""
     http_url: str = ""  # the OpenAI-compatible HTTP API, http://HOST:PORT (empty: off)
     redis_url: str = ""
-    embedded_redis: object = None
+    embedded_redis: EmbeddedRedis | None = None
     host: str = "127.0.0.1"
     log_dir: Path | None = None
     env: dict = field(default_factory=dict)
@@ -81,6 +180,9 @@ class Stack:
     target_model: str | None = None
     extra_target: list = field(default_factory=list)
     kv_sharers: int = 1  # replicas with a KV pool on this host: they split the default share of memory
+    supervisor: Supervisor | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the supervisor's: see Supervisor
+    _redis_children: list[RedisChild] = field(default_factory=list)
 
     def start_replica(self, kind: str, model: str, extra: list[str], name: str) -> Child:
         """Start one draft/target replica registered in the stack's Redis (not waited for)."""
@@ -128,22 +230,11 @@ class Stack:
         cpus: set[int] | None = None,
     ) -> Child:
         """Start a child process; ``cpus``: run it, and every process it starts, on those CPUs."""
-        out = None
-        if log_dir:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)  # --log-dir names a folder that may not exist yet
-            out = open(Path(log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - the child writes it all its life
+        log = Path(log_dir) / f"{name}.log" if log_dir else None
+        argv = specdec_command() + args
         with _signals_deferred():  # a child started but not recorded could never be stopped
-            process = subprocess.Popen(
-                specdec_command() + args,
-                stdout=out or None,
-                stderr=subprocess.STDOUT if out else None,
-                env={**os.environ, **(env or {})},
-                start_new_session=True,
-            )
-            child = Child(name, address, process)
+            child = Child(name, address, spawn(argv, env, log, cpus), argv, env, log, cpus)
             self.children.append(child)
-        if cpus:  # before it starts a thread or a process (Ray's): they inherit it
-            os.sched_setaffinity(process.pid, cpus)
         return child
 
     def wait_healthy(self, child: Child, timeout: float, log: Path | None = None) -> None:
@@ -163,7 +254,25 @@ class Stack:
                 return
         raise StackError(f"the {child.name} service at {child.address} is not SERVING after {timeout:.0f}s")
 
+    def supervise(self, policy: RestartPolicy) -> None:
+        """Restart what exits, as ``policy`` says, until stop() (specdec.apps.supervision)."""
+        self._redis_children = [RedisChild(self.embedded_redis)] if self.embedded_redis else []
+        self.supervisor = Supervisor(self._supervised, policy, _say, self.lock).start()
+
+    def _supervised(self) -> list[Supervised]:
+        return [*self._redis_children, *self.children]
+
+    def failure(self) -> str | None:
+        """Why the stack can no longer serve (None: it can). Supervised: what the supervisor gave
+        up on; otherwise the first process that exited."""
+        if self.supervisor is not None:
+            return self.supervisor.failure
+        dead = self.any_exited()
+        return f"{dead.name} exited ({describe_exit(dead.process.returncode)})" if dead else None
+
     def stop(self, grace: float = 15.0) -> None:
+        if self.supervisor is not None:  # first: nothing is restarted while it stops
+            self.supervisor.stop()
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
@@ -173,8 +282,7 @@ class Stack:
             try:
                 child.process.wait(remaining)
             except subprocess.TimeoutExpired:
-                os.killpg(child.process.pid, signal.SIGKILL)
-                child.process.wait()
+                kill_group(child.process)
 
     def any_exited(self) -> Child | None:
         return next((c for c in self.children if c.process.poll() is not None), None)
@@ -233,6 +341,7 @@ def local_stack(
     http_port: int | None = None,
     redis_maxmemory: str | None = None,
     coordinator_cpus: set[int] | None = None,
+    restarts: RestartPolicy | None = None,
 ) -> Iterator[Stack]:
     """Bring the stack up (yields it once the coordinator is SERVING); always tear it down.
 
@@ -240,9 +349,13 @@ def local_stack(
 
     Redis: ``redis_url``, else REDIS_URL, else an embedded redis-server started here, bounded by
     ``redis_maxmemory`` (default DEFAULT_MAXMEMORY). ``coordinator_cpus``: the coordinator and
-    its Ray processes run on those CPUs only (the replicas' own: their ``--cpus`` flag)."""
+    its Ray processes run on those CPUs only (the replicas' own: their ``--cpus`` flag).
+
+    ``restarts``: supervise the stack while it is up (a replica or the embedded Redis that exits
+    is started again, as the policy says; ``Stack.failure()`` says when it cannot serve any more);
+    None: a process that exits stays down."""
     from specdec.runtime.flags import check_cpus_available
-    from specdec.runtime.redis_embedded import DEFAULT_MAXMEMORY, EmbeddedRedis
+    from specdec.runtime.redis_embedded import DEFAULT_MAXMEMORY
 
     if coordinator_cpus:  # before any process starts
         check_cpus_available(coordinator_cpus, "--coordinator-cpus")
@@ -308,6 +421,8 @@ def local_stack(
         stack.coordinator_address = coord_addr
         stack.http_url = f"http://{host}:{http_port}" if http_port else ""
         _say(f"coordinator is SERVING on {coord_addr}" + (f", HTTP API on {stack.http_url}/v1" if http_port else ""))
+        if restarts is not None:
+            stack.supervise(restarts)
         yield stack
     finally:
         stack.stop()

@@ -29,6 +29,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def cpu_set(text: str) -> set[int]:
     """A list of CPU numbers as Linux writes them: 0, 0-3, 0,2,4-5."""
     cpus: set[int] = set()

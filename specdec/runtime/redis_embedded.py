@@ -67,6 +67,18 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 15.0) -> EmbeddedRedis:
+        self.launch()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self.data_dir}/redis.log")
+            if self.answers():
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"redis-server did not answer on port {self.port}")
+
+    def launch(self) -> None:
+        """Start redis-server on this port with this data (its append-only file); do not wait."""
         args = [
             redis_server_binary(),
             "--port",
@@ -94,19 +106,15 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}; see {self.data_dir}/redis.log")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"redis-server did not answer on port {self.port}")
+
+    def answers(self) -> bool:
+        """One PING (half a second at most): does it serve?"""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
 
     def stop(self, keep_data: bool = False) -> None:
         if self.process and self.process.poll() is None:

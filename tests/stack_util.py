@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
+from collections.abc import Callable
 
 import grpc
 
@@ -159,3 +161,62 @@ def http_api_alone(keys=None, tls=None):
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
+
+
+# -- the fault suites' streams (tests/test_faults.py, tests/test_supervision.py) ------------------
+RETRYABLE = frozenset({"UNAVAILABLE", "ABORTED"})  # what a client resumes after
+
+
+def save_fault_pair(root):
+    """The fault suites' tiny pair (vocabulary 32, 4,096 positions: room for their long
+    streams), saved under ``root``. -> (target, draft) folders."""
+    return save_tiny_pair(
+        root, 32, seed=41, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=4096
+    )
+
+
+def long_greedy(tokens: int, rid: str = "", resume_from_index: int = 0) -> pb.GenerateRequest:
+    """A greedy request of exactly ``tokens`` tokens (ignore_eos) at k = 2 every step: long
+    enough for a fault to land mid-stream, its tokens fixed by the prompt alone."""
+    return request(
+        [3, 1, 4, 1],
+        k=2,
+        adaptive=False,
+        temperature=0.0,
+        max_new_tokens=tokens,
+        ignore_eos=True,
+        request_id=rid,
+        resume_from_index=resume_from_index,
+    )
+
+
+def stream_resuming(
+    address: str,
+    rid: str,
+    tokens_wanted: int,
+    on_first: Callable[[], None] | None = None,
+    patience: float = 240.0,
+    keep_trying: Callable[[], bool] = lambda: True,
+) -> tuple[list[int], list[str]]:
+    """Stream request ``rid`` (:func:`long_greedy`), calling ``on_first`` once after its first
+    tokens; after a retryable status, resume from the tokens received so far, for up to
+    ``patience`` seconds (a killed process is back once its restart has loaded the model) and
+    while ``keep_trying()``. Stops at a status that is not retryable. -> (tokens, "CODE: details"
+    of each status seen)."""
+    tokens: list[int] = []
+    errors: list[str] = []
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            for chunk in stub(address).GenerateStream(long_greedy(tokens_wanted, rid, len(tokens)), timeout=300):
+                tokens.extend(chunk.token_ids)
+                if on_first is not None and tokens:
+                    on_first()
+                    on_first = None
+            break
+        except grpc.RpcError as exc:
+            errors.append(f"{exc.code().name}: {exc.details()}")
+            if exc.code().name not in RETRYABLE or not keep_trying():
+                break
+            time.sleep(0.5)
+    return tokens, errors

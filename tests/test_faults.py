@@ -18,10 +18,9 @@ import subprocess
 import threading
 import time
 
-import grpc
 import psutil
 import pytest
-from stack_util import live_sessions, request, save_tiny_pair, stub
+from stack_util import RETRYABLE, live_sessions, long_greedy, save_fault_pair, stream_resuming, stub
 
 from specdec.apps.launcher import local_stack
 
@@ -29,21 +28,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LONG = 1500  # tokens: a few seconds of steps, so the fault lands mid-stream
 SESSION_TTL = 8  # seconds: what a dead or fenced run leaves behind is freed after this
-RETRYABLE = {"UNAVAILABLE", "ABORTED"}
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    target, draft = save_tiny_pair(
-        tmp_path_factory.mktemp("fault-models"),
-        32,
-        seed=41,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_positions=4096,
-    )
+    target, draft = save_fault_pair(tmp_path_factory.mktemp("fault-models"))
     ttl = ["--threads", "1", "--session-ttl", str(SESSION_TTL)]
     with local_stack(
         target,
@@ -61,48 +50,26 @@ def child(stack, name: str):
     return next(c for c in stack.children if c.name == name)
 
 
-def greedy(rid: str = "", resume_from_index: int = 0):
-    return request(
-        [3, 1, 4, 1],
-        k=2,
-        adaptive=False,
-        temperature=0.0,
-        max_new_tokens=LONG,
-        ignore_eos=True,
-        request_id=rid,
-        resume_from_index=resume_from_index,
-    )
-
-
 @pytest.fixture(scope="module")
 def undisturbed(stack):
-    return list(stub(stack.coordinator_address).Generate(greedy(), timeout=300).token_ids)
+    return list(stub(stack.coordinator_address).Generate(long_greedy(LONG), timeout=300).token_ids)
 
 
-def stream_resuming(stack, rid: str, fault, patience: float = 240.0) -> tuple[list[int], list[str]]:
-    """Stream request ``rid``; ``fault`` runs (in a thread) after the first chunk; each retryable
-    error is followed by a resume from the tokens received so far, for up to ``patience`` seconds
-    (a killed replica is back once its restart has loaded the model: on a busy CI machine that
-    took longer than 20 retries). (tokens, errors seen)."""
-    tokens: list[int] = []
-    errors: list[str] = []
-    started: threading.Thread | None = None
-    deadline = time.monotonic() + patience
-    while time.monotonic() < deadline:
-        try:
-            for chunk in stub(stack.coordinator_address).GenerateStream(greedy(rid, len(tokens)), timeout=300):
-                tokens.extend(chunk.token_ids)
-                if started is None and tokens:
-                    started = threading.Thread(target=fault)
-                    started.start()
-            break
-        except grpc.RpcError as exc:
-            errors.append(exc.code().name)
-            assert exc.code().name in RETRYABLE, (exc.code().name, exc.details())
-            time.sleep(0.5)
-    if started is not None:
-        started.join(60)
-    return tokens, errors
+def stream_with_a_fault(stack, rid: str, fault) -> tuple[list[int], list[str]]:
+    """Stream request ``rid``, ``fault`` running (in a thread) after its first chunk, resuming
+    after each retryable status (a killed replica is back once its restart has loaded the
+    model: on a busy CI machine that took longer than 20 retries). (tokens, statuses seen)."""
+    started: list[threading.Thread] = []
+
+    def start_fault() -> None:
+        started.append(threading.Thread(target=fault))
+        started[0].start()
+
+    tokens, errors = stream_resuming(stack.coordinator_address, rid, LONG, on_first=start_fault)
+    for thread in started:
+        thread.join(60)
+    assert all(e.split(":")[0] in RETRYABLE for e in errors), errors
+    return tokens, [e.split(":")[0] for e in errors]
 
 
 def pause(pid: int, seconds: float):
@@ -180,7 +147,7 @@ FAULTS = {
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_fault_mid_stream_changes_no_token(stack, undisturbed, fault):
     rid = f"fault-{fault.replace(' ', '-')}-{time.monotonic_ns()}"
-    tokens, errors = stream_resuming(stack, rid, FAULTS[fault](stack))
+    tokens, errors = stream_with_a_fault(stack, rid, FAULTS[fault](stack))
     print(f"{fault}: statuses before the stream completed {errors}")  # for the record (pytest -s)
     assert tokens == undisturbed, (fault, errors, len(tokens))
     if fault in ("draft paused", "draft killed", "target paused"):

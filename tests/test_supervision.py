@@ -20,17 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import psutil
 import pytest
-from stack_util import info, request, save_tiny_pair, stub
+from stack_util import info, long_greedy, save_fault_pair, stream_resuming, stub
 
 from specdec.apps.launcher import Child, Stack, free_port, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LONG = 800  # tokens: seconds of steps, so the kill lands mid-stream
-RETRYABLE = {"UNAVAILABLE", "ABORTED"}
 # Restarts of one process within the window before the launcher gives up on it: the kills of the
 # shared stack stay below it (one of each process).
 MAX_RESTARTS = 2
@@ -141,46 +139,6 @@ def restarted_replica(serve: Serve, name: str, old: psutil.Process, address: str
     return wait_for(back, 180, f"{name} restarted on {address}")
 
 
-def greedy(rid: str = "", resume_from_index: int = 0, max_new_tokens: int = LONG):
-    return request(
-        [3, 1, 4, 1],
-        k=2,
-        adaptive=False,
-        temperature=0.0,
-        max_new_tokens=max_new_tokens,
-        ignore_eos=True,
-        request_id=rid,
-        resume_from_index=resume_from_index,
-    )
-
-
-def stream_resuming(
-    serve: Serve, rid: str, on_first=None, tokens_wanted: int = LONG, patience: float = 240.0
-) -> tuple[list[int], list[str]]:
-    """Stream request ``rid``, calling ``on_first`` after the first chunk; after a retryable
-    status, resume from the tokens received so far (for up to ``patience`` seconds: a killed
-    process is back once its restart has loaded). Stops at a status that is not retryable or
-    once `specdec serve` has exited. -> (tokens, statuses seen)."""
-    tokens: list[int] = []
-    errors: list[str] = []
-    deadline = time.monotonic() + patience
-    while time.monotonic() < deadline:
-        try:
-            call = stub(serve.address).GenerateStream(greedy(rid, len(tokens), tokens_wanted), timeout=300)
-            for chunk in call:
-                tokens.extend(chunk.token_ids)
-                if on_first is not None and tokens:
-                    on_first()
-                    on_first = None
-            break
-        except grpc.RpcError as exc:
-            errors.append(f"{exc.code().name}: {exc.details()}")
-            if exc.code().name not in RETRYABLE or not serve.running():
-                break
-            time.sleep(0.5)
-    return tokens, errors
-
-
 def concurrent_streams(
     serve: Serve, label: str, streams: int, fault, tokens_wanted: int = LONG
 ) -> list[tuple[list[int], list[str]]]:
@@ -190,7 +148,9 @@ def concurrent_streams(
     rid = f"{label}-{time.monotonic_ns()}"
 
     def one(i: int) -> None:
-        results[i] = stream_resuming(serve, f"{rid}-{i}", on_first=started[i].set, tokens_wanted=tokens_wanted)
+        results[i] = stream_resuming(
+            serve.address, f"{rid}-{i}", tokens_wanted, on_first=started[i].set, keep_trying=serve.running
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
     for thread in threads:
@@ -213,16 +173,7 @@ def one_restart_line(serve: Serve, name: str) -> str:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return save_tiny_pair(
-        tmp_path_factory.mktemp("supervision-models"),
-        32,
-        seed=41,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_positions=4096,
-    )
+    return save_fault_pair(tmp_path_factory.mktemp("supervision-models"))
 
 
 @pytest.fixture(scope="module")
@@ -238,11 +189,11 @@ def serve(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def undisturbed(serve):
-    return list(stub(serve.address).Generate(greedy(), timeout=300).token_ids)
+    return list(stub(serve.address).Generate(long_greedy(LONG), timeout=300).token_ids)
 
 
 def a_new_request_succeeds(serve: Serve, undisturbed: list[int]) -> None:
-    answer = stub(serve.address).Generate(greedy(max_new_tokens=64), timeout=120)
+    answer = stub(serve.address).Generate(long_greedy(64), timeout=120)
     assert list(answer.token_ids) == undisturbed[:64]
 
 
@@ -323,7 +274,7 @@ def test_one_that_keeps_exiting_is_given_up_on_and_only_the_last_target_stops_th
         replica(serve, "draft-0").send_signal(signal.SIGKILL)
         wait_for(lambda: "giving up on draft-0" in serve.output(), 180, "the launcher to give up on draft-0")
         assert serve.running(), serve.output()[-3000:]  # a draft is an optimization: the stack serves on
-        undisturbed = list(stub(serve.address).Generate(greedy(max_new_tokens=64), timeout=120).token_ids)
+        undisturbed = list(stub(serve.address).Generate(long_greedy(64), timeout=120).token_ids)
         assert len(undisturbed) == 64
 
         Path(target, "model.safetensors").unlink()

@@ -259,6 +259,13 @@ def _check_whole_answer(requests: list[coordinator_pb2.GenerateRequest]) -> None
         )
 
 
+def health_response(front: CoordinatorFront) -> Response:
+    """GET /health: 200 while the front can serve (Redis and a target answer), else 503 and why."""
+    if front.serving:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unavailable", "reason": front.not_serving_because}, status_code=503)
+
+
 def sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
@@ -299,9 +306,7 @@ class OpenAIApp:
         return error_response(HttpError(404, "not_found_error", f"no route {request.method} {path}"))
 
     async def health(self) -> Response:
-        if self.front.serving:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "reason": self.front.not_serving_because}, status_code=503)
+        return health_response(self.front)
 
     async def models(self, request: Request) -> Response:
         try:

@@ -20,7 +20,9 @@ ingress:
 The args are the settings of ``specdec coordinator`` (its flags without the dashes); REDIS_URL
 comes from the environment. The standard ``grpc.health.v1.Health/Check`` on the public port is
 answered by the deployment itself (Serve routes it like any method): NOT_SERVING until the
-request path has found a target, as on the grpc.aio front, and never blocking a probe. Errors are
+request path has found a target, as on the grpc.aio front, and never blocking a probe; so is the
+HTTP API's GET /health (503 meanwhile). Neither is a Kubernetes probe of the head pod: KubeRay
+deploys this application only once the head is Ready (deploy/README.md, "Probes"). Errors are
 returned with their status code and message (``set_code``/``set_details`` before raising: Serve
 then sends that code and those details, never the Ray traceback).
 """
@@ -38,6 +40,10 @@ from coordinator import api_keys, settings
 from coordinator.front import CoordinatorFront, LocalBackend, authorization_of, trace_headers
 from specdec.runtime.grpc_server import failure_status
 from specdec.telemetry import metrics, tracing
+
+# How long a health check (gRPC Check, HTTP GET /health) waits for the front's start before it
+# answers from what is known: a probe never blocks.
+HEALTH_WAIT_S = 0.5
 
 
 def serve_config(values: dict[str, Any]) -> settings.CoordinatorConfig:
@@ -103,13 +109,23 @@ class CoordinatorDeployment:
             _fail(grpc_context, exc, "GenerateStream")
             raise
 
+    async def _settle(self) -> None:
+        """The front's start begun (or seen through) for at most HEALTH_WAIT_S: a health check
+        answers from what is known now, never after the start's own wait for a target."""
+        starting = self._start()
+        with contextlib.suppress(asyncio.TimeoutError, Exception):  # not ready (or failed): NOT_SERVING now
+            await asyncio.wait_for(asyncio.shield(starting), timeout=HEALTH_WAIT_S)
+
     async def __call__(self, request):
         """Serve's HTTP proxy: the OpenAI-compatible HTTP API (coordinator.http_api) on the
         same front as the gRPC methods."""
         from prometheus_client import generate_latest
 
-        from coordinator.http_api import OpenAIApp, error_response
+        from coordinator.http_api import OpenAIApp, error_response, health_response
 
+        if request.method == "GET" and request.url.path.strip("/") == "health":
+            await self._settle()  # as Check: 503 at once while no target or Redis answers
+            return health_response(self.front)
         try:
             await self._start()
         except Exception as exc:  # noqa: BLE001 - no target yet: 503, not a traceback
@@ -119,9 +135,7 @@ class CoordinatorDeployment:
         return await self._http.dispatch(request)
 
     async def Check(self, request, grpc_context=None):
-        starting = self._start()
-        with contextlib.suppress(asyncio.TimeoutError, Exception):  # not ready (or failed): NOT_SERVING now
-            await asyncio.wait_for(asyncio.shield(starting), timeout=0.5)
+        await self._settle()
         ready = self.front.serving
         return health_pb2.HealthCheckResponse(
             status=health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -218,7 +218,9 @@ def add_replica_arguments(p) -> None:
         type=int,
         default=0,
         help="also answer the standard gRPC health check, alone and in plaintext, on this port: kubelet's gRPC "
-        "probes speak no TLS (0 = off; the service port answers it too)",
+        "probes speak no TLS (0 = off; the service port answers it too). Readiness is the service '' (able to "
+        f"take sessions: not while draining or while passes fail), liveness the service '{srv.LIVENESS_SERVICE}' "
+        "(the process: not while passes fail)",
     )
     p.add_argument(
         "--max-batch-tokens",
@@ -399,8 +401,11 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
     if spec.batch is not None:
 
         async def loop_health(serving: bool, reason: str) -> None:
+            # The iteration loop is this process's own: while it cannot run passes the replica is
+            # neither ready nor live (no new session reaches it, so only a restart recovers it).
             spec.servicer.unhealthy = "" if serving else reason
             await srv.set_serving(health, [spec.full_service_name], serving)
+            await srv.set_live(health, serving)
 
         spec.servicer.batching = IterationLoop(spec.batch, spec.batch_gather_ms / 1000, on_health=loop_health)
     await server.start()
@@ -414,6 +419,7 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
     metrics.watch_engine(spec.engine)
     metrics.serve_metrics(spec.metrics_port, spec.host)
     await srv.set_serving(health, [spec.full_service_name], True)
+    await srv.set_live(health, True)
     how = ("mutual TLS" if settings.ca else "TLS") if settings.server_tls else "plaintext"
     how += ", token required" if settings.token else ""
     print(f"[specdec] {spec.name} service SERVING on {spec.host}:{bound} ({how})", file=sys.stderr, flush=True)
@@ -438,8 +444,11 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
         )
 
     async def drain() -> None:
-        # Refuse new sessions, tell the registry at once, let live sessions finish, deregister.
+        # Refuse new sessions, tell the registry and the readiness check at once, let live sessions
+        # finish, deregister. Liveness stays SERVING: the process is sound, and failing it now
+        # would have it killed with the sessions it is finishing.
         spec.servicer.draining = True
+        await srv.set_serving(health, [spec.full_service_name], False)
         if heartbeat is not None:
             with contextlib.suppress(Exception):  # the TTL will drop us anyway
                 await heartbeat.beat()
@@ -464,6 +473,7 @@ async def run(spec: ServiceSpec, on_ready: Callable[[], None] | None = None) -> 
         # A tensor-parallel peer rank died (SIGUSR1 from the supervisor): say so and leave now.
         log.error("the tensor-parallel group is broken: NOT_SERVING, deregistering, exiting")
         await srv.set_serving(health, [spec.full_service_name], False)
+        await srv.set_live(health, False)
         if heartbeat is not None:
             await heartbeat.stop(deregister=True)
         await asyncio.sleep(1.0)

@@ -111,12 +111,25 @@ def test_rayservice_structure(objects):
     assert rs["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
 
 
+# What KubeRay adds to the labels of the head pod it creates (ray-operator/controllers/ray/common/
+# pod.go: labelPod, BuildPod): ray.io/serve is "true" while the head's Serve proxy answers
+# KubeRay's health check (rayservice_controller.go: updateHeadPodServeLabel).
+KUBERAY_HEAD_LABELS = {"ray.io/node-type": "head", "ray.io/is-ray-node": "yes", "ray.io/serve": "true"}
+
+
+def pod_labels(objs, owner: str, template) -> dict:
+    """The labels a pod of ``template`` carries: the template's, and KubeRay's on the head."""
+    kuberay = any(o["kind"] == "RayService" and o["metadata"]["name"] == owner for o in objs)
+    return {**template["metadata"]["labels"], **(KUBERAY_HEAD_LABELS if kuberay else {})}
+
+
 def test_every_service_selects_a_pod_template(objects):
     _, objs = objects
     templates = [t for _, t in pod_templates(objs)]
+    labelled = [(pod_labels(objs, owner, t), t) for owner, t in pod_templates(objs)]
     for svc in (o for o in objs if o["kind"] == "Service"):
         selector = svc["spec"]["selector"]
-        matching = [t for t in templates if selector.items() <= t["metadata"]["labels"].items()]
+        matching = [t for labels, t in labelled if selector.items() <= labels.items()]
         assert matching, f"Service {svc['metadata']['name']} selects no pod template"
         named_ports = {
             p["name"]: p["containerPort"]
@@ -295,8 +308,9 @@ def test_dockerfile_structure():
 def test_pods_that_would_fail_or_go_unprotected(objects):
     """Issue 25, item 4: a writable HOME under every read-only root filesystem, a startup probe
     wherever a model loads, and the tensor-parallel target's /dev/shm in memory; in the production
-    (gpu) overlay every PDB protects something (minAvailable 1 over >= 2 replicas; the one Redis
-    and the one coordinator head are never evicted voluntarily)."""
+    (gpu) overlay the draft and target pools are protected one pod at a time (maxUnavailable 1 over
+    >= 2 replicas) and the single Redis and coordinator head have no PDB, which would block every
+    node drain (issue 63; tests/test_deploy_probes.py checks every budget)."""
     overlay, objs = objects
     for owner, template in pod_templates(objs):
         volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
@@ -319,8 +333,8 @@ def test_pods_that_would_fail_or_go_unprotected(objects):
         for o in objs
         if o["kind"] == "PodDisruptionBudget"
     }
-    assert set(pdbs) == {"draft", "target", "coordinator", "redis"}
-    assert all(spec.get("minAvailable") == 1 and "maxUnavailable" not in spec for spec in pdbs.values())
+    assert set(pdbs) == {"draft", "target"}
+    assert all(spec.get("maxUnavailable") == 1 and "minAvailable" not in spec for spec in pdbs.values())
     scaled = next(o for o in objs if o["kind"] == "ScaledObject")
     assert scaled["spec"]["minReplicaCount"] >= 2 and target["spec"]["replicas"] >= 2
 

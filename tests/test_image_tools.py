@@ -138,17 +138,36 @@ def test_the_dev_overlays_replicas_run_locally_with_their_manifest_settings(dev_
         image_stack.find(dev_objects, "Deployment", "specdec-nothing")
 
 
-def test_the_coordinator_runs_as_the_rayservice_head_and_its_serve_config(dev_objects):
-    import yaml
+def test_the_coordinator_runs_as_kuberay_starts_the_rayservice_head_and_its_serve_config(dev_objects):
+    """The head container as KubeRay writes it (tools/kuberay.py), every port it opens moved to a
+    free local one, loopback only; its env with KubeRay's additions and the token; serveConfigV2
+    on the moved Serve ports."""
+    import json
+    import shlex
+
+    import kuberay
 
     service = image_stack.find(dev_objects, "RayService", "specdec-coordinator")
-    args = image_stack.ray_start_args(service, 6400, 8300)
-    assert args[:3] == ["start", "--head", "--block"]
-    assert "--dashboard-host=127.0.0.1" in args and "--port=6400" in args and "--dashboard-port=8300" in args
-    assert "--num-cpus=2" in args  # the manifest's rayStartParams carried over
-    config = yaml.safe_load(image_stack.serve_config(service, 9500, 8500))
-    assert config["grpc_options"]["port"] == 9500
-    assert config["http_options"] == {"host": "127.0.0.1", "port": 8500}
+    ports = image_stack.head_ports(service)
+    assert {6379, 8265, 52365, 10001, 8080, 9000, 8000} == set(ports)  # what the head opens, Serve's included
+    assert len(set(ports.values())) == len(ports)
+    overrides = image_stack.head_overrides(service, ports)
+    command = kuberay.head_command(service, overrides)
+    assert command[:3] == ["/bin/bash", "-c", "--"]
+    ulimit, start = command[3].split("; ", 1)
+    assert ulimit.startswith("ulimit -n ")
+    argv = shlex.split(start)
+    assert argv[:4] == ["ray", "start", "--head", "--block"]
+    assert f"--port={ports[6379]}" in argv and f"--dashboard-port={ports[8265]}" in argv
+    assert f"--dashboard-agent-listen-port={ports[52365]}" in argv and "--dashboard-host=127.0.0.1" in argv
+    assert "--num-cpus=2" in argv and f"--memory={4 << 30}" in argv  # rayStartParams, and the limit
+    params = kuberay.head_start_params(service, overrides)
+    env = kuberay.head_env(service, {"HOME": "/tmp"}, params, "t0ken")
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"] == "t0ken"  # authOptions: token
+    assert env["RAY_ADDRESS"] == f"127.0.0.1:{ports[6379]}" and env["HOME"] == "/tmp"
+    config = json.loads(kuberay.serve_config_json(service, ports[9000], "127.0.0.1", ports[8000]))
+    assert config["grpc_options"]["port"] == ports[9000]
+    assert config["http_options"] == {"host": "127.0.0.1", "port": ports[8000]}
     (app,) = config["applications"]
     assert app["import_path"] == "coordinator.serve_app:build_app"
     redis = image_stack.main_container(image_stack.find(dev_objects, "StatefulSet", "specdec-redis"))

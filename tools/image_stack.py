@@ -5,9 +5,11 @@ starts, each in its own container of the built image with host networking on dis
 ports: Redis (the manifest's redis-server arguments, with the binary the image ships), one target,
 two drafts (the manifests' container arguments with Kubernetes' $(VAR) expansion over the
 ConfigMap, the pod's env and a fresh `specdec secrets` as each pod mounts it, so mutual TLS, the
-internal token, the Redis ACL users and the API keys are all on), and the coordinator as the
-RayService's head runs it (`ray start --head` with its rayStartParams, token authentication, then
-the RayService's serveConfigV2 deployed with `serve deploy`). Then it streams 8 greedy requests
+internal token, the Redis ACL users and the API keys are all on), and the coordinator as KubeRay
+starts the RayService's head (tools/kuberay.py: the command and environment KubeRay writes into
+the pod, token authentication on), its probes run as the kubelet runs them before any Serve
+exists -- the head must become Ready, as KubeRay waits for that before it deploys Serve -- then
+serveConfigV2 deployed as the operator deploys it. Then it streams 8 greedy requests
 undisturbed, streams them again and kills one draft container mid-stream, and checks that every
 stream of the second wave ends with the first wave's tokens, that the coordinator's /metrics
 counted both waves, and that traces behave without Jaeger: the services export OTLP to a local
@@ -29,6 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import kuberay
 import yaml
 from image import ROOT, ImageError, docker, ensure_daemon, free_port, image_exists, run, say, wait_serving
 
@@ -148,20 +151,53 @@ def first_api_key(api_keys: str) -> str:
     raise ImageError("the Secret's api-keys holds no key")
 
 
-def serve_config(service: dict, grpc_port: int, http_port: int) -> str:
-    """The RayService's serveConfigV2 on this stack's ports (Serve's gRPC and HTTP proxies)."""
-    config = yaml.safe_load(service["spec"]["serveConfigV2"])
-    config["grpc_options"]["port"] = grpc_port
-    config["http_options"] = {"host": LOOPBACK, "port": http_port}
-    return yaml.safe_dump(config, sort_keys=False)
+def head_ports(service: dict) -> dict[int, int]:
+    """The head's ports as the manifest has them (what `ray start --head` opens, Serve's proxies,
+    the front's metrics) -> a free local port each."""
+    params = kuberay.head_start_params(service)
+    serve = yaml.safe_load(service["spec"]["serveConfigV2"])
+    manifest = [
+        int(params.get("port", kuberay.DEFAULT_GCS_PORT)),
+        int(params.get("dashboard-port", kuberay.DEFAULT_DASHBOARD_PORT)),
+        int(params["dashboard-agent-listen-port"]),
+        int(params.get("ray-client-server-port", 10001)),
+        int(params["metrics-export-port"]),
+        serve["grpc_options"]["port"],
+        serve.get("http_options", {}).get("port", kuberay.DEFAULT_SERVE_PORT),
+    ]
+    return {port: free_port() for port in manifest}
 
 
-def ray_start_args(service: dict, gcs_port: int, dashboard_port: int) -> list[str]:
-    """`ray start --head` as KubeRay runs it from rayStartParams, on loopback ports."""
-    params = dict(service["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"])
-    params["dashboard-host"] = LOOPBACK
-    params.update({"port": str(gcs_port), "dashboard-port": str(dashboard_port)})
-    return ["start", "--head", "--block", *[f"--{k}={v}" for k, v in params.items()]]
+def head_overrides(service: dict, ports: dict[int, int]) -> dict[str, str]:
+    """The rayStartParams this stack changes: the ports (``head_ports``) and loopback only."""
+    params = kuberay.head_start_params(service)
+    moved = {
+        "port": kuberay.DEFAULT_GCS_PORT,
+        "dashboard-port": kuberay.DEFAULT_DASHBOARD_PORT,
+        "dashboard-agent-listen-port": kuberay.DEFAULT_AGENT_PORT,
+        "ray-client-server-port": 10001,
+        "metrics-export-port": kuberay.DEFAULT_METRICS_EXPORT_PORT,
+    }
+    overrides = {key: str(ports[int(params.get(key, default))]) for key, default in moved.items()}
+    return {**overrides, "dashboard-host": LOOPBACK}
+
+
+def head_ready_before_serve(service: dict, ports: dict[int, int], env: dict[str, str], budget_s: float) -> None:
+    """The kubelet's side: the head's probes (its own, KubeRay's injected ones where it has none)
+    until startup, readiness and liveness each pass -- with no Serve anywhere yet. A head that
+    never gets Ready is a deadlock on a cluster: KubeRay deploys Serve only once it is."""
+    container = kuberay.ray_container(service)
+    probes = kuberay.head_probes(service)
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        spec = probes[kind]
+
+        def attempt(spec: dict = spec) -> tuple[bool, str]:
+            return kuberay.probe(spec, container, LOOPBACK, ports, env)
+
+        ok, seen = kuberay.passes_within(spec, attempt, budget_s)
+        if not ok:
+            raise ImageError(f"before Serve, the head's {kind} never passed ({seen[-1]}): the pod would never be Ready")
+        say(f"the head's {kind} passes before Serve is deployed ({seen[-1]})")
 
 
 class Containers:
@@ -307,7 +343,7 @@ def cmd_stack(args) -> None:
     secret = yaml.safe_load(run([str(ROOT / ".venv" / "bin" / "specdec"), "secrets"], capture=True).stdout)
     secrets = secrets_dir(work / "secrets", secret)
     api_key = first_api_key(secrets["api-keys"])
-    ports = {name: free_port() for name in ("redis", "gcs", "dashboard", "grpc", "http", "coord_metrics")}
+    ports = {name: free_port() for name in ("redis", "coord_metrics")}  # the head's: head_ports
     collector, collector_server, otlp_port = start_collector()
     configmap = {
         **configmap,
@@ -354,42 +390,31 @@ def cmd_stack(args) -> None:
             files = pod_secrets_dir(work / f"secrets-{name}", obj, secrets)
             full = containers.start(name, container_args, env, [f"{files}:/etc/specdec:ro", models_mount])
             wait_ready(containers, full, f"{LOOPBACK}:{health}", args.timeout)
-        # the coordinator as the RayService's head: ray start, then serveConfigV2 through serve deploy
+        # the coordinator as KubeRay starts the RayService's head (tools/kuberay.py), probed before
+        # Serve exists, then serveConfigV2 deployed as the operator deploys it once the head is Ready
         head = main_container(service)
+        moved = head_ports(service)
+        overrides = head_overrides(service, moved)
         env = container_env(head, configmaps, secrets, LOOPBACK)
-        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets["auth-token"]}  # what KubeRay's authOptions sets
-        (work / "serve").mkdir()
-        (work / "serve" / "serve.yaml").write_text(serve_config(service, ports["grpc"], ports["http"]))
-        coord = containers.start(
-            "coordinator",
-            ray_start_args(service, ports["gcs"], ports["dashboard"]),
-            env,
-            [*mounts, f"{work / 'serve'}:/etc/specdec-serve:ro"],
-            entrypoint="ray",
-        )
-        deploy_env = [f"--env={k}={v}" for k, v in env.items() if k.startswith("RAY_")]
+        env = kuberay.head_env(service, env, kuberay.head_start_params(service, overrides), secrets["auth-token"])
+        command = kuberay.head_command(service, overrides)
+        coord = containers.start("coordinator", command[1:], env, mounts, entrypoint=command[0])
+        head_ready_before_serve(service, moved, env, args.timeout)
+        serve = yaml.safe_load(service["spec"]["serveConfigV2"])
+        grpc_port = moved[serve["grpc_options"]["port"]]
+        http_port = moved[serve.get("http_options", {}).get("port", kuberay.DEFAULT_SERVE_PORT)]
+        ports |= {"grpc": grpc_port, "http": http_port}
+        body = kuberay.serve_config_json(service, grpc_port, LOOPBACK, http_port)
+        dashboard = f"http://{LOOPBACK}:{overrides['dashboard-port']}"
         deadline = time.monotonic() + args.timeout
-        while True:  # the dashboard takes a while to accept deployments, as KubeRay's retries know
-            attempt = run(
-                [
-                    docker(),
-                    "exec",
-                    *deploy_env,
-                    coord,
-                    "serve",
-                    "deploy",
-                    "/etc/specdec-serve/serve.yaml",
-                    "--address",
-                    f"http://{LOOPBACK}:{ports['dashboard']}",
-                ],
-                check=False,
-                capture=True,
-            )
-            if attempt.returncode == 0:
-                break
-            if time.monotonic() > deadline or not containers.running(coord):
-                raise ImageError(f"serve deploy failed: {attempt.stderr[-1500:]}\n{containers.logs(coord, 30)}")
+        while not (deployed := kuberay.deploy_serve(dashboard, body, secrets["auth-token"]))[0]:
+            if time.monotonic() > deadline or not containers.running(coord):  # the operator retries meanwhile
+                raise ImageError(f"deploying serveConfigV2 failed: {deployed[1]}\n{containers.logs(coord, 30)}")
             time.sleep(3)
+        while not kuberay.serve_proxy_healthy(LOOPBACK, http_port):  # KubeRay's check: ray.io/serve=true
+            if time.monotonic() > deadline or not containers.running(coord):
+                raise ImageError(f"Serve's proxy never answered /-/healthz\n{containers.logs(coord, 30)}")
+            time.sleep(2)
         wait_ready(containers, coord, f"{LOOPBACK}:{ports['grpc']}", args.timeout)
         say(f"the stack is up in {time.monotonic() - started:.0f} s; wave 1: 8 streams, undisturbed")
         address = f"{LOOPBACK}:{ports['grpc']}"

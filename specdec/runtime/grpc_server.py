@@ -126,6 +126,12 @@ def create_server(max_receive_bytes: int | None = None, token: str | None = None
     return grpc.aio.server(interceptors=checks + tracing.server_interceptors(), options=options)
 
 
+# The health service name a process answers for its liveness alone (Kubernetes' gRPC liveness probe
+# asks it): SERVING while the process itself is sound, whatever it depends on. The standard ""
+# and the service's own name stay its readiness: able to serve now.
+LIVENESS_SERVICE = "liveness"
+
+
 def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Iterable[str]) -> health.aio.HealthServicer:
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -135,9 +141,16 @@ def add_health_and_reflection(server: grpc.aio.Server, service_full_names: Itera
 
 
 async def set_serving(servicer: health.aio.HealthServicer, service_full_names: Iterable[str], serving: bool) -> None:
+    """Readiness: "" and each of ``service_full_names`` (never LIVENESS_SERVICE)."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_full_names]:
         await servicer.set(name, status)
+
+
+async def set_live(servicer: health.aio.HealthServicer, live: bool) -> None:
+    """Liveness: LIVENESS_SERVICE alone."""
+    status = health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING
+    await servicer.set(LIVENESS_SERVICE, status)
 
 
 def client_channel(address: str, settings: security.Security | None = None) -> grpc.aio.Channel:

@@ -352,6 +352,8 @@ def test_the_head_as_kuberay_starts_it_is_ready_before_serve_and_serve_follows()
     own = image_stack.container_env(container, {"specdec-config": configmap}, secrets, "127.0.0.1")
     token = secrets["auth-token"]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **kuberay.head_env(service, own, params, token)}
+    # the image has its venv first on PATH (the head's `ray start` and the probes' commands); here, this venv
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     probes = kuberay.head_probes(service)
     host = "127.0.0.1"
 
